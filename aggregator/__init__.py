@@ -1,0 +1,1 @@
+"""gpuwarden aggregator: ingests the fleet's reports, decides which nodes and links are unhealthy."""
