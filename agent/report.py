@@ -24,9 +24,7 @@ SCHEMA_ID: Final = "gpuwarden/report/v1"
 
 # Constrained scalar types, named after the schema's $defs.
 Count = Annotated[int, Meta(ge=0)]
-NodeName = Annotated[
-    str, Meta(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-]
+NodeName = Annotated[str, Meta(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")]
 
 
 Str32 = Annotated[str, Meta(max_length=32)]
@@ -42,7 +40,7 @@ class _Base(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tru
     """Reports are values: built once, never changed in place (like client_python's samples)."""
 
 
-class NvLink(_Base):
+class NvLink(_Base, frozen=True):
     link: Annotated[int, Meta(ge=0, le=31)]
     active: bool | None = None
     crc_flit_errors_total: Count | None = None
@@ -51,7 +49,7 @@ class NvLink(_Base):
     recovery_errors_total: Count | None = None
 
 
-class Gpu(_Base):
+class Gpu(_Base, frozen=True):
     index: Annotated[int, Meta(ge=0, le=63)]
     uuid: Str96
     model: Str96 | None = None
@@ -85,10 +83,11 @@ class Gpu(_Base):
     pcie_link_width: Count | None = None
     pcie_link_width_max: Count | None = None
     pcie_replay_total: Count | None = None
-    nvlink: Annotated[list[NvLink], Meta(max_length=32)] | None = None
+    # Optional but never null in the schema (like the report's optional top-level fields).
+    nvlink: Annotated[list[NvLink], Meta(max_length=32)] | UnsetType = UNSET
 
 
-class Nic(_Base):
+class Nic(_Base, frozen=True):
     device: Str64
     link_layer: Literal["InfiniBand", "Ethernet"]
     port: Annotated[int, Meta(ge=0)] | None = None
@@ -100,10 +99,10 @@ class Nic(_Base):
     tx_bytes_total: Count | None = None
     rx_packets_total: Count | None = None
     tx_packets_total: Count | None = None
-    counters: Annotated[dict[str, Count], Meta(max_length=256)] | None = None
+    counters: Annotated[dict[str, Count], Meta(max_length=256)] | UnsetType = UNSET
 
 
-class Event(_Base):
+class Event(_Base, frozen=True):
     kind: Literal["xid", "sxid", "kernel"]
     time: float
     gpu: Annotated[int, Meta(ge=0)] | None = None
@@ -111,7 +110,7 @@ class Event(_Base):
     message: Str2048 | None = None
 
 
-class Probe(_Base):
+class Probe(_Base, frozen=True):
     kind: Literal["nccl_allreduce_local", "nccl_allreduce_pair", "tcp_pair"]
     time: float
     ok: bool
@@ -122,12 +121,12 @@ class Probe(_Base):
     error: Str1024 | None = None
 
 
-class CollectorError(_Base):
+class CollectorError(_Base, frozen=True):
     collector: Str64
     message: Str1024
 
 
-class Report(_Base):
+class Report(_Base, frozen=True):
     schema: Literal["gpuwarden/report/v1"]
     node: NodeName
     time: float

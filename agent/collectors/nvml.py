@@ -1,0 +1,383 @@
+"""GPU health from NVML: one ``Gpu`` per device, every field in the report schema's units.
+
+NVML says MHz, mW, mJ and percent; the report says Hz, W, J and a 0..1 ratio. Each field is read
+with its own call, so one call that fails costs that field only:
+
+- NOT_SUPPORTED (and FUNCTION_NOT_FOUND: a driver too old to have the call) is ``null``, silently:
+  it is what the hardware is, not a fault (H100 has no retired pages, it remaps rows).
+- any other error is ``null`` too, and the GPU's failed reads are listed in one ``errors`` entry.
+- GPU_IS_LOST on any call means the GPU fell off the bus: the GPU is left out of ``gpus`` and
+  ``errors`` says "GPU 3 (GPU-..., 00000000:5D:00.0): GPU is lost". Left out rather than sent with
+  every field null, because a GPU with every field null reads like a GPU without sensors, while a
+  GPU missing from the report is exactly what the aggregator's "GPU disappeared" rule looks for;
+  the error carries the identity remembered from earlier cycles so a human knows which board.
+- a failed ``nvmlInit`` is no GPUs and one error, never an exception: the NICs still go out.
+
+Static fields (UUID, name, PCI bus id, maximum SM clock, maximum PCIe generation and width) are
+read once per device handle and kept, but only once a read of them all succeeded. The power limit
+is not static (an operator or the BMC caps it at run time) and is read every cycle.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, ParamSpec, TypeVar
+
+from msgspec import UNSET, UnsetType
+
+from agent.collectors.base import Collected, CollectorContext, Support
+from agent.gpu.api import (
+    AGGREGATE_ECC,
+    CLOCK_MEM,
+    CLOCK_SM,
+    ERROR_FUNCTION_NOT_FOUND,
+    ERROR_GPU_IS_LOST,
+    ERROR_INVALID_ARGUMENT,
+    ERROR_NOT_SUPPORTED,
+    FEATURE_ENABLED,
+    FI_DEV_MEMORY_TEMP,
+    MEMORY_ERROR_TYPE_CORRECTED,
+    MEMORY_ERROR_TYPE_UNCORRECTED,
+    NVLINK_ERROR_DL_CRC_DATA,
+    NVLINK_ERROR_DL_CRC_FLIT,
+    NVLINK_ERROR_DL_RECOVERY,
+    NVLINK_ERROR_DL_REPLAY,
+    NVLINK_MAX_LINKS,
+    PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+    PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+    SUCCESS,
+    TEMPERATURE_GPU,
+    VOLATILE_ECC,
+    DeviceHandle,
+    NvmlApi,
+    NVMLError,
+    error_code,
+    error_text,
+    field_value,
+    handle_key,
+)
+from agent.gpu.session import NvmlSession
+from agent.report import Gpu, NvLink
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+MAX_GPUS: Final = 64  # the report schema's bound on gpus (and index <= 63)
+MAX_LINKS: Final = min(NVLINK_MAX_LINKS, 32)  # the schema's bound on links per GPU (link <= 31)
+MAX_ERROR_CHARS: Final = 1000  # the schema allows 1024 per error message
+_UNSUPPORTED: Final = frozenset({ERROR_NOT_SUPPORTED, ERROR_FUNCTION_NOT_FOUND})
+# nvmlDeviceGetNvLinkState's answer for a link number past the GPU's last link.
+_NO_SUCH_LINK: Final = frozenset({ERROR_NOT_SUPPORTED, ERROR_INVALID_ARGUMENT, ERROR_FUNCTION_NOT_FOUND})
+
+
+class _GpuLost(Exception):
+    """GPU_IS_LOST from any call: the rest of this GPU's reads are pointless."""
+
+
+class _Reader:
+    """Calls NVML for one field; a failure becomes None (and a note, unless it is NOT_SUPPORTED)."""
+
+    __slots__ = ("last_code", "problems")
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.last_code: int | None = None
+
+    def __call__(self, what: str, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T | None:
+        try:
+            value = fn(*args, **kwargs)
+        except NVMLError as exc:
+            code = self.last_code = error_code(exc)
+            if code == ERROR_GPU_IS_LOST:
+                raise _GpuLost from exc
+            if code not in _UNSUPPORTED:
+                self.problems.append(f"{what}: {error_text(exc)}")
+            return None
+        self.last_code = SUCCESS
+        return value
+
+
+@dataclass(frozen=True)
+class _Static:
+    handle_key: int
+    uuid: str
+    model: str | None
+    pci_bus_id: str | None
+    sm_clock_max_hz: float | None
+    pcie_link_gen_max: int | None
+    pcie_link_width_max: int | None
+
+    def identity(self) -> str:
+        return ", ".join(part for part in (self.uuid, self.pci_bus_id) if part)
+
+
+def _hz(mhz: int | None) -> float | None:
+    return None if mhz is None else mhz * 1e6
+
+
+def _per_mille(milli: int | None) -> float | None:
+    return None if milli is None else milli / 1000.0
+
+
+def _ratio(percent: int) -> float:
+    # Outside 0..100 would make the whole report invalid at the aggregator; NVML never should.
+    return min(max(percent / 100.0, 0.0), 1.0)
+
+
+def _text(value: str | bytes | None, limit: int) -> str | None:
+    if value is None:
+        return None
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
+    return text[:limit]
+
+
+class NvmlCollector:
+    name = "nvml"
+
+    def __init__(self, ctx: CollectorContext) -> None:
+        self._session: NvmlSession | None = ctx.nvml
+        self._static: dict[int, _Static] = {}
+        self._lost: set[int] = set()
+        # Old drivers lack the newer calls; once FUNCTION_NOT_FOUND, go straight to the old one.
+        self._no_clocks_event_reasons = False
+        self._no_gpu_max_pcie_gen = False
+
+    def supported(self) -> Support:
+        if self._session is None:
+            return Support(False, "no GPU backend (--gpu-backend none)")
+        return Support(True)
+
+    def close(self) -> None:
+        # The session belongs to whoever opened it (the event source shares it): not shut down here.
+        self._static.clear()
+
+    def collect(self) -> Collected:
+        session = self._session
+        if session is None:
+            return Collected()
+        if not session.ensure_init():
+            return Collected(errors=(f"NVML init failed: {session.init_error or 'not initialized'}",))
+        gpus: list[Gpu] = []
+        errors: list[str] = []
+        count = session.device_count
+        if count > MAX_GPUS:
+            errors.append(f"{count} GPUs; the report holds {MAX_GPUS}, the rest are not reported")
+            count = MAX_GPUS
+        for index in range(count):
+            gpu, error = self._collect_gpu(session, index)
+            if gpu is not None:
+                gpus.append(gpu)
+            if error is not None:
+                errors.append(error)
+        return Collected(gpus=tuple(gpus), errors=tuple(errors))
+
+    def _name(self, index: int) -> str:
+        static = self._static.get(index)
+        identity = static.identity() if static is not None else ""
+        return f"GPU {index} ({identity})" if identity else f"GPU {index}"
+
+    def _collect_gpu(self, session: NvmlSession, index: int) -> tuple[Gpu | None, str | None]:
+        try:
+            handle = session.handle(index)
+        except NVMLError as exc:
+            if error_code(exc) == ERROR_GPU_IS_LOST:
+                return None, self._mark_lost(index)
+            return None, f"{self._name(index)}: no device handle: {error_text(exc)}"
+        try:
+            gpu, problems = self._read_gpu(session.api, index, handle)
+        except _GpuLost:
+            return None, self._mark_lost(index)
+        if index in self._lost:
+            self._lost.discard(index)
+            log.info("GPU answers again", extra={"gpu": index, "uuid": gpu.uuid})
+        if not problems:
+            return gpu, None
+        message = f"{self._name(index)}: {len(problems)} unreadable: {'; '.join(problems)}"
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[: MAX_ERROR_CHARS - 3] + "..."
+        return gpu, message
+
+    def _mark_lost(self, index: int) -> str:
+        message = f"{self._name(index)}: GPU is lost"
+        if index not in self._lost:
+            self._lost.add(index)
+            static = self._static.get(index)
+            log.warning(
+                "GPU is lost",
+                extra={
+                    "gpu": index,
+                    "uuid": static.uuid if static else None,
+                    "pci_bus_id": static.pci_bus_id if static else None,
+                },
+            )
+        return message
+
+    def _static_info(self, api: NvmlApi, index: int, handle: DeviceHandle, r: _Reader) -> _Static:
+        key = handle_key(handle)
+        cached = self._static.get(index)
+        if cached is not None and cached.handle_key == key:
+            return cached
+        before = len(r.problems)
+        uuid = r("uuid", api.nvmlDeviceGetUUID, handle)
+        model = r("name", api.nvmlDeviceGetName, handle)
+        pci = r("pci info", api.nvmlDeviceGetPciInfo, handle)
+        static = _Static(
+            handle_key=key,
+            uuid=_text(uuid, 96) or "",
+            model=_text(model, 96),
+            pci_bus_id=_text(pci.busId, 32) if pci is not None else None,
+            sm_clock_max_hz=_hz(r("max SM clock", api.nvmlDeviceGetMaxClockInfo, handle, CLOCK_SM)),
+            pcie_link_gen_max=self._pcie_gen_max(api, handle, r),
+            pcie_link_width_max=r("max PCIe width", api.nvmlDeviceGetMaxPcieLinkWidth, handle),
+        )
+        if len(r.problems) == before:
+            # Only a complete read is kept; a field that failed is tried again next cycle.
+            self._static[index] = static
+        return static
+
+    def _pcie_gen_max(self, api: NvmlApi, handle: DeviceHandle, r: _Reader) -> int | None:
+        # The GPU's own maximum; nvmlDeviceGetMaxPcieLinkGeneration is the lesser of GPU and slot,
+        # which hides a Gen5 GPU in a Gen4 slot.
+        if not self._no_gpu_max_pcie_gen:
+            gpu_max = getattr(api, "nvmlDeviceGetGpuMaxPcieLinkGeneration", None)
+            if gpu_max is not None:
+                value: int | None = r("max PCIe generation", gpu_max, handle)
+                if r.last_code not in _UNSUPPORTED:
+                    return value
+            if gpu_max is None or r.last_code == ERROR_FUNCTION_NOT_FOUND:
+                self._no_gpu_max_pcie_gen = True
+        return r("max PCIe generation", api.nvmlDeviceGetMaxPcieLinkGeneration, handle)
+
+    def _clocks_event_reasons(self, api: NvmlApi, handle: DeviceHandle, r: _Reader) -> int | None:
+        if not self._no_clocks_event_reasons:
+            current = getattr(api, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            if current is not None:
+                value: int | None = r("clock event reasons", current, handle)
+                if r.last_code != ERROR_FUNCTION_NOT_FOUND:
+                    return value
+            self._no_clocks_event_reasons = True
+        return r("clock event reasons", api.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
+
+    @staticmethod
+    def _memory_temperature(api: NvmlApi, handle: DeviceHandle, r: _Reader) -> float | None:
+        values = r("memory temperature", api.nvmlDeviceGetFieldValues, handle, [FI_DEV_MEMORY_TEMP])
+        if not values:
+            return None
+        fv = values[0]
+        status = fv.nvmlReturn
+        if status == SUCCESS:
+            value = field_value(fv)
+            return None if value is None else float(value)
+        if status == ERROR_GPU_IS_LOST:
+            raise _GpuLost
+        if status not in _UNSUPPORTED:
+            r.problems.append(f"memory temperature: NVML error {status}")
+        return None
+
+    @staticmethod
+    def _nvlinks(api: NvmlApi, handle: DeviceHandle, r: _Reader) -> list[NvLink] | UnsetType:
+        links: list[NvLink] = []
+        counter = api.nvmlDeviceGetNvLinkErrorCounter
+        for link in range(MAX_LINKS):
+            try:
+                state: int | None = api.nvmlDeviceGetNvLinkState(handle, link)
+            except NVMLError as exc:
+                code = error_code(exc)
+                if code in _NO_SUCH_LINK:
+                    break  # past the last link (or no NVLink at all)
+                if code == ERROR_GPU_IS_LOST:
+                    raise _GpuLost from exc
+                r.problems.append(f"nvlink {link} state: {error_text(exc)}")
+                state = None
+            links.append(
+                NvLink(
+                    link=link,
+                    active=None if state is None else state == FEATURE_ENABLED,
+                    crc_flit_errors_total=r(
+                        f"nvlink {link} crc flit", counter, handle, link, NVLINK_ERROR_DL_CRC_FLIT
+                    ),
+                    crc_data_errors_total=r(
+                        f"nvlink {link} crc data", counter, handle, link, NVLINK_ERROR_DL_CRC_DATA
+                    ),
+                    replay_errors_total=r(
+                        f"nvlink {link} replay", counter, handle, link, NVLINK_ERROR_DL_REPLAY
+                    ),
+                    recovery_errors_total=r(
+                        f"nvlink {link} recovery", counter, handle, link, NVLINK_ERROR_DL_RECOVERY
+                    ),
+                )
+            )
+        # The schema has no null for nvlink: a GPU without NVLink leaves the field out.
+        return links if links else UNSET
+
+    def _read_gpu(self, api: NvmlApi, index: int, handle: DeviceHandle) -> tuple[Gpu, list[str]]:
+        r = _Reader()
+        static = self._static_info(api, index, handle, r)
+        util = r("utilization", api.nvmlDeviceGetUtilizationRates, handle)
+        memory = r("memory info", api.nvmlDeviceGetMemoryInfo, handle)
+        temperature = r("temperature", api.nvmlDeviceGetTemperature, handle, TEMPERATURE_GPU)
+        pstate = r("performance state", api.nvmlDeviceGetPerformanceState, handle)
+        retired_sbe = r(
+            "retired pages (SBE)",
+            api.nvmlDeviceGetRetiredPages,
+            handle,
+            PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+        )
+        retired_dbe = r(
+            "retired pages (DBE)",
+            api.nvmlDeviceGetRetiredPages,
+            handle,
+            PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+        )
+        retired_pending = r("retired pages pending", api.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+        remapped = r("remapped rows", api.nvmlDeviceGetRemappedRows, handle)
+        ecc = api.nvmlDeviceGetTotalEccErrors
+        gpu = Gpu(
+            index=index,
+            uuid=static.uuid,
+            model=static.model,
+            pci_bus_id=static.pci_bus_id,
+            utilization_ratio=_ratio(util.gpu) if util is not None else None,
+            memory_used_bytes=memory.used if memory is not None else None,
+            memory_total_bytes=memory.total if memory is not None else None,
+            temperature_celsius=float(temperature) if temperature is not None else None,
+            memory_temperature_celsius=self._memory_temperature(api, handle, r),
+            power_watts=_per_mille(r("power", api.nvmlDeviceGetPowerUsage, handle)),
+            power_limit_watts=_per_mille(r("power limit", api.nvmlDeviceGetEnforcedPowerLimit, handle)),
+            energy_joules_total=_per_mille(r("energy", api.nvmlDeviceGetTotalEnergyConsumption, handle)),
+            sm_clock_hz=_hz(r("SM clock", api.nvmlDeviceGetClockInfo, handle, CLOCK_SM)),
+            sm_clock_max_hz=static.sm_clock_max_hz,
+            memory_clock_hz=_hz(r("memory clock", api.nvmlDeviceGetClockInfo, handle, CLOCK_MEM)),
+            clock_event_reasons=self._clocks_event_reasons(api, handle, r),
+            performance_state=pstate if pstate is not None and 0 <= pstate <= 32 else None,
+            ecc_sbe_volatile_total=r(
+                "ECC SBE volatile", ecc, handle, MEMORY_ERROR_TYPE_CORRECTED, VOLATILE_ECC
+            ),
+            ecc_dbe_volatile_total=r(
+                "ECC DBE volatile", ecc, handle, MEMORY_ERROR_TYPE_UNCORRECTED, VOLATILE_ECC
+            ),
+            ecc_sbe_aggregate_total=r(
+                "ECC SBE aggregate", ecc, handle, MEMORY_ERROR_TYPE_CORRECTED, AGGREGATE_ECC
+            ),
+            ecc_dbe_aggregate_total=r(
+                "ECC DBE aggregate", ecc, handle, MEMORY_ERROR_TYPE_UNCORRECTED, AGGREGATE_ECC
+            ),
+            retired_pages_sbe=len(retired_sbe) if retired_sbe is not None else None,
+            retired_pages_dbe=len(retired_dbe) if retired_dbe is not None else None,
+            retired_pages_pending=retired_pending == FEATURE_ENABLED if retired_pending is not None else None,
+            remapped_rows_correctable=remapped[0] if remapped is not None else None,
+            remapped_rows_uncorrectable=remapped[1] if remapped is not None else None,
+            remapped_rows_pending=bool(remapped[2]) if remapped is not None else None,
+            remapped_rows_failure=bool(remapped[3]) if remapped is not None else None,
+            pcie_link_gen=r("PCIe generation", api.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+            pcie_link_gen_max=static.pcie_link_gen_max,
+            pcie_link_width=r("PCIe width", api.nvmlDeviceGetCurrPcieLinkWidth, handle),
+            pcie_link_width_max=static.pcie_link_width_max,
+            pcie_replay_total=r("PCIe replays", api.nvmlDeviceGetPcieReplayCounter, handle),
+            nvlink=self._nvlinks(api, handle, r),
+        )
+        return gpu, r.problems

@@ -1,0 +1,696 @@
+"""The agent's Prometheus ``/metrics``: the latest report, the collectors and the shipper, as metrics.
+
+One custom collector, ``AgentMetrics``, turns the agent's latest snapshot into metric families when
+scraped. Naming follows https://prometheus.io/docs/practices/naming/: prefix ``gpuwarden_``, base
+units in the name (seconds, bytes, celsius, watts, joules, hertz, ratio), ``_total`` on counters.
+
+Label choices, made to keep cardinality low and joins easy:
+
+- No node or hostname label anywhere: Prometheus attaches the target's own labels.
+- GPU series carry ``gpu`` (the index, what people say) and ``uuid`` (what survives re-indexing).
+  ``model`` and ``pci_bus_id`` are only on ``gpuwarden_gpu_info`` (value 1), the info-metric pattern
+  of node_exporter: ``... * on(gpu, uuid) group_left(model) gpuwarden_gpu_info``.
+- NIC series carry ``device`` and ``port``; ``port`` is "" for a plain netdev (Prometheus treats an
+  empty label as an absent one). ``netdev`` and ``link_layer`` are only on ``gpuwarden_nic_info``.
+- The well-known InfiniBand port error counters of an RDMA port get families of their own
+  (``gpuwarden_infiniband_symbol_errors_total``, ...), named like node_exporter's; every other
+  counter the report carries goes to ``gpuwarden_nic_stat_total{stat="<sysfs file name>"}``, since
+  that set is open-ended. (Not ``..._counter_total``: promtool rejects a counter with "counter" in
+  its name.)
+
+A field the report has as null produces no sample: absent, never 0. Families with no samples are
+left out.
+
+Cost: the families built from one cycle's report are kept until the next cycle, so a scrape of an
+unchanged snapshot only re-renders text; only the few shipper and agent samples are rebuilt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import ProcessCollector, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from agent import __version__
+from agent.errors import ConfigError
+from agent.report import Gpu, Nic, Report
+from agent.state import CycleResult, ShipperStats
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CLOCK_EVENT_REASONS",
+    "INFINIBAND_COUNTERS",
+    "AgentMetrics",
+    "AgentSnapshot",
+    "MetricsServer",
+    "make_registry",
+    "serve",
+]
+
+# NVML's clocks-event (throttle) reason bits, nvmlClocksEventReason* in nvml.h.
+CLOCK_EVENT_REASONS: tuple[tuple[str, int], ...] = (
+    ("gpu_idle", 0x1),
+    ("applications_clocks_setting", 0x2),
+    ("sw_power_cap", 0x4),
+    ("hw_slowdown", 0x8),
+    ("sync_boost", 0x10),
+    ("sw_thermal_slowdown", 0x20),
+    ("hw_thermal_slowdown", 0x40),
+    ("hw_power_brake_slowdown", 0x80),
+    ("display_clock_setting", 0x100),
+)
+
+# RDMA port counter file (counters/ or hw_counters/) -> its own family, with HELP.
+INFINIBAND_COUNTERS: dict[str, tuple[str, str]] = {
+    "symbol_error": (
+        "gpuwarden_infiniband_symbol_errors_total",
+        "Minor link errors detected on one or more physical lanes of the port.",
+    ),
+    "link_downed": (
+        "gpuwarden_infiniband_link_downed_total",
+        "Times the link error recovery process failed and the link went down.",
+    ),
+    "link_error_recovery": (
+        "gpuwarden_infiniband_link_error_recovery_total",
+        "Times the link error recovery process completed successfully.",
+    ),
+    "port_rcv_errors": (
+        "gpuwarden_infiniband_port_receive_errors_total",
+        "Packets with errors received on the port.",
+    ),
+    "port_rcv_remote_physical_errors": (
+        "gpuwarden_infiniband_port_receive_remote_physical_errors_total",
+        "Packets received marked with the EBP delimiter (a physical error upstream).",
+    ),
+    "port_rcv_switch_relay_errors": (
+        "gpuwarden_infiniband_port_receive_switch_relay_errors_total",
+        "Received packets discarded because they could not be forwarded by the switch relay.",
+    ),
+    "port_rcv_constraint_errors": (
+        "gpuwarden_infiniband_port_receive_constraint_errors_total",
+        "Received packets discarded for partition key or raw packet constraint violations.",
+    ),
+    "port_xmit_discards": (
+        "gpuwarden_infiniband_port_transmit_discards_total",
+        "Outbound packets discarded because the port was down or congested.",
+    ),
+    "port_xmit_constraint_errors": (
+        "gpuwarden_infiniband_port_transmit_constraint_errors_total",
+        "Outbound packets not sent for partition key or raw packet constraint violations.",
+    ),
+    "port_xmit_wait": (
+        "gpuwarden_infiniband_port_transmit_wait_total",
+        "Ticks (of the port's sampling clock) during which data was waiting to be sent "
+        "but the port had no flow-control credits.",
+    ),
+    "local_link_integrity_errors": (
+        "gpuwarden_infiniband_local_link_integrity_errors_total",
+        "Times the count of local physical errors exceeded the link's threshold.",
+    ),
+    "excessive_buffer_overrun_errors": (
+        "gpuwarden_infiniband_excessive_buffer_overrun_errors_total",
+        "Times consecutive flow-control update periods had buffer overruns.",
+    ),
+    "VL15_dropped": (
+        "gpuwarden_infiniband_vl15_dropped_total",
+        "Incoming subnet management (VL15) packets dropped for lack of buffers.",
+    ),
+    "rnr_nak_retry_err": (
+        "gpuwarden_infiniband_rnr_nak_retry_errors_total",
+        "Times the receiver-not-ready NAK retry count was exceeded.",
+    ),
+    "out_of_buffer": (
+        "gpuwarden_infiniband_out_of_buffer_total",
+        "Packets dropped because no receive buffer (WQE) was posted.",
+    ),
+    "out_of_sequence": (
+        "gpuwarden_infiniband_out_of_sequence_total",
+        "Out-of-sequence packets received.",
+    ),
+    "packet_seq_err": (
+        "gpuwarden_infiniband_packet_sequence_errors_total",
+        "NAKs for packet sequence errors received.",
+    ),
+    "local_ack_timeout_err": (
+        "gpuwarden_infiniband_local_ack_timeout_errors_total",
+        "Times the sender's ACK timer expired (on reliable-connection queue pairs).",
+    ),
+}
+
+_EVENT_KINDS = ("xid", "sxid", "kernel")
+_PSTATE_UNKNOWN = 32  # NVML_PSTATE_UNKNOWN: no state to report
+_GPU_LABELS = ("gpu", "uuid")
+_NIC_LABELS = ("device", "port")
+
+
+@dataclass(frozen=True)
+class _GpuFamily:
+    """One GPU metric family: a field per extra label value, or one field and no extra label."""
+
+    name: str
+    help: str
+    counter: bool
+    fields: tuple[tuple[str, tuple[str, ...]], ...]  # (Gpu attribute, values of ``labels``)
+    labels: tuple[str, ...] = ()  # beyond gpu and uuid
+
+
+def _plain(name: str, attr: str, help_: str, *, counter: bool = False) -> _GpuFamily:
+    return _GpuFamily(name, help_, counter, ((attr, ()),))
+
+
+_GPU_FAMILIES: tuple[_GpuFamily, ...] = (
+    _plain(
+        "gpuwarden_gpu_temperature_celsius",
+        "temperature_celsius",
+        "GPU core temperature, in degrees Celsius.",
+    ),
+    _plain(
+        "gpuwarden_gpu_memory_temperature_celsius",
+        "memory_temperature_celsius",
+        "GPU memory (HBM) temperature, in degrees Celsius.",
+    ),
+    _plain(
+        "gpuwarden_gpu_utilization_ratio",
+        "utilization_ratio",
+        "Share of the last sample period during which a kernel was running on the GPU (ratio, 0 to 1).",
+    ),
+    _plain(
+        "gpuwarden_gpu_memory_used_bytes",
+        "memory_used_bytes",
+        "GPU framebuffer memory in use, in bytes.",
+    ),
+    _plain(
+        "gpuwarden_gpu_memory_total_bytes",
+        "memory_total_bytes",
+        "GPU framebuffer memory in total, in bytes.",
+    ),
+    _plain("gpuwarden_gpu_power_watts", "power_watts", "GPU power draw, in watts."),
+    _plain(
+        "gpuwarden_gpu_power_limit_watts",
+        "power_limit_watts",
+        "GPU power limit being enforced, in watts.",
+    ),
+    _plain(
+        "gpuwarden_gpu_energy_joules_total",
+        "energy_joules_total",
+        "Energy the GPU consumed since the driver was loaded, in joules.",
+        counter=True,
+    ),
+    _plain("gpuwarden_gpu_sm_clock_hertz", "sm_clock_hz", "Current SM clock, in hertz."),
+    _plain("gpuwarden_gpu_sm_clock_max_hertz", "sm_clock_max_hz", "Maximum SM clock, in hertz."),
+    _plain(
+        "gpuwarden_gpu_memory_clock_hertz",
+        "memory_clock_hz",
+        "Current memory clock, in hertz.",
+    ),
+    _plain(
+        "gpuwarden_gpu_clock_event_reasons",
+        "clock_event_reasons",
+        "Bitmask of active clocks-event (throttle) reasons as NVML returns it, a plain number "
+        "(gpuwarden_gpu_clock_event_reason_active has one series per known bit).",
+    ),
+    _GpuFamily(
+        "gpuwarden_gpu_ecc_errors_total",
+        "ECC errors the GPU counted (count); type sbe: single-bit, corrected; dbe: double-bit, "
+        "uncorrected. scope volatile: since the driver was loaded; aggregate: over the GPU's "
+        "lifetime, which includes volatile, so never sum across scope.",
+        True,
+        (
+            ("ecc_sbe_volatile_total", ("sbe", "volatile")),
+            ("ecc_dbe_volatile_total", ("dbe", "volatile")),
+            ("ecc_sbe_aggregate_total", ("sbe", "aggregate")),
+            ("ecc_dbe_aggregate_total", ("dbe", "aggregate")),
+        ),
+        ("type", "scope"),
+    ),
+    _GpuFamily(
+        "gpuwarden_gpu_retired_pages",
+        "GPU memory pages retired (count), by cause: sbe, repeated single-bit errors; dbe, a "
+        "double-bit error.",
+        False,
+        (("retired_pages_sbe", ("sbe",)), ("retired_pages_dbe", ("dbe",))),
+        ("cause",),
+    ),
+    _plain(
+        "gpuwarden_gpu_retired_pages_pending",
+        "retired_pages_pending",
+        "1 if pages wait to be retired at the next driver reload, else 0.",
+    ),
+    _GpuFamily(
+        "gpuwarden_gpu_remapped_rows",
+        "GPU memory rows remapped to spare rows (count), by the type of error that caused it.",
+        False,
+        (
+            ("remapped_rows_correctable", ("correctable",)),
+            ("remapped_rows_uncorrectable", ("uncorrectable",)),
+        ),
+        ("type",),
+    ),
+    _plain(
+        "gpuwarden_gpu_remapped_rows_pending",
+        "remapped_rows_pending",
+        "1 if a row remap waits for the next GPU reset, else 0.",
+    ),
+    _plain(
+        "gpuwarden_gpu_remapped_rows_failure",
+        "remapped_rows_failure",
+        "1 if a row remap failed (no spare row left), else 0.",
+    ),
+    _plain(
+        "gpuwarden_gpu_pcie_link_generation",
+        "pcie_link_gen",
+        "Current PCIe link generation (1 to 6).",
+    ),
+    _plain(
+        "gpuwarden_gpu_pcie_link_generation_max",
+        "pcie_link_gen_max",
+        "Highest PCIe link generation the GPU and its slot support.",
+    ),
+    _plain(
+        "gpuwarden_gpu_pcie_link_width",
+        "pcie_link_width",
+        "Current PCIe link width, in lanes.",
+    ),
+    _plain(
+        "gpuwarden_gpu_pcie_link_width_max",
+        "pcie_link_width_max",
+        "Widest PCIe link the GPU and its slot support, in lanes.",
+    ),
+    _plain(
+        "gpuwarden_gpu_pcie_replay_total",
+        "pcie_replay_total",
+        "PCIe replays (retransmitted packets) the GPU counted, since the driver was loaded.",
+        counter=True,
+    ),
+)
+
+_NVLINK_ERRORS: tuple[tuple[str, str], ...] = (
+    ("crc_flit_errors_total", "crc_flit"),
+    ("crc_data_errors_total", "crc_data"),
+    ("replay_errors_total", "replay"),
+    ("recovery_errors_total", "recovery"),
+)
+
+_NIC_TRAFFIC: tuple[tuple[str, str, str], ...] = (
+    ("rx_bytes_total", "gpuwarden_nic_receive_bytes_total", "Bytes received, in bytes."),
+    ("tx_bytes_total", "gpuwarden_nic_transmit_bytes_total", "Bytes transmitted, in bytes."),
+    ("rx_packets_total", "gpuwarden_nic_receive_packets_total", "Packets received (count)."),
+    ("tx_packets_total", "gpuwarden_nic_transmit_packets_total", "Packets transmitted (count)."),
+)
+
+
+@dataclass(frozen=True)
+class AgentSnapshot:
+    """What a scrape shows: the latest finished cycle and the shipper's counters, read together."""
+
+    cycle: CycleResult | None = None
+    shipper: ShipperStats | None = None  # None: this agent ships nowhere (print or trace only)
+    version: str = __version__
+
+
+def _family(
+    name: str, help_: str, labels: Iterable[str], *, counter: bool
+) -> CounterMetricFamily | GaugeMetricFamily:
+    if counter:
+        return CounterMetricFamily(name, help_, labels=list(labels))
+    return GaugeMetricFamily(name, help_, labels=list(labels))
+
+
+def _gpu_families(gpus: Iterable[Gpu]) -> list[Metric]:
+    info = InfoMetricFamily(
+        "gpuwarden_gpu",
+        "A GPU of this node, value always 1: join on gpu and uuid for its model and PCI address.",
+        labels=_GPU_LABELS,
+    )
+    families = [
+        (spec, _family(spec.name, spec.help, (*_GPU_LABELS, *spec.labels), counter=spec.counter))
+        for spec in _GPU_FAMILIES
+    ]
+    pstate = GaugeMetricFamily(
+        "gpuwarden_gpu_performance_state",
+        "Performance state (P-state) number, 0 (maximum performance) to 15 (minimum).",
+        labels=_GPU_LABELS,
+    )
+    reason_active = GaugeMetricFamily(
+        "gpuwarden_gpu_clock_event_reason_active",
+        "1 if the clocks-event (throttle) reason is active, else 0; reason names follow NVML's "
+        "nvmlClocksEventReason bits.",
+        labels=(*_GPU_LABELS, "reason"),
+    )
+    nvlink_active = GaugeMetricFamily(
+        "gpuwarden_gpu_nvlink_active",
+        "1 if the NVLink link is active, else 0.",
+        labels=(*_GPU_LABELS, "link"),
+    )
+    nvlink_errors = CounterMetricFamily(
+        "gpuwarden_gpu_nvlink_errors_total",
+        "NVLink errors the GPU counted on the link (count), by type: crc_flit, crc_data, replay, recovery.",
+        labels=(*_GPU_LABELS, "link", "type"),
+    )
+
+    seen: set[int] = set()
+    for gpu in gpus:
+        if gpu.index in seen:
+            # Two series with one label set would make Prometheus reject the samples.
+            log.warning("duplicate GPU index in report, exporting the first", extra={"gpu": gpu.index})
+            continue
+        seen.add(gpu.index)
+        ids = [str(gpu.index), gpu.uuid]
+        info.add_metric(ids, {"model": gpu.model or "", "pci_bus_id": gpu.pci_bus_id or ""})
+        for spec, fam in families:
+            for attr, extra in spec.fields:
+                value = getattr(gpu, attr)
+                if value is not None:
+                    fam.add_metric([*ids, *extra], float(value))
+        if gpu.performance_state is not None and gpu.performance_state != _PSTATE_UNKNOWN:
+            pstate.add_metric(ids, float(gpu.performance_state))
+        if gpu.clock_event_reasons is not None:
+            mask = gpu.clock_event_reasons
+            for reason, bit in CLOCK_EVENT_REASONS:
+                reason_active.add_metric([*ids, reason], 1.0 if mask & bit else 0.0)
+        if gpu.nvlink:
+            for link in gpu.nvlink:
+                link_ids = [*ids, str(link.link)]
+                if link.active is not None:
+                    nvlink_active.add_metric(link_ids, float(link.active))
+                for attr, kind in _NVLINK_ERRORS:
+                    value = getattr(link, attr)
+                    if value is not None:
+                        nvlink_errors.add_metric([*link_ids, kind], float(value))
+    return [info, *(fam for _, fam in families), pstate, reason_active, nvlink_active, nvlink_errors]
+
+
+def _nic_families(nics: Iterable[Nic]) -> list[Metric]:
+    info = InfoMetricFamily(
+        "gpuwarden_nic",
+        "A network port of this node, value always 1: join on device and port for its netdev and "
+        'link layer. port is "" for a plain netdev.',
+        labels=_NIC_LABELS,
+    )
+    up = GaugeMetricFamily(
+        "gpuwarden_nic_up",
+        "1 if the port is up (RDMA port state ACTIVE, netdev operstate up), else 0.",
+        labels=_NIC_LABELS,
+    )
+    phys_up = GaugeMetricFamily(
+        "gpuwarden_nic_physical_link_up",
+        "1 if the RDMA port's physical state is LinkUp, else 0.",
+        labels=_NIC_LABELS,
+    )
+    speed = GaugeMetricFamily(
+        "gpuwarden_nic_link_speed_bytes",
+        "Negotiated link speed, in bytes per second.",
+        labels=_NIC_LABELS,
+    )
+    traffic = [
+        (attr, CounterMetricFamily(name, help_, labels=_NIC_LABELS)) for attr, name, help_ in _NIC_TRAFFIC
+    ]
+    infiniband = {
+        key: CounterMetricFamily(name, help_, labels=_NIC_LABELS)
+        for key, (name, help_) in INFINIBAND_COUNTERS.items()
+    }
+    stats = CounterMetricFamily(
+        "gpuwarden_nic_stat_total",
+        "Any other counter of the port (count), named by its sysfs file: an RDMA port's counters/ "
+        "and hw_counters/, a netdev's statistics/ and carrier_changes.",
+        labels=(*_NIC_LABELS, "stat"),
+    )
+
+    seen: set[tuple[str, str]] = set()
+    for nic in nics:
+        ids = [nic.device, "" if nic.port is None else str(nic.port)]
+        key = (ids[0], ids[1])
+        if key in seen:
+            log.warning(
+                "duplicate NIC in report, exporting the first",
+                extra={"device": nic.device, "port": nic.port},
+            )
+            continue
+        seen.add(key)
+        info.add_metric(ids, {"netdev": nic.netdev or "", "link_layer": nic.link_layer})
+        if nic.state is not None:
+            up.add_metric(ids, 1.0 if nic.state.lower() in ("active", "up") else 0.0)
+        if nic.phys_state is not None:
+            phys_up.add_metric(ids, 1.0 if nic.phys_state.lower() == "linkup" else 0.0)
+        if nic.rate_bytes_per_second is not None:
+            speed.add_metric(ids, float(nic.rate_bytes_per_second))
+        for attr, fam in traffic:
+            value = getattr(nic, attr)
+            if value is not None:
+                fam.add_metric(ids, float(value))
+        if not nic.counters:
+            continue
+        rdma = nic.port is not None
+        for name, value in nic.counters.items():
+            ib = infiniband.get(name) if rdma else None
+            if ib is not None:
+                ib.add_metric(ids, float(value))
+            else:
+                stats.add_metric([*ids, name], float(value))
+    return [info, up, phys_up, speed, *(fam for _, fam in traffic), *infiniband.values(), stats]
+
+
+def _cycle_families(cycle: CycleResult) -> list[Metric]:
+    report = cycle.report
+    success = GaugeMetricFamily(
+        "gpuwarden_collector_success",
+        "1 if the collector ran without failing in the last cycle, else 0 (0 when unsupported).",
+        labels=("collector",),
+    )
+    duration = GaugeMetricFamily(
+        "gpuwarden_collector_duration_seconds",
+        "Time the collector took in the last cycle, in seconds.",
+        labels=("collector",),
+    )
+    supported = GaugeMetricFamily(
+        "gpuwarden_collector_supported",
+        "1 if this node has what the collector reads, else 0.",
+        labels=("collector",),
+    )
+    for status in cycle.statuses:
+        success.add_metric([status.name], float(status.success))
+        duration.add_metric([status.name], status.duration_seconds)
+        supported.add_metric([status.name], float(status.supported))
+    families: list[Metric] = [
+        *_report_families(report),
+        success,
+        duration,
+        supported,
+        *_gpu_families(report.gpus),
+        *_nic_families(report.nics),
+    ]
+    return [fam for fam in families if fam.samples]
+
+
+def _report_families(report: Report) -> list[Metric]:
+    families: list[Metric] = [
+        GaugeMetricFamily(
+            "gpuwarden_agent_last_report_timestamp_seconds",
+            "Unix time of the agent's last report, in seconds.",
+            value=report.time,
+        ),
+        GaugeMetricFamily(
+            "gpuwarden_agent_errors",
+            "Collector errors in the agent's last report (count).",
+            value=len(report.errors or ()),
+        ),
+    ]
+    if isinstance(report.interval_seconds, float | int):
+        families.append(
+            GaugeMetricFamily(
+                "gpuwarden_agent_report_interval_seconds",
+                "Interval between the agent's reports, in seconds.",
+                value=report.interval_seconds,
+            )
+        )
+    return families
+
+
+def _shipper_families(stats: ShipperStats) -> list[Metric]:
+    families: list[Metric] = [
+        CounterMetricFamily(
+            "gpuwarden_shipper_reports_sent_total",
+            "Reports the aggregator accepted (count).",
+            value=stats.sent_total,
+        ),
+        CounterMetricFamily(
+            "gpuwarden_shipper_reports_rejected_total",
+            "Reports the aggregator refused for good and that were not retried (count).",
+            value=stats.rejected_total,
+        ),
+        CounterMetricFamily(
+            "gpuwarden_shipper_failed_attempts_total",
+            "Deliveries that failed and will be retried: network error, timeout, 5xx, 408 or 429 (count).",
+            value=stats.failed_attempts_total,
+        ),
+        CounterMetricFamily(
+            "gpuwarden_shipper_reports_spooled_total",
+            "Reports put in the spool to wait for delivery (count).",
+            value=stats.spooled_total,
+        ),
+        CounterMetricFamily(
+            "gpuwarden_shipper_reports_dropped_total",
+            "Reports dropped, oldest first, because the spool was full (count).",
+            value=stats.dropped_total,
+        ),
+        GaugeMetricFamily(
+            "gpuwarden_shipper_spool_depth",
+            "Reports waiting in the spool now (count).",
+            value=stats.spool_depth,
+        ),
+    ]
+    if stats.last_success_time is not None:
+        families.append(
+            GaugeMetricFamily(
+                "gpuwarden_shipper_last_success_timestamp_seconds",
+                "Unix time of the last report the aggregator accepted, in seconds.",
+                value=stats.last_success_time,
+            )
+        )
+    return families
+
+
+class AgentMetrics(Collector):
+    """A prometheus_client collector over the agent's latest snapshot.
+
+    ``snapshot`` is called once per scrape, from the HTTP server's threads; it must be cheap and
+    return immutable data (the runner's last ``CycleResult`` and the shipper's ``stats()``).
+
+    Event counters (``gpuwarden_gpu_xid_events_total``, ``gpuwarden_agent_events_total``) count
+    the events of every cycle this object saw, once per cycle (by report ``seq``). A scrape sees
+    only the latest cycle, so the runner should also hand each cycle to ``record_cycle``; otherwise
+    events of cycles that finished between two scrapes are not counted.
+    """
+
+    def __init__(self, snapshot: Callable[[], AgentSnapshot]) -> None:
+        self._snapshot = snapshot
+        self._lock = threading.Lock()
+        self._last_seq = -1
+        self._xid_counts: dict[tuple[int | None, int], int] = {}
+        self._event_counts: dict[str, int] = dict.fromkeys(_EVENT_KINDS, 0)
+        self._cycle: CycleResult | None = None
+        self._cycle_families: list[Metric] = []
+        self._event_families: list[Metric] | None = None
+
+    def record_cycle(self, cycle: CycleResult) -> None:
+        """Count a finished cycle's events; a cycle seen before (same or older seq) counts nothing."""
+        with self._lock:
+            self._count_events(cycle)
+
+    def _count_events(self, cycle: CycleResult) -> None:
+        report = cycle.report
+        # seq grows by one per report within one agent process, and so within this object's life.
+        if report.seq <= self._last_seq:
+            return
+        self._last_seq = report.seq
+        if not report.events:
+            return
+        for event in report.events:
+            self._event_counts[event.kind] = self._event_counts.get(event.kind, 0) + 1
+            if event.kind == "xid" and event.code is not None:
+                key = (event.gpu, event.code)
+                self._xid_counts[key] = self._xid_counts.get(key, 0) + 1
+        self._event_families = None
+
+    def _build_event_families(self) -> list[Metric]:
+        events = CounterMetricFamily(
+            "gpuwarden_agent_events_total",
+            "Events this agent process reported (count), by kind: xid, sxid, kernel.",
+            labels=("kind",),
+        )
+        for kind, count in self._event_counts.items():
+            events.add_metric([kind], float(count))
+        families: list[Metric] = [events]
+        if self._xid_counts:
+            xid = CounterMetricFamily(
+                "gpuwarden_gpu_xid_events_total",
+                "XID errors this agent process reported (count), by GPU index and XID code; "
+                'gpu is "" where the driver did not say which GPU.',
+                labels=("gpu", "code"),
+            )
+            # Sorted so that the exposition is stable: by GPU (unknown last), then code.
+            for (gpu, code), count in sorted(
+                self._xid_counts.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0, kv[0][1])
+            ):
+                xid.add_metric(["" if gpu is None else str(gpu), str(code)], float(count))
+            families.append(xid)
+        return families
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        with self._lock:
+            if snap.cycle is not None:
+                self._count_events(snap.cycle)
+                if snap.cycle is not self._cycle:
+                    self._cycle_families = _cycle_families(snap.cycle)
+                    self._cycle = snap.cycle
+                cycle_families = self._cycle_families
+            else:
+                cycle_families = []
+            if self._event_families is None:
+                self._event_families = self._build_event_families()
+            event_families = self._event_families
+        yield InfoMetricFamily(
+            "gpuwarden_agent", "The gpuwarden agent, value always 1.", value={"version": snap.version}
+        )
+        yield from cycle_families
+        yield from event_families
+        if snap.shipper is not None:
+            yield from _shipper_families(snap.shipper)
+
+
+def make_registry(metrics: AgentMetrics, *, process_metrics: bool = True) -> CollectorRegistry:
+    """A registry of its own (never the global one) with the agent's metrics.
+
+    ``process_metrics`` adds the standard ``process_*`` series (CPU seconds, resident memory, open
+    file descriptors) so the agent's own footprint on the node is visible.
+    """
+    registry = CollectorRegistry()
+    registry.register(metrics)
+    if process_metrics:
+        ProcessCollector(registry=registry)
+    return registry
+
+
+@dataclass(frozen=True)
+class MetricsServer:
+    """The running ``/metrics`` HTTP server (a daemon thread)."""
+
+    server: WSGIServer
+    thread: threading.Thread
+    address: str
+    port: int  # the bound port: the real one when 0 (ephemeral) was asked for
+
+    def shutdown(self) -> None:
+        """Stop serving, close the socket and wait for the serving thread."""
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5.0)
+
+
+def serve(addr: str, port: int, registry: CollectorRegistry) -> MetricsServer:
+    """Serve ``registry`` over HTTP on ``addr:port`` (port 0: any free port) from a daemon thread.
+
+    Raises ``ConfigError`` when the address cannot be listened on (bad address, port in use).
+    """
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"metrics port {port} is out of range 0-65535")
+    try:
+        server, thread = start_http_server(port, addr, registry=registry)
+    except OSError as exc:
+        raise ConfigError(f"cannot serve metrics on {addr}:{port}: {exc}") from exc
+    host, bound = server.server_address[:2]
+    log.info("metrics server listening", extra={"address": host, "port": bound})
+    return MetricsServer(server=server, thread=thread, address=str(host), port=int(bound))

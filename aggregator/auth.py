@@ -1,0 +1,467 @@
+"""Who is sending this report: bearer tokens, from a static file or Kubernetes TokenReview.
+
+An ``Authenticator`` turns a bearer token into an ``Identity``: the node the credential is bound
+to, and a subject for logs. It raises ``AuthError`` for a token it does not accept, and
+``AuthUnavailable`` when it cannot tell (the API server is down): the service answers 401/403 for
+the first and 503 for the second, so an agent keeps its reports and retries either way.
+
+Whether the identity may report for the node named in the report is the service's check, not the
+authenticator's: a token bound to ``gpu-0042`` can only ever report ``gpu-0042``, which keeps one
+compromised node from framing (or hiding) another.
+
+Two implementations:
+
+- ``StaticTokens``: a file of ``node-name token`` lines, re-read when it changes. Tokens are
+  compared by SHA-256 digest, so the lookup's timing depends on the digest, never on how many
+  leading characters of a guess are right.
+- ``TokenReviewAuthenticator``: asks the Kubernetes API server (``TokenReview``) with the
+  aggregator's own service-account token. The reviewed token must be authenticated for our
+  audience, belong to the agent's service account, and carry the node it was issued on
+  (``authentication.kubernetes.io/node-name``, set on pod-bound tokens since Kubernetes 1.30).
+  Positive answers are cached briefly, so 7,500 nodes reporting every 10 s cost the API server
+  about 125 reviews a second at most, not 750.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import re
+import ssl
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Protocol, runtime_checkable
+
+import aiohttp
+import msgspec
+
+from agent.clock import Clock
+from agent.errors import ConfigError, GpuwardenError
+from aggregator.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "NODE_NAME_EXTRA",
+    "SERVICE_ACCOUNT_DIR",
+    "AuthError",
+    "AuthUnavailable",
+    "Authenticator",
+    "Identity",
+    "StaticTokens",
+    "SupportsClose",
+    "TokenReviewAuthenticator",
+    "parse_token_file",
+]
+
+SERVICE_ACCOUNT_DIR: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+NODE_NAME_EXTRA: Final = "authentication.kubernetes.io/node-name"
+TOKEN_REVIEW_PATH: Final = "/apis/authentication.k8s.io/v1/tokenreviews"
+
+# The report schema's node name pattern: a token file naming anything else could never match.
+_NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_NODE_NAME_MAX = 253
+# Shorter tokens are guessable; warned about rather than refused so a lab setup still starts.
+_WEAK_TOKEN_CHARS: Final = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """An authenticated caller: the node its credential is bound to (None: not node-bound)."""
+
+    node: str | None
+    subject: str
+
+
+class AuthError(GpuwardenError):
+    """The token is not accepted. ``status`` 401 (unknown/invalid) or 403 (valid, not allowed)."""
+
+    def __init__(self, message: str, *, reason: str = "bad_token", status: int = 401) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
+
+
+class AuthUnavailable(GpuwardenError):
+    """The token could not be checked right now (API server unreachable or refusing us)."""
+
+
+class Authenticator(Protocol):
+    async def authenticate(self, token: str) -> Identity:
+        """The identity behind ``token``; ``AuthError`` if refused, ``AuthUnavailable`` if unknown."""
+        ...
+
+
+@runtime_checkable
+class SupportsClose(Protocol):
+    async def close(self) -> None: ...
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+def parse_token_file(text: str, source: str) -> dict[bytes, str]:
+    """``node-name token`` lines -> {sha256(token): node}; ``ConfigError`` naming the line.
+
+    ``#`` starts a comment line; blank lines are ignored. A node may have several tokens (so a
+    token can be rotated without a gap), but a token belongs to exactly one node.
+    """
+    by_digest: dict[bytes, str] = {}
+    first_line: dict[bytes, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        fields = line.split()
+        if len(fields) != 2:
+            raise ConfigError(f"{source} line {number}: expected 'node-name token', got {len(fields)} fields")
+        node, token = fields
+        if len(node) > _NODE_NAME_MAX or not _NODE_NAME.match(node):
+            raise ConfigError(
+                f"{source} line {number}: {node!r} is not a valid node name "
+                "(lowercase letters, digits, '-' and '.', as in Kubernetes)"
+            )
+        digest = _digest(token)
+        if digest in by_digest:
+            raise ConfigError(
+                f"{source} line {number}: the token of {node} is already the token of "
+                f"{by_digest[digest]} (line {first_line[digest]}); each node needs its own"
+            )
+        if len(token) < _WEAK_TOKEN_CHARS:
+            log.warning(
+                "weak static token: shorter than %d characters",
+                _WEAK_TOKEN_CHARS,
+                extra={"token_file": source, "line": number, "token_node": node},
+            )
+        by_digest[digest] = node
+        first_line[digest] = number
+    return by_digest
+
+
+class StaticTokens:
+    """Tokens from a file, re-read when it changes (checked at most every ``recheck_seconds``).
+
+    A file that cannot be read or parsed at start is a ``ConfigError``. Later, a broken, missing
+    or empty file keeps the last good tokens in force and is logged: a half-written file must not
+    lock the whole fleet out. Revoking a token means writing a file without it.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        recheck_seconds: float = 1.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._path = path
+        self._recheck_s = recheck_seconds
+        self._monotonic = monotonic
+        self._tokens: dict[bytes, str] = {}
+        self._key: tuple[int, int, int] | None = None
+        self._checked_at = monotonic()
+        self._last_error: str | None = None
+        try:
+            key = self._stat_key()
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read token file {path}: {exc}") from exc
+        tokens = parse_token_file(text, str(path))
+        if not tokens:
+            raise ConfigError(f"token file {path} holds no 'node-name token' lines")
+        self._tokens = tokens
+        self._key = key
+        log.info("static tokens loaded", extra={"token_file": str(path), "tokens": len(tokens)})
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def _stat_key(self) -> tuple[int, int, int]:
+        st = os.stat(self._path)
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def reload_if_changed(self) -> bool:
+        """Re-read the file if its inode, mtime or size changed; True if new tokens are in force."""
+        try:
+            key = self._stat_key()
+            if key == self._key:
+                return False
+            text = self._path.read_text(encoding="utf-8")
+            tokens = parse_token_file(text, str(self._path))
+            if not tokens:
+                raise ConfigError(f"token file {self._path} holds no 'node-name token' lines")
+        except (OSError, UnicodeDecodeError, ConfigError) as exc:
+            # Once per distinct problem, not once per request.
+            if str(exc) != self._last_error:
+                log.error(
+                    "token file unusable, keeping the previous tokens",
+                    extra={"token_file": str(self._path), "error": str(exc)},
+                )
+            self._last_error = str(exc)
+            return False
+        self._tokens = tokens
+        self._key = key
+        self._last_error = None
+        log.info("static tokens reloaded", extra={"token_file": str(self._path), "tokens": len(tokens)})
+        return True
+
+    async def authenticate(self, token: str) -> Identity:
+        now = self._monotonic()
+        if now - self._checked_at >= self._recheck_s:
+            self._checked_at = now
+            self.reload_if_changed()
+        # Looking the token up by its SHA-256 digest is the constant-time comparison: how long the
+        # lookup takes depends on the digest, and a guess sharing a prefix with a real token
+        # shares nothing with its digest, so timing reveals nothing about the token. (A
+        # compare_digest against each of 7,500 tokens would cost milliseconds per request.)
+        node = self._tokens.get(_digest(token))
+        if node is None:
+            raise AuthError("unknown bearer token", reason="bad_token")
+        return Identity(node=node, subject=f"static:{node}")
+
+
+# -- Kubernetes TokenReview -----------------------------------------------------------------------
+
+
+class _UserInfo(msgspec.Struct, frozen=True):
+    username: str = ""
+    uid: str = ""
+    groups: list[str] = msgspec.field(default_factory=list)
+    extra: dict[str, list[str]] = msgspec.field(default_factory=dict)
+
+
+class _ReviewStatus(msgspec.Struct, frozen=True):
+    authenticated: bool = False
+    user: _UserInfo | None = None
+    audiences: list[str] | None = None
+    error: str = ""
+
+
+class _TokenReview(msgspec.Struct, frozen=True):
+    status: _ReviewStatus = msgspec.field(default_factory=_ReviewStatus)
+
+
+_REVIEW_DECODER = msgspec.json.Decoder(_TokenReview)
+
+
+class _FileToken:
+    """The aggregator's own service-account token; the kubelet rotates it, so re-read on change."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._token = ""
+        self._key: tuple[int, int, int] | None = None
+        self.current()
+        if not self._token:
+            raise ConfigError(f"service-account token {path} is missing or empty")
+
+    def current(self) -> str:
+        try:
+            st = os.stat(self._path)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if key != self._key:
+                token = self._path.read_text(encoding="utf-8").strip()
+                if token:
+                    self._token = token
+                    self._key = key
+        except (OSError, UnicodeDecodeError) as exc:
+            if not self._token:
+                raise ConfigError(f"cannot read service-account token {self._path}: {exc}") from exc
+            log.warning(
+                "service-account token unreadable, using the previous one",
+                extra={"token_file": str(self._path), "error": str(exc)},
+            )
+        return self._token
+
+
+class TokenReviewAuthenticator:
+    """Checks agent tokens with the Kubernetes TokenReview API; see the module docstring."""
+
+    def __init__(
+        self,
+        api_url: str,
+        credentials: Path,
+        *,
+        audience: str,
+        agent_namespace: str,
+        agent_service_account: str,
+        clock: Clock,
+        ca_file: Path | None = None,
+        cache_seconds: float = 60.0,
+        cache_max_entries: int = 50_000,
+        timeout_s: float = 5.0,
+        max_concurrent: int = 32,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if not api_url.startswith(("https://", "http://")):
+            raise ConfigError(f"Kubernetes API URL {api_url!r} must start with https:// or http://")
+        if not audience:
+            raise ConfigError("a TokenReview audience is required (the agents' projected token audience)")
+        if cache_seconds < 0 or cache_max_entries < 1 or timeout_s <= 0 or max_concurrent < 1:
+            raise ConfigError("TokenReview cache, timeout and concurrency limits must be positive")
+        self._url = api_url.rstrip("/") + TOKEN_REVIEW_PATH
+        self._credentials = _FileToken(credentials)
+        self._audience = audience
+        self._username = f"system:serviceaccount:{agent_namespace}:{agent_service_account}"
+        self._clock = clock
+        self._ssl: ssl.SSLContext | None = None
+        if ca_file is not None:
+            try:
+                self._ssl = ssl.create_default_context(cafile=str(ca_file))
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(f"cannot load Kubernetes CA {ca_file}: {exc}") from exc
+        self._cache_s = cache_seconds
+        self._cache_max = cache_max_entries
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # Bounds the API server's load when every agent reconnects at once after a restart.
+        self._limit = asyncio.Semaphore(max_concurrent)
+        self._metrics = metrics
+        # sha256(token) -> (identity, monotonic expiry). Insertion order is expiry order (one TTL
+        # for all), so eviction pops from the front.
+        self._cache: dict[bytes, tuple[Identity, float]] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def in_cluster(
+        cls,
+        *,
+        audience: str,
+        agent_namespace: str,
+        agent_service_account: str,
+        clock: Clock,
+        environ: Mapping[str, str] | None = None,
+        service_account_dir: Path = SERVICE_ACCOUNT_DIR,
+        **kwargs: object,
+    ) -> TokenReviewAuthenticator:
+        """Configured like client-go's in-cluster config: the pod's service account and the
+        ``KUBERNETES_SERVICE_HOST``/``_PORT`` environment."""
+        env = os.environ if environ is None else environ
+        host = env.get("KUBERNETES_SERVICE_HOST", "")
+        port = env.get("KUBERNETES_SERVICE_PORT", "")
+        if not host or not port:
+            raise ConfigError(
+                "not running in a Kubernetes pod: KUBERNETES_SERVICE_HOST and "
+                "KUBERNETES_SERVICE_PORT are not set (use --token-file for static tokens)"
+            )
+        if ":" in host:  # an IPv6 address
+            host = f"[{host}]"
+        return cls(
+            f"https://{host}:{port}",
+            service_account_dir / "token",
+            ca_file=service_account_dir / "ca.crt",
+            audience=audience,
+            agent_namespace=agent_namespace,
+            agent_service_account=agent_service_account,
+            clock=clock,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _count(self, result: str) -> None:
+        if self._metrics is not None:
+            self._metrics.token_review(result)
+
+    def _cached(self, digest: bytes) -> Identity | None:
+        entry = self._cache.get(digest)
+        if entry is None:
+            return None
+        identity, expires = entry
+        if self._clock.monotonic() >= expires:
+            del self._cache[digest]
+            return None
+        return identity
+
+    def _remember(self, digest: bytes, identity: Identity) -> None:
+        if self._cache_s <= 0:
+            return
+        now = self._clock.monotonic()
+        self._cache.pop(digest, None)
+        while self._cache:
+            oldest = next(iter(self._cache))
+            if len(self._cache) < self._cache_max and self._cache[oldest][1] > now:
+                break
+            del self._cache[oldest]
+        self._cache[digest] = (identity, now + self._cache_s)
+
+    async def authenticate(self, token: str) -> Identity:
+        digest = _digest(token)
+        cached = self._cached(digest)
+        if cached is not None:
+            self._count("cached")
+            return cached
+        async with self._limit:
+            # Another request with the same token may have filled the cache while we waited.
+            cached = self._cached(digest)
+            if cached is not None:
+                self._count("cached")
+                return cached
+            try:
+                status = await self._review(token)
+                identity = self._judge(status)
+            except AuthError:
+                self._count("denied")
+                raise
+            except AuthUnavailable:
+                self._count("error")
+                raise
+        self._count("authenticated")
+        self._remember(digest, identity)
+        return identity
+
+    async def _review(self, token: str) -> _ReviewStatus:
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "spec": {"token": token, "audiences": [self._audience]},
+        }
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        headers = {"Authorization": f"Bearer {self._credentials.current()}"}
+        try:
+            async with self._session.post(
+                self._url, json=body, headers=headers, ssl=self._ssl if self._ssl is not None else True
+            ) as resp:
+                data = await resp.read()
+                if resp.status not in (200, 201):
+                    log.error(
+                        "TokenReview refused by the API server (does the aggregator's service "
+                        "account have the system:auth-delegator role?)",
+                        extra={"http_status": resp.status, "body": data[:512].decode("utf-8", "replace")},
+                    )
+                    raise AuthUnavailable(f"TokenReview answered HTTP {resp.status}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("TokenReview request failed", extra={"url": self._url, "error": repr(exc)})
+            raise AuthUnavailable(f"TokenReview request failed: {exc!r}") from exc
+        try:
+            return _REVIEW_DECODER.decode(data).status
+        except msgspec.DecodeError as exc:
+            raise AuthUnavailable(f"TokenReview answer unreadable: {exc}") from exc
+
+    def _judge(self, status: _ReviewStatus) -> Identity:
+        if not status.authenticated or status.user is None:
+            raise AuthError(
+                f"token not authenticated by Kubernetes{': ' + status.error if status.error else ''}",
+                reason="bad_token",
+            )
+        # An API server that ignores spec.audiences answers with its own; refuse those tokens.
+        if status.audiences is None or self._audience not in status.audiences:
+            raise AuthError(f"token is not for audience {self._audience!r}", reason="bad_token")
+        user = status.user
+        if user.username != self._username:
+            raise AuthError(
+                f"{user.username!r} is not the agent's service account {self._username!r}",
+                reason="forbidden",
+                status=403,
+            )
+        nodes = user.extra.get(NODE_NAME_EXTRA, [])
+        if len(nodes) > 1:
+            raise AuthError(f"token is bound to several nodes {nodes}", reason="forbidden", status=403)
+        return Identity(node=nodes[0] if nodes else None, subject=user.username)

@@ -1,0 +1,66 @@
+"""The aggregator's configuration: one YAML file, every key with a default, validated at start.
+
+Each part owns its section's type here so that a newcomer finds every knob in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+PositiveSeconds = Annotated[float, Meta(gt=0)]
+Ratio = Annotated[float, Meta(ge=0, le=1)]
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class IngestConfig(_Section, frozen=True):
+    max_body_bytes: Annotated[int, Meta(gt=0)] = 1 << 20  # compressed body as received
+    max_decompressed_bytes: Annotated[int, Meta(gt=0)] = 4 << 20  # gzip bomb guard
+    # Reports further than this from the aggregator's clock are still accepted (clock skew does
+    # not matter for liveness) but their time is what orders them within the node.
+    duplicate_window: Annotated[int, Meta(gt=0)] = 64  # (boot_id, seq) remembered per node
+
+
+class FleetConfig(_Section, frozen=True):
+    window_seconds: PositiveSeconds = 1800.0  # history kept per node and per pool
+    interval_seconds: PositiveSeconds = 10.0  # expected report interval (slot width of the frames)
+    max_gpus: Annotated[int, Meta(gt=0, le=64)] = 8
+
+
+class HealthConfig(_Section, frozen=True):
+    suspect_for_seconds: PositiveSeconds = 120.0  # soft evidence must persist this long to quarantine
+    clear_for_seconds: PositiveSeconds = 120.0  # suspect -> healthy once evidence is gone this long
+    probation_seconds: PositiveSeconds = 1800.0  # quarantined -> probation -> healthy
+    lemon_count: Annotated[int, Meta(ge=2)] = 3  # quarantines within lemon_window make a lemon
+    lemon_window_seconds: PositiveSeconds = 7 * 86400.0
+
+
+class SilenceConfig(_Section, frozen=True):
+    silent_after_seconds: PositiveSeconds = 60.0  # no report for this long: the node is suspect
+    # A failure domain (rack/leaf) with at least this many silent nodes, or a pool with at least
+    # this share silent, is one systemic problem, not many node problems.
+    domain_min_nodes: Annotated[int, Meta(ge=2)] = 3
+    pool_share: Ratio = 0.2
+
+
+class AuthConfig(_Section, frozen=True):
+    """Kubernetes TokenReview of the agents' projected service-account tokens."""
+
+    audience: str = "gpuwarden"  # audience of the agents' projected tokens
+    agent_namespace: str = "gpuwarden"
+    agent_service_account: str = "gpuwarden-agent"
+    cache_seconds: Annotated[float, Meta(ge=0)] = 60.0
+
+
+class Config(_Section, frozen=True):
+    rules_dir: str | None = None  # default: the rules/ directory shipped with gpuwarden
+    ingest: IngestConfig = IngestConfig()
+    fleet: FleetConfig = FleetConfig()
+    health: HealthConfig = HealthConfig()
+    silence: SilenceConfig = SilenceConfig()
+    auth: AuthConfig = AuthConfig()

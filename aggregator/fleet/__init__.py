@@ -1,0 +1,1 @@
+"""The fleet's recent history: per node (for rules) and columnar per pool (for vectorized detectors)."""

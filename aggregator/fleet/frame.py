@@ -1,0 +1,486 @@
+"""Columnar state per pool, so that peer detectors compare a node with its pool in a few numpy calls.
+
+A ``PoolFrame`` holds, for one pool, ``gpu``: float32 ``(slots, nodes, gpus, len(GPU_FIELDS))`` and
+``nic``: float32 ``(slots, nodes, nics, len(NIC_FIELDS))``; NaN is "no value" (not reported, null,
+GPU or NIC absent, slot not written). Time is a ring of slots ``interval_seconds`` wide: slot number
+``k = floor(t / interval)`` lives at position ``k % slots``. When the newest slot number moves
+forward, the positions of every slot number it passes are cleared first, so a position never shows
+data of an older time, and a slot no report landed in reads NaN. Nodes are rows; the row index
+grows by doubling, and a forgotten node's row is filled with the last row (swap-remove), so rows
+``[0, n)`` are always the live nodes and a snapshot of a contiguous slot range is a view, no copy.
+
+Columns are named by module constants (``GPU_COLUMN["temperature_celsius"]``) so detectors never
+hard-code an index. Gauges come from the node's latest report; counter rates are the view's
+reset-safe rates over the last interval (since the previous report of the same boot; NaN after
+a reboot or for a node's first report), taken from the ``NodeView`` and never recomputed here.
+
+Memory, and why the frame covers 10 minutes rather than the whole history window
+-------------------------------------------------------------------------------
+Covering the default 1,800 s window at 10 s would take 180 slots: for 7,500 nodes x 8 GPUs x 17
+fields x 4 bytes that is 734 MB, plus the NIC frame (7,500 x 8 NICs x 9 fields x 4 bytes x 180 =
+389 MB): over 1 GB for state that peer detectors read only the recent part of. A peer detector
+asks "is this node, now and for the last few minutes, unlike its pool?": it compares nodes at the
+same moments and needs a persistence of minutes, not half an hour. A node's own longer past is in
+its ``NodeHistory`` (rates over any window, ``gpu_samples``). So the frame covers ``frame_seconds``
+(default ``min(window_seconds, 600)``: 60 slots at 10 s):
+
+    GPU: 7,500 nodes x 8 GPUs x 17 fields x 60 slots x 4 B = 245 MB
+    NIC: 7,500 nodes x 8 NICs x  9 fields x 60 slots x 4 B = 130 MB
+
+375 MB in all for 7,500 nodes (50 MB for 1,000), up to twice that just after the row capacity of a
+big pool doubled. float16 would halve it but cannot hold bytes per second (max 65,504) and has 3
+significant digits, which peer comparisons of power or clocks need; float32 is kept.
+
+Slots use the report's own time unless ``record(..., at=...)`` passes another clock: a node whose
+clock runs far ahead would otherwise move its pool's newest slot forward and clear the frame, so the
+live service should pass the time it received the report (replay passes report times anyway).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import types
+from collections.abc import Callable, Mapping
+from typing import Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from agent.errors import ConfigError
+from agent.report import Gpu, Nic
+from aggregator.config import FleetConfig
+from aggregator.fleet.history import NIC_TYPED_COUNTERS, HistoryView
+from aggregator.fleet.pools import Placement
+from aggregator.fleet.view import NodeView
+
+log = logging.getLogger(__name__)
+
+FloatArray = npt.NDArray[np.float32]
+
+_NAN: Final = math.nan
+DEFAULT_FRAME_SECONDS: Final = 600.0
+DEFAULT_MAX_NICS: Final = 16
+_INITIAL_ROWS: Final = 8
+# A rate over exactly the last interval: the window reaches back to the previous report, plus a
+# little so that rounding in ``now - (now - previous)`` cannot leave the previous report out.
+_WINDOW_SLACK_S: Final = 1e-3
+
+
+def _f(v: float | None) -> float:
+    return _NAN if v is None else float(v)
+
+
+def _ratio(num: float | None, den: float | None) -> float:
+    if num is None or den is None or den <= 0:
+        return _NAN
+    return num / den
+
+
+def _bit(mask: int) -> Callable[[Gpu], float]:
+    def flag(g: Gpu) -> float:
+        r = g.clock_event_reasons
+        return _NAN if r is None else float(bool(r & mask))
+
+    return flag
+
+
+# (column, value from the GPU of the latest report); NVML's nvmlClocksEventReason* bits as 0/1.
+_GPU_GAUGES: Final[tuple[tuple[str, Callable[[Gpu], float]], ...]] = (
+    ("utilization_ratio", lambda g: _f(g.utilization_ratio)),
+    ("sm_clock_ratio", lambda g: _ratio(g.sm_clock_hz, g.sm_clock_max_hz)),
+    ("temperature_celsius", lambda g: _f(g.temperature_celsius)),
+    ("memory_temperature_celsius", lambda g: _f(g.memory_temperature_celsius)),
+    ("power_watts", lambda g: _f(g.power_watts)),
+    ("power_limit_watts", lambda g: _f(g.power_limit_watts)),
+    ("sw_power_cap", _bit(0x4)),
+    ("hw_slowdown", _bit(0x8)),
+    ("sw_thermal", _bit(0x20)),
+    ("hw_thermal", _bit(0x40)),
+    ("power_brake", _bit(0x80)),
+    ("pcie_link_width_ratio", lambda g: _ratio(g.pcie_link_width, g.pcie_link_width_max)),
+)
+# (column, which rate of the view, the fields summed): per second over the last interval.
+_GPU_RATES: Final[tuple[tuple[str, Literal["gpu", "nvlink"], tuple[str, ...]], ...]] = (
+    ("ecc_sbe_per_second", "gpu", ("ecc_sbe_volatile_total",)),
+    ("pcie_replay_per_second", "gpu", ("pcie_replay_total",)),
+    ("nvlink_crc_per_second", "nvlink", ("crc_flit_errors_total", "crc_data_errors_total")),
+    ("nvlink_replay_per_second", "nvlink", ("replay_errors_total",)),
+    ("nvlink_recovery_per_second", "nvlink", ("recovery_errors_total",)),
+)
+# (column, NIC counters in order of preference: InfiniBand's PMA name, then the netdev one).
+_NIC_RATES: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
+    ("symbol_error_per_second", ("symbol_error",)),
+    ("link_downed_per_second", ("link_downed", "carrier_down_count")),
+    ("port_rcv_errors_per_second", ("port_rcv_errors", "rx_errors")),
+    ("port_xmit_discards_per_second", ("port_xmit_discards", "tx_dropped")),
+    ("link_error_recovery_per_second", ("link_error_recovery",)),
+    ("rx_bytes_per_second", ("rx_bytes_total",)),
+    ("tx_bytes_per_second", ("tx_bytes_total",)),
+)
+_LINK_UP_STATES: Final = frozenset({"ACTIVE", "UP"})  # InfiniBand port state, netdev operstate
+
+
+def _link_up(n: Nic) -> float:
+    return _NAN if n.state is None else float(n.state.upper() in _LINK_UP_STATES)
+
+
+_NIC_GAUGES: Final[tuple[tuple[str, Callable[[Nic], float]], ...]] = (
+    ("link_rate_bytes_per_second", lambda n: _f(n.rate_bytes_per_second)),
+    ("link_up", _link_up),
+)
+
+GPU_FIELDS: Final[tuple[str, ...]] = tuple(name for name, _ in _GPU_GAUGES) + tuple(
+    name for name, _, _ in _GPU_RATES
+)
+NIC_FIELDS: Final[tuple[str, ...]] = tuple(name for name, _ in _NIC_RATES) + tuple(
+    name for name, _ in _NIC_GAUGES
+)
+GPU_COLUMN: Final[Mapping[str, int]] = types.MappingProxyType({n: i for i, n in enumerate(GPU_FIELDS)})
+NIC_COLUMN: Final[Mapping[str, int]] = types.MappingProxyType({n: i for i, n in enumerate(NIC_FIELDS)})
+
+NicKey = tuple[str, int | None]
+
+
+def nic_name(key: NicKey) -> str:
+    """How a NIC column is named: ``mlx5_0:1`` for an RDMA port, ``eth0`` for a netdev."""
+    device, port = key
+    return device if port is None else f"{device}:{port}"
+
+
+def _nic_source(nic: Nic, names: tuple[str, ...]) -> str | None:
+    counters = nic.counters if isinstance(nic.counters, dict) else {}
+    for name in names:
+        if name in NIC_TYPED_COUNTERS:
+            if getattr(nic, name) is not None:
+                return name
+        elif name in counters:
+            return name
+    return None
+
+
+def _sum(values: list[float | None]) -> float:
+    present = [v for v in values if v is not None]
+    return math.fsum(present) if present else _NAN
+
+
+def gpu_block(view: NodeView, gpus: int) -> FloatArray:
+    """One node's GPU row for one slot: ``(gpus, len(GPU_FIELDS))``, NaN where nothing is known."""
+    report = view.report
+    prev = view.previous
+    window = report.time - prev.time + _WINDOW_SLACK_S if prev is not None else None
+    rows: list[list[float]] = [[_NAN] * len(GPU_FIELDS) for _ in range(gpus)]
+    for g in report.gpus:
+        if g.index >= gpus:
+            log.debug("GPU index beyond the frame's max_gpus", extra={"node": view.node, "gpu": g.index})
+            continue
+        row = rows[g.index]
+        for col, (_, value) in enumerate(_GPU_GAUGES):
+            row[col] = value(g)
+        if window is None:
+            continue
+        col = len(_GPU_GAUGES)
+        for _, kind, fields in _GPU_RATES:
+            rate = view.gpu_rate if kind == "gpu" else view.nvlink_rate
+            row[col] = _sum([rate(g.index, f, window) for f in fields])
+            col += 1
+    return np.array(rows, dtype=np.float32).reshape(gpus, len(GPU_FIELDS))
+
+
+def nic_block(view: NodeView, keys: list[NicKey]) -> FloatArray:
+    """One node's NIC rows for one slot, in the order of ``keys``: ``(len(keys), len(NIC_FIELDS))``."""
+    report = view.report
+    prev = view.previous
+    window = report.time - prev.time + _WINDOW_SLACK_S if prev is not None else None
+    by_key = {(n.device, n.port): n for n in report.nics}
+    rows: list[list[float]] = []
+    for key in keys:
+        row = [_NAN] * len(NIC_FIELDS)
+        rows.append(row)
+        n = by_key.get(key)
+        if n is None:
+            continue
+        if window is not None:
+            for col, (_, names) in enumerate(_NIC_RATES):
+                source = _nic_source(n, names)
+                if source is not None:
+                    row[col] = _f(view.nic_rate(n.device, n.port, source, window))
+        for col, (_, value) in enumerate(_NIC_GAUGES, start=len(_NIC_RATES)):
+            row[col] = value(n)
+    return np.array(rows, dtype=np.float32).reshape(len(keys), len(NIC_FIELDS))
+
+
+class PoolFrame:
+    """One pool's GPU and NIC state over the last ``slots`` intervals (see the module docstring)."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        interval_s: float,
+        slots: int,
+        gpus: int,
+        initial_rows: int = _INITIAL_ROWS,
+        initial_nics: int = 8,
+    ) -> None:
+        if not (interval_s > 0 and slots > 0 and gpus > 0 and initial_rows > 0 and initial_nics > 0):
+            raise ConfigError(
+                f"pool frame needs interval_s, slots, gpus, initial_rows, initial_nics > 0; got "
+                f"{interval_s}, {slots}, {gpus}, {initial_rows}, {initial_nics}"
+            )
+        self.name = name
+        self.interval_s = interval_s
+        self.slots = slots
+        self.gpus = gpus
+        self.gpu: FloatArray = np.full((slots, initial_rows, gpus, len(GPU_FIELDS)), np.nan, np.float32)
+        self.nic: FloatArray = np.full(
+            (slots, initial_rows, initial_nics, len(NIC_FIELDS)), np.nan, np.float32
+        )
+        self.head: int | None = None  # newest slot number written
+        self._names: list[str] = []
+        self._rows: dict[str, int] = {}
+        self._nic_keys: dict[str, list[NicKey]] = {}
+        self._nic_seen: dict[str, set[NicKey]] = {}  # assigned a column or left out
+
+    # -- rows --------------------------------------------------------------------------------
+
+    @property
+    def nodes(self) -> list[str]:
+        """Node names in row order (a copy)."""
+        return list(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._rows
+
+    def row_of(self, node: str) -> int | None:
+        return self._rows.get(node)
+
+    def nic_keys(self, node: str) -> list[NicKey]:
+        """The node's NICs in column order of the NIC frame."""
+        return list(self._nic_keys.get(node, ()))
+
+    def _resize_rows(self, capacity: int) -> None:
+        n = len(self._names)
+        gpu = np.full((self.slots, capacity, *self.gpu.shape[2:]), np.nan, np.float32)
+        nic = np.full((self.slots, capacity, *self.nic.shape[2:]), np.nan, np.float32)
+        gpu[:, :n] = self.gpu[:, :n]
+        nic[:, :n] = self.nic[:, :n]
+        self.gpu, self.nic = gpu, nic
+
+    def _row(self, node: str) -> int:
+        row = self._rows.get(node)
+        if row is None:
+            row = len(self._names)
+            if row == self.gpu.shape[1]:
+                self._resize_rows(2 * row)
+            self._names.append(node)
+            self._rows[node] = row
+        return row
+
+    def release(self, node: str) -> bool:
+        """Free a node's row (swap-remove, so live rows stay contiguous); False if it had none."""
+        row = self._rows.pop(node, None)
+        if row is None:
+            return False
+        self._nic_keys.pop(node, None)
+        self._nic_seen.pop(node, None)
+        last = len(self._names) - 1
+        if row != last:
+            moved = self._names[last]
+            self.gpu[:, row] = self.gpu[:, last]
+            self.nic[:, row] = self.nic[:, last]
+            self._names[row] = moved
+            self._rows[moved] = row
+        self.gpu[:, last] = np.nan
+        self.nic[:, last] = np.nan
+        self._names.pop()
+        capacity = self.gpu.shape[1]
+        if capacity > _INITIAL_ROWS and len(self._names) <= capacity // 4:
+            self._resize_rows(max(_INITIAL_ROWS, capacity // 2))
+        return True
+
+    def assign_nics(self, node: str, keys: list[NicKey], max_nics: int) -> list[NicKey]:
+        """The node's NIC column order: sorted at first sight, NICs seen later appended.
+
+        NICs beyond ``max_nics`` are left out (and said so once per NIC, not per report).
+        """
+        known = self._nic_keys.get(node)
+        seen = self._nic_seen.get(node)
+        if known is None or seen is None:
+            known = self._nic_keys[node] = []
+            seen = self._nic_seen[node] = set()
+        elif seen.issuperset(keys):
+            return known
+        for key in sorted(set(keys) - seen, key=lambda k: (k[0], -1 if k[1] is None else k[1])):
+            seen.add(key)
+            if len(known) >= max_nics:
+                log.warning(
+                    "node has more NICs than the frame keeps; this one is left out",
+                    extra={"node": node, "nic": nic_name(key), "max_nics": max_nics},
+                )
+                continue
+            known.append(key)
+        if len(known) > self.nic.shape[2]:
+            width = max(len(known), 2 * self.nic.shape[2])
+            nic = np.full((*self.nic.shape[:2], width, len(NIC_FIELDS)), np.nan, np.float32)
+            nic[:, :, : self.nic.shape[2]] = self.nic
+            self.nic = nic
+        return known
+
+    # -- time --------------------------------------------------------------------------------
+
+    def slot_number(self, t: float) -> int:
+        return math.floor(t / self.interval_s)
+
+    def _advance(self, k: int) -> None:
+        head = self.head
+        if head is None or k - head >= self.slots:
+            self.gpu[:] = np.nan
+            self.nic[:] = np.nan
+        else:
+            for m in range(head + 1, k + 1):
+                p = m % self.slots
+                self.gpu[p] = np.nan
+                self.nic[p] = np.nan
+        self.head = k
+
+    def _slot_range(self, t0: float, t1: float) -> tuple[int, int]:
+        """Slot numbers ``[k0, k1]`` of ``[t0, t1]`` that the ring still holds (k1 < k0: none)."""
+        if self.head is None:
+            return 0, -1
+        k0 = max(self.slot_number(t0), self.head - self.slots + 1)
+        k1 = min(self.slot_number(t1), self.head)
+        return k0, k1
+
+    def write(self, node: str, t: float, gpu: FloatArray, nics: list[NicKey], nic: FloatArray) -> bool:
+        """Store one node's values for the slot of ``t``; False when that slot is already gone."""
+        k = self.slot_number(t)
+        if self.head is None or k > self.head:
+            self._advance(k)
+        elif k <= self.head - self.slots:
+            return False
+        p = k % self.slots
+        row = self._row(node)
+        self.gpu[p, row] = gpu
+        if nics:
+            self.nic[p, row, : len(nics)] = nic
+        return True
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _window(self, data: FloatArray, t0: float, t1: float) -> FloatArray:
+        n = len(self._names)
+        k0, k1 = self._slot_range(t0, t1)
+        p0, p1 = k0 % self.slots, k1 % self.slots
+        if k1 < k0:
+            out: FloatArray = data[:0, :n]
+        elif p0 <= p1:
+            out = data[p0 : p1 + 1, :n]  # a view
+        else:  # the range wraps around the ring: the one case that copies
+            out = np.concatenate((data[p0:, :n], data[: p1 + 1, :n]))
+        out.flags.writeable = False
+        return out
+
+    def snapshot(self, t0: float, t1: float) -> tuple[list[str], FloatArray]:
+        """Node names and the GPU values ``(slots in [t0, t1], nodes, gpus, GPU_FIELDS)``, oldest first.
+
+        The range is clipped to the slots the ring holds (``slot_starts`` gives each one's time).
+        The array is read-only and, when the range does not wrap around the ring, a view of the
+        live state: use it before the next ``write``, or copy it.
+        """
+        return list(self._names), self._window(self.gpu, t0, t1)
+
+    def nic_snapshot(self, t0: float, t1: float) -> tuple[list[str], FloatArray]:
+        """Like ``snapshot`` for the NIC frame ``(slots, nodes, nics, NIC_FIELDS)``; see ``nic_keys``."""
+        return list(self._names), self._window(self.nic, t0, t1)
+
+    def slot_starts(self, t0: float, t1: float) -> npt.NDArray[np.float64]:
+        """The start time of each slot a snapshot of ``[t0, t1]`` returns."""
+        k0, k1 = self._slot_range(t0, t1)
+        return np.arange(k0, k1 + 1, dtype=np.float64) * self.interval_s
+
+
+class FleetFrames:
+    """One ``PoolFrame`` per pool; ``record`` puts each node's latest values in its pool's frame."""
+
+    def __init__(
+        self,
+        config: FleetConfig | None = None,
+        *,
+        frame_seconds: float | None = None,
+        max_nics: int = DEFAULT_MAX_NICS,
+    ) -> None:
+        self.config = config if config is not None else FleetConfig()
+        seconds = (
+            frame_seconds
+            if frame_seconds is not None
+            else min(self.config.window_seconds, DEFAULT_FRAME_SECONDS)
+        )
+        if not seconds > 0 or max_nics <= 0:
+            raise ConfigError(f"frames need frame_seconds > 0 and max_nics > 0; got {seconds}, {max_nics}")
+        self.slots = math.ceil(seconds / self.config.interval_seconds)
+        self.max_nics = max_nics
+        self._frames: dict[str, PoolFrame] = {}
+        self._pool_of: dict[str, str] = {}
+
+    def record(self, view: NodeView, placement: Placement, *, at: float | None = None) -> bool:
+        """Write the node's latest values into its pool's slot for ``at`` (default: report time).
+
+        A view for a late, duplicate or expired report is the view of the node's latest report,
+        which was recorded when it arrived: nothing is written again. A node whose pool changed
+        leaves its old pool's frame. False when nothing was written.
+        """
+        if isinstance(view, HistoryView) and view.outcome != "latest":
+            return False
+        node = view.node
+        pool = placement.pool
+        old = self._pool_of.get(node)
+        if old is not None and old != pool:
+            self._release(node, old)
+        frame = self._frames.get(pool)
+        if frame is None:
+            frame = self._frames[pool] = PoolFrame(
+                pool, interval_s=self.config.interval_seconds, slots=self.slots, gpus=self.config.max_gpus
+            )
+        self._pool_of[node] = pool
+        keys = frame.assign_nics(node, [(n.device, n.port) for n in view.report.nics], self.max_nics)
+        t = view.report.time if at is None else at
+        return frame.write(node, t, gpu_block(view, frame.gpus), keys, nic_block(view, keys))
+
+    def _release(self, node: str, pool: str) -> None:
+        frame = self._frames.get(pool)
+        if frame is not None and frame.release(node) and len(frame) == 0:
+            del self._frames[pool]
+
+    def forget(self, node: str) -> bool:
+        """Free the node's row; False when it had none."""
+        pool = self._pool_of.pop(node, None)
+        if pool is None:
+            return False
+        self._release(node, pool)
+        return True
+
+    def pools(self) -> list[str]:
+        return list(self._frames)
+
+    def frame(self, pool: str) -> PoolFrame | None:
+        return self._frames.get(pool)
+
+    def pool_of(self, node: str) -> str | None:
+        return self._pool_of.get(node)
+
+    def snapshot(self, pool: str, t0: float, t1: float) -> tuple[list[str], FloatArray]:
+        """``PoolFrame.snapshot`` of the pool; no nodes and no slots for an unknown pool."""
+        frame = self._frames.get(pool)
+        if frame is None:
+            return [], np.full((0, 0, self.config.max_gpus, len(GPU_FIELDS)), np.nan, np.float32)
+        return frame.snapshot(t0, t1)
+
+    def nic_snapshot(self, pool: str, t0: float, t1: float) -> tuple[list[str], FloatArray]:
+        frame = self._frames.get(pool)
+        if frame is None:
+            return [], np.full((0, 0, 0, len(NIC_FIELDS)), np.nan, np.float32)
+        return frame.nic_snapshot(t0, t1)

@@ -1,0 +1,818 @@
+"""Per-node history: the latest reports and reset-safe counter rates over a window.
+
+``Fleet.add(report)`` returns a ``HistoryView`` (an ``aggregator.fleet.view.NodeView``) that the
+rule engine evaluates. Rates follow the report contract: per second over the current boot's
+samples inside ``[now - window_s, now]``, the sum of the positive deltas between consecutive
+samples divided by the real time between the first and last of them. A counter that goes down
+within one boot was reset and counts from zero; a new ``boot_id`` starts over.
+
+What is kept, and why not the reports themselves
+-------------------------------------------------
+A decoded report of an 8-GPU node (18 NVLinks per GPU, 8 InfiniBand ports with their counters) is
+about 60 KB of Python objects. Keeping every report for the window (1,800 s at 10 s: 180 reports)
+would cost 11 MB per node, 80 GB for 7,500 nodes. So a node keeps only its latest report and the
+previous one of the same boot in full (the view needs them), and for everything older only the
+numbers someone asked for, as columns of ``array('d')`` aligned with the node's sample times:
+
+- a *series* is one number per sample: the cumulative reset-safe increase of one counter (GPU
+  counter, NVLink counter summed over the GPU's links, NIC counter) or the value of one GPU gauge;
+  NaN where the value was null or the GPU/NIC absent. The rate over a window is then two bisects
+  and a subtraction, whatever the window, so the rule engine can ask for 160 rates per report.
+- which series exist is decided by a ``SeriesRegistry`` shared by the fleet: the first time anyone
+  asks for a field, every node starts keeping it for all its GPUs/NICs (from its next report on;
+  the asking node's series is seeded from the two full reports it still has).
+  ``SeriesRegistry.track_*`` registers fields up front. A series only answers for windows it
+  covers: one started after the window (or this boot's part of it) began gives None rather than
+  an inflated rate. The rule engine asks for every counter of a node on the node's first report,
+  so in practice the series it uses cover the node's whole history.
+- recent samples (``fine_s``, default 300 s) are kept at full resolution; older ones are thinned
+  to one per ``coarse_s`` (default 60 s), keeping the first sample of every boot. Counter rates stay
+  exact (the cumulative value at a retained sample does not change when a neighbour is dropped);
+  a window reaching back past ``fine_s`` just starts at the first retained sample inside it, at
+  most ``coarse_s`` late, and ``gpu_samples`` returns one sample a minute there.
+
+Memory for one node at 10 s reports, window 1,800 s: 30 fine + 25 coarse samples (+ up to 5 waiting
+to be thinned) = 60 rows. 8 GPUs x (5 counters + 4 NVLink counters) + 8 NICs x 8 counters = 136
+series x 8 bytes x 60 rows = 65 KB of numbers; measured with the objects around them: 128 KiB a
+node, 0.95 GB for 7,500 nodes (without the thinning, 180 rows: about 2 GB). The two full reports
+a node keeps come on top (~40-60 KB each; the pipeline needs the latest anyway). A node reporting
+far faster than expected is capped at ``max_samples`` rows (the oldest go first), so a
+misconfigured agent shortens its own window instead of growing memory.
+
+Out-of-order reports
+--------------------
+Reports are ordered by their own ``time`` within a node. A late report (older than the latest but
+inside the window) is inserted in time order: gauges get its values, and it may become the
+latest's ``previous``. Counter series get no value from it (NaN at its row): a cumulative counter's
+next sample already includes everything the late one counted, so the rate is the same as with it
+(exactly as for a lost report), and nothing already summed has to be redone. A late report older
+than ``fine_s`` only counts as seen (it would be thinned away at once). The view returned for a late
+report is the node's view as of its *latest* report (``report`` is the latest, ``previous`` and
+``rebooted`` are the latest's) with ``outcome == "late"`` and ``added`` the late report, so that
+whoever cares about the late report's own events can still read them. A report older than
+``now - window_s`` is dropped (``outcome == "expired"``), and one seen before (same boot_id, seq
+and time) changes nothing (``outcome == "duplicate"``). One exception: a report older than the
+window whose boot_id is the latest's but whose seq is higher means the node's clock stepped back;
+keeping the old order would drop every report until the clock caught up, so the node's history
+starts over from it (logged).
+
+A view is meant to be used before the next ``add`` for its node (the pipeline evaluates it at once):
+its ``report``/``previous``/``rebooted`` are fixed, while its rates read the node's live history,
+bounded by the view's own time and boot (after a reboot an old view's rates are None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from array import array
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable
+from operator import attrgetter
+from typing import TYPE_CHECKING, Final, Literal
+
+from agent.errors import ConfigError, ReportError
+from agent.report import Gpu, Nic, NvLink, Report
+from aggregator.config import FleetConfig
+
+if TYPE_CHECKING:
+    from aggregator.fleet.view import NodeView
+
+log = logging.getLogger(__name__)
+
+_NAN: Final = math.nan
+
+# Cumulative GPU fields: what ``gpu_rate`` accepts.
+GPU_COUNTER_FIELDS: Final[frozenset[str]] = frozenset(
+    {
+        "energy_joules_total",
+        "ecc_sbe_volatile_total",
+        "ecc_dbe_volatile_total",
+        "ecc_sbe_aggregate_total",
+        "ecc_dbe_aggregate_total",
+        "retired_pages_sbe",
+        "retired_pages_dbe",
+        "remapped_rows_correctable",
+        "remapped_rows_uncorrectable",
+        "pcie_replay_total",
+    }
+)
+# Instantaneous numeric GPU fields.
+GPU_GAUGE_FIELDS: Final[frozenset[str]] = frozenset(
+    {
+        "utilization_ratio",
+        "memory_used_bytes",
+        "memory_total_bytes",
+        "temperature_celsius",
+        "memory_temperature_celsius",
+        "power_watts",
+        "power_limit_watts",
+        "sm_clock_hz",
+        "sm_clock_max_hz",
+        "memory_clock_hz",
+        "clock_event_reasons",
+        "performance_state",
+        "pcie_link_gen",
+        "pcie_link_gen_max",
+        "pcie_link_width",
+        "pcie_link_width_max",
+    }
+)
+# Boolean GPU fields, sampled as 0.0/1.0.
+GPU_FLAG_FIELDS: Final[frozenset[str]] = frozenset(
+    {"retired_pages_pending", "remapped_rows_pending", "remapped_rows_failure"}
+)
+# What ``gpu_samples`` accepts: any numeric or boolean GPU field (a counter's raw values included).
+GPU_SAMPLE_FIELDS: Final[frozenset[str]] = GPU_GAUGE_FIELDS | GPU_FLAG_FIELDS | GPU_COUNTER_FIELDS
+NVLINK_COUNTER_FIELDS: Final[frozenset[str]] = frozenset(
+    {"crc_flit_errors_total", "crc_data_errors_total", "replay_errors_total", "recovery_errors_total"}
+)
+# Typed cumulative NIC fields; any other name is looked up in ``Nic.counters``.
+NIC_TYPED_COUNTERS: Final[frozenset[str]] = frozenset(
+    {"rx_bytes_total", "tx_bytes_total", "rx_packets_total", "tx_packets_total"}
+)
+
+_LINK_GETTERS: Final = {name: attrgetter(name) for name in NVLINK_COUNTER_FIELDS}
+
+DEFAULT_FINE_SECONDS: Final = 300.0
+DEFAULT_COARSE_SECONDS: Final = 60.0
+
+Outcome = Literal["latest", "late", "duplicate", "expired"]
+NicKey = tuple[str, int | None]
+
+
+def _known(kind: str, name: str, known: frozenset[str]) -> None:
+    if name not in known:
+        raise ConfigError(f"unknown {kind} field {name!r}; known: {', '.join(sorted(known))}")
+
+
+def _check_window(window_s: float) -> None:
+    if not window_s > 0:  # also refuses NaN
+        raise ConfigError(f"rate window must be a positive number of seconds, got {window_s!r}")
+
+
+class SeriesRegistry:
+    """The fields every node of a fleet keeps a series of (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.gpu_counters: set[str] = set()
+        self.nvlink_counters: set[str] = set()
+        self.nic_counters: set[str] = set()
+        self.gpu_gauges: set[str] = set()
+        self.version = 0  # bumped on every change, so a node knows to create new series
+
+    def track_gpu_counters(self, *fields: str) -> None:
+        for f in fields:
+            _known("GPU counter", f, GPU_COUNTER_FIELDS)
+        self._add(self.gpu_counters, fields)
+
+    def track_nvlink_counters(self, *fields: str) -> None:
+        for f in fields:
+            _known("NVLink counter", f, NVLINK_COUNTER_FIELDS)
+        self._add(self.nvlink_counters, fields)
+
+    def track_nic_counters(self, *counters: str) -> None:
+        for c in counters:
+            if not c:
+                raise ConfigError("NIC counter name must not be empty")
+        self._add(self.nic_counters, counters)
+
+    def track_gpu_gauges(self, *fields: str) -> None:
+        for f in fields:
+            _known("GPU sample", f, GPU_SAMPLE_FIELDS)
+        self._add(self.gpu_gauges, fields)
+
+    def _add(self, target: set[str], names: Iterable[str]) -> None:
+        new = set(names) - target
+        if new:
+            target |= new
+            self.version += 1
+
+
+class _Counter:
+    """One counter's cumulative reset-safe increase per sample (NaN: no value in that sample)."""
+
+    __slots__ = ("cum", "last_boot", "last_cum", "last_raw", "since")
+
+    def __init__(self, rows: int) -> None:
+        self.cum: array[float] = array("d", [_NAN]) * rows
+        self.since = math.inf  # time of its first row: earlier rows are padding, not nulls
+        self.last_raw = 0.0
+        self.last_cum = 0.0
+        self.last_boot: str | None = None  # boot of the last valid sample; None: no sample yet
+
+    def push(self, value: float | None, boot: str) -> None:
+        if value is None:
+            self.cum.append(_NAN)
+            return
+        if value == self.last_raw and boot == self.last_boot:  # unchanged: the common case
+            self.cum.append(self.last_cum)
+            return
+        if boot != self.last_boot:
+            c = self.last_cum  # a new boot starts over: its first sample is the baseline
+        else:
+            d = value - self.last_raw
+            c = self.last_cum + (d if d >= 0 else value)  # went down: reset, counts from zero
+        self.cum.append(c)
+        self.last_raw = value
+        self.last_cum = c
+        self.last_boot = boot
+
+
+class _LinkCounter(_Counter):
+    """An NVLink counter summed over a GPU's links, each link reset-safe on its own."""
+
+    __slots__ = ("get", "ids", "prev")
+
+    def __init__(self, rows: int, name: str) -> None:
+        super().__init__(rows)
+        self.get = _LINK_GETTERS[name]
+        self.ids: list[int] = []  # link numbers of the last sample, in report order
+        self.prev: list[int | None] = []  # each link's last value this boot (None: none yet)
+
+    def push_links(self, links: list[NvLink], ids: list[int], boot: str) -> None:
+        values: list[int | None] = list(map(self.get, links))
+        if boot != self.last_boot:
+            self.ids, self.prev = [], []  # a new boot: every link starts over
+        if ids == self.ids and values == self.prev:
+            # Nothing counted since the last sample: by far the common case, at C speed.
+            if values.count(None) == len(values):
+                self.cum.append(_NAN)
+            else:
+                self.cum.append(self.last_cum)
+            return
+        if ids == self.ids:
+            prev = self.prev
+        else:  # links appeared, vanished or moved: match them by number
+            old = dict(zip(self.ids, self.prev, strict=True))
+            prev = [old.get(i) for i in ids]
+        delta = 0.0
+        valid = False
+        kept: list[int | None] = []
+        for v, p in zip(values, prev, strict=True):
+            if v is None:
+                kept.append(p)
+                continue
+            valid = True
+            if p is not None:
+                d = v - p
+                delta += d if d >= 0 else v
+            kept.append(v)
+        self.ids, self.prev = ids, kept
+        if not valid:
+            self.cum.append(_NAN)
+            return
+        c = self.last_cum + delta
+        self.cum.append(c)
+        self.last_cum = c
+        self.last_boot = boot
+
+
+def _links(gpu: Gpu | None) -> tuple[list[NvLink], list[int]]:
+    links = gpu.nvlink if gpu is not None and isinstance(gpu.nvlink, list) else []
+    return links, [link.link for link in links]
+
+
+class _Gauge:
+    __slots__ = ("since", "vals")
+
+    def __init__(self, rows: int) -> None:
+        self.vals: array[float] = array("d", [_NAN]) * rows
+        self.since = math.inf  # time of its first row: earlier rows are padding, not nulls
+
+
+def _gauge_value(gpu: Gpu | None, name: str) -> float:
+    if gpu is None:
+        return _NAN
+    v = getattr(gpu, name)
+    return _NAN if v is None else float(v)
+
+
+def _nic_value(nic: Nic | None, counter: str) -> float | None:
+    if nic is None:
+        return None
+    if counter in NIC_TYPED_COUNTERS:
+        v: int | None = getattr(nic, counter)
+        return None if v is None else float(v)
+    counters = nic.counters
+    if not isinstance(counters, dict):
+        return None
+    c = counters.get(counter)
+    return None if c is None else float(c)
+
+
+def _gpu_value(gpu: Gpu | None, name: str) -> float | None:
+    if gpu is None:
+        return None
+    v = getattr(gpu, name)
+    return None if v is None else float(v)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HistoryView:
+    """A node after one ``add``; implements ``aggregator.fleet.view.NodeView``."""
+
+    node: str
+    report: Report  # the node's latest report by time
+    previous: Report | None  # the previous report of the same boot
+    rebooted: bool  # the latest's boot_id differs from the report just before it
+    added: Report  # the report this add() took in (the latest, unless late/duplicate/expired)
+    outcome: Outcome
+    _history: NodeHistory = dataclasses.field(repr=False)
+
+    def gpu_rate(self, gpu: int, field: str, window_s: float) -> float | None:
+        return self._history.gpu_rate(gpu, field, window_s, self.report)
+
+    def nvlink_rate(self, gpu: int, field: str, window_s: float) -> float | None:
+        return self._history.nvlink_rate(gpu, field, window_s, self.report)
+
+    def nic_rate(self, device: str, port: int | None, counter: str, window_s: float) -> float | None:
+        return self._history.nic_rate(device, port, counter, window_s, self.report)
+
+    def gpu_samples(self, gpu: int, field: str, window_s: float) -> list[tuple[float, float | None]]:
+        return self._history.gpu_samples(gpu, field, window_s, self.report)
+
+
+if TYPE_CHECKING:
+    # mypy proves here that HistoryView satisfies the protocol the rule engine is written against.
+    _VIEW_IS_A_NODE_VIEW: type[NodeView] = HistoryView
+
+
+class NodeHistory:
+    """One node's recent past: the latest two reports in full, series of what was asked for."""
+
+    def __init__(
+        self,
+        node: str,
+        *,
+        window_s: float = 1800.0,
+        interval_s: float = 10.0,
+        fine_s: float = DEFAULT_FINE_SECONDS,
+        coarse_s: float = DEFAULT_COARSE_SECONDS,
+        registry: SeriesRegistry | None = None,
+    ) -> None:
+        if not (window_s > 0 and interval_s > 0 and fine_s >= 0 and coarse_s >= 0):
+            raise ConfigError(
+                f"history needs window_s, interval_s > 0 and fine_s, coarse_s >= 0; got "
+                f"window_s={window_s} interval_s={interval_s} fine_s={fine_s} coarse_s={coarse_s}"
+            )
+        self.node = node
+        self.window_s = window_s
+        self.fine_s = min(fine_s, window_s)
+        self.coarse_s = coarse_s
+        self.registry = registry if registry is not None else SeriesRegistry()
+        spacing = max(coarse_s, interval_s)
+        expected = self.fine_s / interval_s + (window_s - self.fine_s) / spacing + 2
+        self.max_samples = 2 * math.ceil(expected) + 8
+        self._clear()
+
+    def _clear(self) -> None:
+        self._latest: Report | None = None
+        self._previous: Report | None = None
+        self._rebooted = False
+        self._times: array[float] = array("d")
+        self._boots: list[str] = []
+        self._boot_start = 0  # row of the first sample of the latest's boot run
+        # Thinning state: rows before _thin_from were examined; [_pending, _thin_from) are to go.
+        self._thin_from = 0
+        self._pending = 0
+        self._last_kept_time: float | None = None
+        # (boot_id, seq, time) of reports taken in, for duplicates; insertion-ordered for eviction.
+        self._seen: dict[tuple[str, int, float], None] = {}
+
+        self._gpu_counters: dict[tuple[int, str], _Counter] = {}
+        self._nvlinks: dict[tuple[int, str], _LinkCounter] = {}
+        self._nic_counters: dict[tuple[str, int | None, str], _Counter] = {}
+        self._gauges: dict[tuple[int, str], _Gauge] = {}
+        self._columns: list[array[float]] = []  # every series' array, for row deletions
+        self._layout: tuple[object, ...] | None = None
+        self._rows_version = 0  # changes whenever rows are added or removed
+        self._span_key: tuple[float, float, int] | None = None
+        self._span_rows = (0, -1)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    @property
+    def latest(self) -> Report | None:
+        return self._latest
+
+    @property
+    def boot_id(self) -> str | None:
+        return self._latest.boot_id if self._latest is not None else None
+
+    def __len__(self) -> int:
+        """Samples (rows) currently kept."""
+        return len(self._times)
+
+    def times(self) -> list[float]:
+        """The kept sample times, oldest first."""
+        return list(self._times)
+
+    def view(self) -> HistoryView | None:
+        """The node as of its latest report; None before the first one."""
+        latest = self._latest
+        return None if latest is None else self._view(latest, latest, "latest")
+
+    def _view(self, latest: Report, added: Report, outcome: Outcome) -> HistoryView:
+        return HistoryView(self.node, latest, self._previous, self._rebooted, added, outcome, self)
+
+    # -- adding ------------------------------------------------------------------------------
+
+    def add(self, report: Report) -> HistoryView:
+        if report.node != self.node:
+            raise ReportError(f"report of node {report.node!r} given to the history of {self.node!r}")
+        latest = self._latest
+        key = (report.boot_id, report.seq, report.time)
+        if latest is None or report.time >= latest.time:
+            if latest is not None and key in self._seen:
+                return self._view(latest, report, "duplicate")
+            self._seen[key] = None
+            self._append(report)
+            return self._view(report, report, "latest")
+        if key in self._seen:
+            return self._view(latest, report, "duplicate")
+        if report.time < latest.time - self.window_s:
+            if report.boot_id == latest.boot_id and report.seq > latest.seq:
+                log.warning(
+                    "node clock stepped back past the history window; starting its history over",
+                    extra={"node": self.node, "time": report.time, "latest_time": latest.time},
+                )
+                self._clear()
+                self._seen[key] = None
+                self._append(report)
+                return self._view(report, report, "latest")
+            log.debug(
+                "report older than the history window dropped",
+                extra={"node": self.node, "time": report.time, "latest_time": latest.time},
+            )
+            return self._view(latest, report, "expired")
+        self._seen[key] = None
+        self._insert_late(report, latest)
+        return self._view(latest, report, "late")
+
+    def _append(self, report: Report) -> None:
+        old = self._latest
+        boot = report.boot_id
+        self._ensure_series(report)
+        self._times.append(report.time)
+        self._boots.append(boot)
+        self._rows_version += 1
+        rows = len(self._times)
+        if old is None:
+            self._previous, self._rebooted = None, False
+        elif old.boot_id == boot:
+            self._previous, self._rebooted = old, False
+        else:
+            self._previous, self._rebooted = None, True
+            self._boot_start = rows - 1
+        self._latest = report
+        self._push(report)
+        self._evict(report.time)
+        self._thin(report.time)
+        self._forget_seen(report.time)
+
+    def _push(self, report: Report) -> None:
+        boot = report.boot_id
+        gpus = {g.index: g for g in report.gpus}
+        for (gi, name), c in self._gpu_counters.items():
+            g = gpus.get(gi)
+            v = None if g is None else getattr(g, name)
+            c.push(None if v is None else float(v), boot)
+        links: dict[int, tuple[list[NvLink], list[int]]] = {}
+        for (gi, _), lc in self._nvlinks.items():
+            per_gpu = links.get(gi)
+            if per_gpu is None:
+                per_gpu = links[gi] = _links(gpus.get(gi))
+            lc.push_links(per_gpu[0], per_gpu[1], boot)
+        if self._nic_counters:
+            nics = {(n.device, n.port): n for n in report.nics}
+            for (device, port, counter), c in self._nic_counters.items():
+                c.push(_nic_value(nics.get((device, port)), counter), boot)
+        for (gi, name), gauge in self._gauges.items():
+            gauge.vals.append(_gauge_value(gpus.get(gi), name))
+
+    def _insert_late(self, report: Report, latest: Report) -> None:
+        if report.time < latest.time - self.fine_s:
+            # It would be thinned away at once; counters lose nothing without it (see above).
+            log.debug("late report past the fine horizon counted as seen", extra={"node": self.node})
+            return
+        row = bisect_right(self._times, report.time)
+        self._times.insert(row, report.time)
+        self._boots.insert(row, report.boot_id)
+        self._rows_version += 1
+        for counters in (self._gpu_counters, self._nvlinks, self._nic_counters):
+            for c in counters.values():
+                c.cum.insert(row, _NAN)
+        gpus = {g.index: g for g in report.gpus}
+        for (gi, name), gauge in self._gauges.items():
+            gauge.vals.insert(row, _gauge_value(gpus.get(gi), name))
+        boots = self._boots
+        start = len(boots) - 1
+        while start > 0 and boots[start - 1] == latest.boot_id:
+            start -= 1
+        self._boot_start = start
+        if report.boot_id == latest.boot_id and (self._previous is None or report.time > self._previous.time):
+            self._previous = report
+        if row == len(boots) - 2:
+            self._rebooted = boots[row] != latest.boot_id
+        self._evict(latest.time)
+        self._forget_seen(latest.time)
+
+    # -- series ------------------------------------------------------------------------------
+
+    def _ensure_series(self, report: Report) -> None:
+        """Create the registered series this report's GPUs and NICs do not have yet."""
+        reg = self.registry
+        gpu_idx = tuple(g.index for g in report.gpus)
+        nic_keys = tuple((n.device, n.port) for n in report.nics) if reg.nic_counters else ()
+        layout = (reg.version, gpu_idx, nic_keys)
+        if layout == self._layout:
+            return
+        self._layout = layout
+        for gi in gpu_idx:
+            for name in reg.gpu_counters:
+                if (gi, name) not in self._gpu_counters:
+                    self._new_gpu_counter(gi, name, report.time)
+            for name in reg.nvlink_counters:
+                if (gi, name) not in self._nvlinks:
+                    self._new_nvlink(gi, name, report.time)
+            for name in reg.gpu_gauges:
+                if (gi, name) not in self._gauges:
+                    self._new_gauge(gi, name, report.time)
+        for dev, port in nic_keys:
+            for counter in reg.nic_counters:
+                if (dev, port, counter) not in self._nic_counters:
+                    self._new_nic_counter((dev, port), counter, report.time)
+
+    def _seeds(self) -> list[Report]:
+        """The full reports that are the newest rows, oldest first: what a new series starts from."""
+        latest, prev = self._latest, self._previous
+        if latest is None:
+            return []
+        n = len(self._times)
+        if (
+            prev is not None
+            and n >= 2
+            and self._times[n - 2] == prev.time
+            and self._boots[n - 2] == prev.boot_id
+        ):
+            return [prev, latest]
+        return [latest]
+
+    def _start(self, series: _Counter | _Gauge, seed: Callable[[Report], None], first: float) -> None:
+        """Align a new series with the rows and fill its newest rows from the seeds.
+
+        ``first`` is the time of the report about to be pushed, for a series created before it.
+        """
+        column = series.cum if isinstance(series, _Counter) else series.vals
+        seeds = self._seeds()
+        del column[len(self._times) - len(seeds) :]
+        for r in seeds:
+            seed(r)
+        series.since = seeds[0].time if seeds else first
+        self._columns.append(column)
+
+    def _new_gpu_counter(self, gpu: int, name: str, first: float) -> _Counter:
+        c = _Counter(len(self._times))
+        self._start(c, lambda r: c.push(_gpu_value(_find_gpu(r, gpu), name), r.boot_id), first)
+        self._gpu_counters[(gpu, name)] = c
+        return c
+
+    def _new_nvlink(self, gpu: int, name: str, first: float) -> _LinkCounter:
+        c = _LinkCounter(len(self._times), name)
+        self._start(c, lambda r: c.push_links(*_links(_find_gpu(r, gpu)), r.boot_id), first)
+        self._nvlinks[(gpu, name)] = c
+        return c
+
+    def _new_nic_counter(self, nic: NicKey, counter: str, first: float) -> _Counter:
+        c = _Counter(len(self._times))
+        self._start(c, lambda r: c.push(_nic_value(_find_nic(r, nic), counter), r.boot_id), first)
+        self._nic_counters[(nic[0], nic[1], counter)] = c
+        return c
+
+    def _new_gauge(self, gpu: int, name: str, first: float) -> _Gauge:
+        g = _Gauge(len(self._times))
+        self._start(g, lambda r: g.vals.append(_gauge_value(_find_gpu(r, gpu), name)), first)
+        self._gauges[(gpu, name)] = g
+        return g
+
+    # -- eviction and thinning -----------------------------------------------------------------
+
+    def _delete_rows(self, start: int, end: int) -> None:
+        n = end - start
+        if n <= 0:
+            return
+        del self._times[start:end]
+        del self._boots[start:end]
+        self._rows_version += 1
+        for col in self._columns:
+            del col[start:end]
+        for attr in ("_boot_start", "_thin_from", "_pending"):
+            row: int = getattr(self, attr)
+            setattr(self, attr, row - n if row >= end else min(row, start))
+
+    def _evict(self, now: float) -> None:
+        old = bisect_left(self._times, now - self.window_s)
+        old = max(old, len(self._times) - self.max_samples)
+        if old > 0:
+            self._delete_rows(0, old)
+
+    def _thin(self, now: float) -> None:
+        if self.coarse_s <= 0:
+            return
+        times, boots = self._times, self._boots
+        horizon = now - self.fine_s
+        last = len(times) - 1  # never the latest
+        while self._thin_from < last and times[self._thin_from] < horizon:
+            k = self._thin_from
+            kept = self._last_kept_time
+            if kept is None or k == 0 or boots[k] != boots[k - 1] or times[k] - kept >= self.coarse_s:
+                start = self._pending
+                self._delete_rows(start, k)
+                k = min(k, start)
+                self._last_kept_time = times[k]
+                self._thin_from = self._pending = k + 1
+                last = len(times) - 1
+            else:
+                self._thin_from += 1
+
+    def _forget_seen(self, now: float) -> None:
+        # Only reports inside the fine part can change anything when added again (an older late
+        # report is only counted as seen), so only those are remembered.
+        seen = self._seen
+        cutoff = now - self.fine_s
+        cap = self.max_samples
+        while seen:
+            first = next(iter(seen))
+            if first[2] >= cutoff and len(seen) <= cap:
+                break
+            del seen[first]
+
+    # -- rates -------------------------------------------------------------------------------
+
+    def _span(self, window_s: float, now: float) -> tuple[int, int]:
+        """Rows ``[lo, hi]`` of the current boot inside ``[now - window_s, now]``."""
+        _check_window(window_s)
+        times = self._times
+        hi = len(times) - 1
+        if times[hi] > now:
+            hi = bisect_right(times, now) - 1
+        lo = max(bisect_left(times, now - window_s), self._boot_start)
+        # Every series of the node shares the rows, and the rule engine asks many series for the
+        # same window in a row: the answer is kept until the window or the rows change.
+        self._span_key = (window_s, now, self._rows_version)
+        self._span_rows = (lo, hi)
+        return lo, hi
+
+    def _rate(self, series: _Counter, window_s: float, at: Report) -> float | None:
+        latest = self._latest
+        if latest is None or (at is not latest and at.boot_id != latest.boot_id):
+            return None
+        key = self._span_key
+        if key is not None and key[0] == window_s and key[1] == at.time and key[2] == self._rows_version:
+            lo, hi = self._span_rows
+        else:
+            lo, hi = self._span(window_s, at.time)
+        if lo > hi or series.since > self._times[lo]:
+            # The series was started after the window (this boot's part of it) began: its rate
+            # would spread the window's increase over less time than the window. No rate is
+            # better than an inflated one; the rule engine asks on a node's first report, so in
+            # practice every series it uses covers the node's whole history.
+            return None
+        cum = series.cum
+        while lo < hi and cum[lo] != cum[lo]:  # NaN: no value in that sample
+            lo += 1
+        while hi > lo and cum[hi] != cum[hi]:
+            hi -= 1
+        if hi <= lo:
+            return None
+        times = self._times
+        dt = times[hi] - times[lo]
+        if dt <= 0:
+            return None
+        return (cum[hi] - cum[lo]) / dt
+
+    def gpu_rate(self, gpu: int, name: str, window_s: float, at: Report) -> float | None:
+        c = self._gpu_counters.get((gpu, name))
+        if c is None:
+            _known("GPU counter", name, GPU_COUNTER_FIELDS)
+            self.registry.track_gpu_counters(name)
+            if _find_gpu(at, gpu) is None:
+                return None
+            c = self._new_gpu_counter(gpu, name, at.time)
+        return self._rate(c, window_s, at)
+
+    def nvlink_rate(self, gpu: int, name: str, window_s: float, at: Report) -> float | None:
+        c = self._nvlinks.get((gpu, name))
+        if c is None:
+            _known("NVLink counter", name, NVLINK_COUNTER_FIELDS)
+            self.registry.track_nvlink_counters(name)
+            if _find_gpu(at, gpu) is None:
+                return None
+            c = self._new_nvlink(gpu, name, at.time)
+        return self._rate(c, window_s, at)
+
+    def nic_rate(
+        self, device: str, port: int | None, counter: str, window_s: float, at: Report
+    ) -> float | None:
+        c = self._nic_counters.get((device, port, counter))
+        if c is None:
+            self.registry.track_nic_counters(counter)
+            if _find_nic(at, (device, port)) is None:
+                return None
+            c = self._new_nic_counter((device, port), counter, at.time)
+        return self._rate(c, window_s, at)
+
+    def gpu_samples(
+        self, gpu: int, name: str, window_s: float, at: Report
+    ) -> list[tuple[float, float | None]]:
+        _check_window(window_s)
+        g = self._gauges.get((gpu, name))
+        if g is None:
+            _known("GPU sample", name, GPU_SAMPLE_FIELDS)
+            self.registry.track_gpu_gauges(name)
+            if _find_gpu(at, gpu) is None:
+                return []
+            g = self._new_gauge(gpu, name, at.time)
+        times = self._times
+        now = at.time
+        lo = bisect_left(times, max(now - window_s, g.since))
+        hi = bisect_right(times, now)
+        vals = g.vals
+        return [(times[i], None if vals[i] != vals[i] else vals[i]) for i in range(lo, hi)]
+
+
+def _find_gpu(report: Report, index: int) -> Gpu | None:
+    gpus = report.gpus
+    if index < len(gpus) and gpus[index].index == index:
+        return gpus[index]
+    for g in gpus:
+        if g.index == index:
+            return g
+    return None
+
+
+def _find_nic(report: Report, key: NicKey) -> Nic | None:
+    for n in report.nics:
+        if n.device == key[0] and n.port == key[1]:
+            return n
+    return None
+
+
+class Fleet:
+    """Every node's ``NodeHistory``, sharing one ``SeriesRegistry``."""
+
+    def __init__(
+        self,
+        config: FleetConfig | None = None,
+        *,
+        fine_seconds: float = DEFAULT_FINE_SECONDS,
+        coarse_seconds: float = DEFAULT_COARSE_SECONDS,
+        registry: SeriesRegistry | None = None,
+    ) -> None:
+        self.config = config if config is not None else FleetConfig()
+        self.fine_seconds = fine_seconds
+        self.coarse_seconds = coarse_seconds
+        self.registry = registry if registry is not None else SeriesRegistry()
+        self._nodes: dict[str, NodeHistory] = {}
+
+    def add(self, report: Report) -> HistoryView:
+        h = self._nodes.get(report.node)
+        if h is None:
+            h = self._nodes[report.node] = NodeHistory(
+                report.node,
+                window_s=self.config.window_seconds,
+                interval_s=self.config.interval_seconds,
+                fine_s=self.fine_seconds,
+                coarse_s=self.coarse_seconds,
+                registry=self.registry,
+            )
+        return h.add(report)
+
+    def forget(self, node: str) -> bool:
+        """Drop a node's history (it left the fleet); False when it had none."""
+        return self._nodes.pop(node, None) is not None
+
+    def nodes(self) -> list[str]:
+        return list(self._nodes)
+
+    def history(self, node: str) -> NodeHistory | None:
+        return self._nodes.get(node)
+
+    def view(self, node: str) -> HistoryView | None:
+        """The node's view as of its latest report, without adding anything."""
+        h = self._nodes.get(node)
+        return h.view() if h is not None else None
+
+    def last_report_time(self, node: str) -> float | None:
+        """The ``time`` of the node's latest report (its own clock), None for an unknown node."""
+        h = self._nodes.get(node)
+        latest = h.latest if h is not None else None
+        return latest.time if latest is not None else None
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._nodes
+
+    def __len__(self) -> int:
+        return len(self._nodes)

@@ -1,0 +1,239 @@
+"""The health state machine: findings in, state changes and decision records out.
+
+Per node: ``healthy -> suspect -> quarantined -> probation -> healthy``.
+
+- A hard finding (XID 79, DBE, remap failure, ...) quarantines from the report that shows it.
+- Soft quarantine evidence makes the node ``suspect`` first, and quarantines it only once the same
+  finding (same key) has persisted for ``suspect_for_seconds``. Evidence that comes and goes
+  starts over, so noise never quarantines.
+- ``alert`` findings (and silence) make a node ``suspect`` and never quarantine it on their own.
+- A quarantined node whose quarantine evidence is gone enters ``probation``; it stays tainted and
+  returns to ``healthy`` only after ``probation_seconds`` without any quarantine evidence. Evidence
+  during probation quarantines it again at once.
+- A node quarantined ``lemon_count`` times within ``lemon_window_seconds`` is a lemon: it stays
+  quarantined whatever later reports say, and the decision says a human must look at it.
+
+Timing uses the aggregator's own time (receive time live, trace time in replay), never the
+node's report clock, so a node with a skewed clock is judged like any other. Each finding's
+persistence is measured from when this machine first saw its key.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aggregator.config import HealthConfig
+from aggregator.decisions import Decision, Reason
+from aggregator.model import Finding, NodeState, RemediationAction
+
+
+@dataclass
+class _Tracked:
+    finding: Finding
+    first_seen: float  # aggregator time when this key was first active (continuously since)
+
+
+@dataclass
+class NodeHealth:
+    node: str
+    state: NodeState = "healthy"
+    since: float = 0.0  # when the current state began
+    groups: dict[str, dict[str, _Tracked]] = field(default_factory=dict)  # source -> key -> finding
+    clear_since: float | None = None  # suspect: when the last evidence disappeared
+    quarantines: deque[float] = field(default_factory=deque)
+    lemon: bool = False
+    reasons: list[Reason] = field(default_factory=list)  # why it is in its current state
+
+    def active(self) -> list[_Tracked]:
+        return [t for group in self.groups.values() for t in group.values()]
+
+
+def _reason(f: Finding, *, persisted_s: float | None = None) -> Reason:
+    evidence: dict[str, Any] = dict(f.evidence)
+    if persisted_s is not None and not f.hard:
+        evidence.setdefault("persisted_seconds", round(persisted_s, 1))
+    if f.runbook_url:
+        evidence.setdefault("runbook_url", f.runbook_url)
+    return Reason(detector=f.detector, rule=f.rule, severity=f.severity, summary=f.summary, evidence=evidence)
+
+
+def _action(previous: NodeState, state: NodeState) -> RemediationAction:
+    """What remediation does for a transition. Probation keeps the taint; healthy releases it."""
+    if state == "quarantined" and previous != "quarantined":
+        return "none" if previous == "probation" else "taint"
+    if state == "healthy" and previous in ("quarantined", "probation"):
+        return "untaint"
+    return "none"
+
+
+class HealthMachine:
+    """Holds every node's health; ``update`` and ``tick`` return the decisions they caused."""
+
+    def __init__(self, config: HealthConfig) -> None:
+        self.config = config
+        self._nodes: dict[str, NodeHealth] = {}
+
+    def get(self, node: str) -> NodeHealth | None:
+        return self._nodes.get(node)
+
+    def nodes(self) -> Mapping[str, NodeHealth]:
+        return self._nodes
+
+    def forget(self, node: str) -> None:
+        self._nodes.pop(node, None)
+
+    def update(self, node: str, source: str, findings: Iterable[Finding], now: float) -> Decision | None:
+        """Replace the findings ``source`` (a detector or rule engine) has on ``node``, then decide."""
+        h = self._nodes.get(node)
+        if h is None:
+            h = self._nodes[node] = NodeHealth(node=node, since=now)
+        old = h.groups.get(source, {})
+        new: dict[str, _Tracked] = {}
+        for f in findings:
+            prev = old.get(f.key)
+            new[f.key] = _Tracked(f, prev.first_seen if prev is not None else now)
+        if new:
+            h.groups[source] = new
+        else:
+            h.groups.pop(source, None)
+        return self._evaluate(h, now)
+
+    def tick(self, now: float) -> list[Decision]:
+        """Time-driven transitions (persistence reached, probation over) for every node."""
+        out = []
+        for h in self._nodes.values():
+            d = self._evaluate(h, now)
+            if d is not None:
+                out.append(d)
+        return out
+
+    def _evaluate(self, h: NodeHealth, now: float) -> Decision | None:
+        cfg = self.config
+        active = h.active()
+        quarantine = [t for t in active if t.finding.action == "quarantine"]
+        ready = [t for t in quarantine if t.finding.hard or now - t.first_seen >= cfg.suspect_for_seconds]
+        alerting = [t for t in active if t.finding.action in ("quarantine", "alert")]
+
+        def reasons(ts: list[_Tracked]) -> list[Reason]:
+            ordered = sorted(
+                ts, key=lambda t: (t.finding.severity != "critical", t.first_seen, t.finding.key)
+            )
+            return [_reason(t.finding, persisted_s=now - t.first_seen) for t in ordered]
+
+        state = h.state
+        if state == "quarantined":
+            if h.lemon or quarantine:
+                return None
+            return self._move(
+                h,
+                "probation",
+                now,
+                [
+                    Reason(
+                        detector=h.reasons[0].detector if h.reasons else "rule",
+                        rule=h.reasons[0].rule if h.reasons else None,
+                        severity="info",
+                        summary=f"quarantine evidence gone; on probation for {cfg.probation_seconds:.0f} s",
+                        evidence={"probation_seconds": cfg.probation_seconds},
+                    )
+                ],
+            )
+        if state == "probation":
+            if quarantine:
+                return self._quarantine(h, now, reasons(quarantine))
+            if now - h.since >= cfg.probation_seconds:
+                if alerting:
+                    return self._move(h, "suspect", now, reasons(alerting))
+                return self._move(
+                    h,
+                    "healthy",
+                    now,
+                    [
+                        Reason(
+                            detector="rule",
+                            severity="info",
+                            summary=(
+                                f"no quarantine evidence for {now - h.since:.0f} s of probation: released"
+                            ),
+                        )
+                    ],
+                )
+            return None
+        # healthy or suspect
+        if ready:
+            return self._quarantine(h, now, reasons(ready))
+        if alerting:
+            h.clear_since = None
+            if state == "healthy":
+                return self._move(h, "suspect", now, reasons(alerting))
+            # Stay suspect, but keep the reasons current for the API.
+            h.reasons = reasons(alerting)
+            return None
+        if state == "suspect":
+            if h.clear_since is None:
+                h.clear_since = now
+            if now - h.clear_since >= cfg.clear_for_seconds:
+                return self._move(
+                    h,
+                    "healthy",
+                    now,
+                    [
+                        Reason(
+                            detector="rule",
+                            severity="info",
+                            summary=f"no evidence for {now - h.clear_since:.0f} s: healthy",
+                        )
+                    ],
+                )
+        return None
+
+    def _quarantine(self, h: NodeHealth, now: float, why: list[Reason]) -> Decision:
+        cfg = self.config
+        h.quarantines.append(now)
+        while h.quarantines and now - h.quarantines[0] > cfg.lemon_window_seconds:
+            h.quarantines.popleft()
+        if len(h.quarantines) >= cfg.lemon_count and not h.lemon:
+            h.lemon = True
+            why = [
+                *why,
+                Reason(
+                    detector=why[0].detector if why else "rule",
+                    rule="lemon",
+                    severity="critical",
+                    summary=(
+                        f"quarantined {len(h.quarantines)} times in "
+                        f"{cfg.lemon_window_seconds / 86400:.0f} days: a lemon, "
+                        "stays out until a human releases it"
+                    ),
+                    evidence={"quarantines": len(h.quarantines), "lemon": True},
+                ),
+            ]
+        return self._move(h, "quarantined", now, why)
+
+    def _move(self, h: NodeHealth, state: NodeState, now: float, why: list[Reason]) -> Decision:
+        previous = h.state
+        h.state = state
+        h.since = now
+        h.clear_since = None
+        h.reasons = why
+        return Decision(
+            time=now,
+            subject="node",
+            node=h.node,
+            state=state,
+            previous=previous,
+            action=_action(previous, state),
+            reasons=why,
+        )
+
+    def release_lemon(self, node: str, now: float) -> Decision | None:
+        """A human cleared a lemon: it may go through probation like any other node."""
+        h = self._nodes.get(node)
+        if h is None or not h.lemon:
+            return None
+        h.lemon = False
+        h.quarantines.clear()
+        return self._evaluate(h, now)

@@ -1,0 +1,195 @@
+"""The aggregator's own Prometheus metrics: ingestion, the fleet's states, decisions, detection.
+
+Everything lives on a ``CollectorRegistry`` passed in, never prometheus_client's global one, so
+tests (and two aggregators in one process) do not share counters.
+
+The service calls the ingest methods; the pipeline and the decision log call ``decision`` and the
+service's periodic task ``detection_cycle``. ``gpuwarden_aggregator_nodes{state}`` is read from the
+pipeline at scrape time by a custom collector, so it can never drift from the pipeline's truth.
+
+Label values come from closed sets (rejection reasons, node states, detectors), which keeps
+cardinality fixed whatever the fleet sends: no node name is ever a label here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from typing import Final
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "NODE_STATES",
+    "REJECT_REASONS",
+    "TOKEN_REVIEW_RESULTS",
+    "Metrics",
+]
+
+# Every reason code the ingest endpoint can answer with; each starts at 0 so a dashboard's rate()
+# sees the first rejection of a kind instead of a series appearing out of nowhere.
+REJECT_REASONS: Final = (
+    "missing_token",
+    "bad_token",
+    "forbidden",
+    "node_mismatch",
+    "node_unbound",
+    "auth_unavailable",
+    "unsupported_media_type",
+    "unsupported_encoding",
+    "body_too_large",
+    "incomplete_body",
+    "decompressed_too_large",
+    "bad_gzip",
+    "bad_json",
+    "wrong_schema_version",
+    "schema_violation",
+    "implausible_value",
+    "internal_error",
+)
+
+# Always exported (0 when empty), so "no quarantined nodes" is a sample, not a missing series.
+NODE_STATES: Final = ("healthy", "suspect", "quarantined", "probation")
+
+TOKEN_REVIEW_RESULTS: Final = ("cached", "authenticated", "denied", "error")
+
+# Ingest is sub-millisecond when healthy; the upper buckets catch a pipeline stall.
+_INGEST_BUCKETS: Final = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
+# One detection cycle runs once a second, so anything near 1 s means detection is falling behind.
+_CYCLE_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class _NodeStates(Collector):
+    """``gpuwarden_aggregator_nodes{state}``, read from the pipeline when scraped."""
+
+    def __init__(self, source: Callable[[], Mapping[str, int]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(
+            "gpuwarden_aggregator_nodes",
+            "Nodes the aggregator knows, by health state.",
+            labels=["state"],
+        )
+        try:
+            counts = dict(self._source())
+        except Exception:
+            # A scrape must never fail because of the pipeline: the other metrics still matter,
+            # and a missing family is an alertable absence.
+            log.exception("reading node states for /metrics failed")
+            return []
+        for state in NODE_STATES:
+            family.add_metric([state], float(counts.pop(state, 0)))
+        for state, count in sorted(counts.items()):
+            family.add_metric([str(state)], float(count))
+        return [family]
+
+    def describe(self) -> Iterable[Metric]:
+        # Describing without collecting keeps registration from calling into the pipeline.
+        return [GaugeMetricFamily("gpuwarden_aggregator_nodes", "", labels=["state"])]
+
+
+class Metrics:
+    """The aggregator's metric families, registered on ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._accepted = Counter(
+            "gpuwarden_aggregator_reports_accepted_total",
+            "Reports accepted and handed to the detection pipeline.",
+            registry=registry,
+        )
+        self._rejected = Counter(
+            "gpuwarden_aggregator_reports_rejected_total",
+            "Reports refused, by reason code (the error field of the 4xx/5xx answer).",
+            labelnames=["reason"],
+            registry=registry,
+        )
+        self._duplicate = Counter(
+            "gpuwarden_aggregator_reports_duplicate_total",
+            "Reports delivered again (same node, boot_id and seq): answered 200, not processed twice.",
+            registry=registry,
+        )
+        self._ingest = Histogram(
+            "gpuwarden_aggregator_ingest_seconds",
+            "Time to process one report once its body has arrived: decompress, decode, check, ingest.",
+            buckets=_INGEST_BUCKETS,
+            registry=registry,
+        )
+        self._decisions = Counter(
+            "gpuwarden_aggregator_decisions_total",
+            "Health decisions recorded, by the detector that caused them and the state entered.",
+            labelnames=["detector", "state"],
+            registry=registry,
+        )
+        self._cycle = Histogram(
+            "gpuwarden_aggregator_detection_cycle_seconds",
+            "Time of one periodic detection cycle (silence and fleet-wide detectors).",
+            buckets=_CYCLE_BUCKETS,
+            registry=registry,
+        )
+        self._cycle_failures = Counter(
+            "gpuwarden_aggregator_detection_cycle_failures_total",
+            "Periodic detection cycles that raised (logged; the next cycle runs anyway).",
+            registry=registry,
+        )
+        self._token_reviews = Counter(
+            "gpuwarden_aggregator_token_reviews_total",
+            "Bearer tokens checked with the Kubernetes TokenReview API, by result "
+            "(cached: answered from the cache, no API call).",
+            labelnames=["result"],
+            registry=registry,
+        )
+        for reason in REJECT_REASONS:
+            self._rejected.labels(reason=reason)
+        for result in TOKEN_REVIEW_RESULTS:
+            self._token_reviews.labels(result=result)
+        self._node_states: _NodeStates | None = None
+
+    def watch_node_states(self, source: Callable[[], Mapping[str, int]]) -> None:
+        """Export ``gpuwarden_aggregator_nodes{state}`` from ``source`` at every scrape (once)."""
+        if self._node_states is not None:
+            raise ValueError("node states are already exported from another source")
+        self._node_states = _NodeStates(source)
+        self.registry.register(self._node_states)
+
+    def accepted(self) -> None:
+        self._accepted.inc()
+
+    def duplicate(self) -> None:
+        self._duplicate.inc()
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(reason=reason).inc()
+
+    def ingest_seconds(self, seconds: float) -> None:
+        self._ingest.observe(seconds)
+
+    def decision(self, detector: str, state: str) -> None:
+        """One decision record written: ``detector`` of its first reason, ``state`` entered."""
+        self._decisions.labels(detector=detector, state=state).inc()
+
+    def detection_cycle(self, seconds: float, *, failed: bool = False) -> None:
+        self._cycle.observe(seconds)
+        if failed:
+            self._cycle_failures.inc()
+
+    def token_review(self, result: str) -> None:
+        self._token_reviews.labels(result=result).inc()

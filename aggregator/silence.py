@@ -1,0 +1,144 @@
+"""Nodes that stop reporting, and the difference between one silent node and a silent rack.
+
+A node silent for ``silent_after_seconds`` (by the aggregator's receive clock, so a node's clock
+skew does not matter) becomes suspect. It is never quarantined for silence alone: silence says
+the agent, the node or the network is gone, not that the GPUs are bad.
+
+When many nodes of one failure domain (rack, leaf switch, zone) or a large share of a pool go
+silent together, the cause is shared (a switch, a PDU, the aggregator's own network): that is one
+systemic event for on-call, and each node's finding says it is part of it.
+"""
+
+from __future__ import annotations
+
+import time as _time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from aggregator.config import SilenceConfig
+from aggregator.fleet.pools import Placement
+from aggregator.model import Finding
+
+
+@dataclass(frozen=True)
+class SystemicEvent:
+    time: float
+    state: str  # "started" or "ended"
+    domain_kind: str  # "rack", "leaf", "zone" or "pool"
+    domain: str
+    silent_nodes: tuple[str, ...]
+    total_nodes: int
+
+    @property
+    def summary(self) -> str:
+        if self.state == "ended":
+            return f"{self.domain_kind} {self.domain}: reporting again"
+        return (
+            f"{self.domain_kind} {self.domain}: {len(self.silent_nodes)} of {self.total_nodes} nodes "
+            "stopped reporting together: one shared cause (switch, power, network), not node faults"
+        )
+
+
+_WIDTH = {"rack": 0, "leaf": 1, "zone": 2, "pool": 3}
+
+
+def _fmt(t: float) -> str:
+    return _time.strftime("%H:%M:%S", _time.gmtime(t))
+
+
+class SilenceDetector:
+    def __init__(self, config: SilenceConfig) -> None:
+        self.config = config
+        self._active: dict[tuple[str, str], SystemicEvent] = {}
+
+    def active_events(self) -> list[SystemicEvent]:
+        return list(self._active.values())
+
+    def check(
+        self,
+        last_received: Mapping[str, float],
+        placements: Mapping[str, Placement],
+        now: float,
+    ) -> tuple[dict[str, list[Finding]], list[SystemicEvent]]:
+        """Silence findings per node (every node gets an entry, empty when it reports) and the
+        systemic events that started or ended at ``now``."""
+        cfg = self.config
+        silent = {n for n, t in last_received.items() if now - t > cfg.silent_after_seconds}
+
+        members: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for node in last_received:
+            p = placements.get(node)
+            if p is None:
+                continue
+            for kind, value in (("rack", p.rack), ("leaf", p.leaf), ("zone", p.zone), ("pool", p.pool)):
+                if value:
+                    members[(kind, value)].append(node)
+
+        # Racks, leaves and zones: systemic when most of the domain is silent. A domain whose
+        # silent nodes all lie in a wider systemic domain is part of that one (a dead leaf switch
+        # silences its racks: one event for the leaf, not one per rack).
+        candidates: dict[tuple[str, str], frozenset[str]] = {}
+        for (kind, value), nodes in members.items():
+            if kind == "pool":
+                continue
+            down_set = frozenset(n for n in nodes if n in silent)
+            if len(down_set) >= cfg.domain_min_nodes and len(down_set) / len(nodes) > 0.5:
+                candidates[(kind, value)] = down_set
+        systemic: dict[tuple[str, str], tuple[str, ...]] = {
+            key: tuple(sorted(down_set))
+            for key, down_set in candidates.items()
+            if not any(other != key and down_set < wider for other, wider in candidates.items())
+            and not any(
+                _WIDTH[other[0]] > _WIDTH[key[0]] and down_set == wider for other, wider in candidates.items()
+            )
+        }
+        # A pool: systemic when a large share of it is silent beyond what those domains explain
+        # (silence spread over many racks points at something shared by all: the network to us).
+        explained = frozenset(n for down in systemic.values() for n in down)
+        for (kind, value), nodes in members.items():
+            if kind != "pool":
+                continue
+            rest = sorted(n for n in nodes if n in silent and n not in explained)
+            if len(rest) >= cfg.domain_min_nodes and len(rest) / len(nodes) >= cfg.pool_share:
+                systemic[(kind, value)] = tuple(rest)
+
+        events: list[SystemicEvent] = []
+        for key, silent_nodes in systemic.items():
+            if key not in self._active:
+                ev = SystemicEvent(now, "started", key[0], key[1], silent_nodes, len(members[key]))
+                self._active[key] = ev
+                events.append(ev)
+        for key in list(self._active):
+            if key not in systemic:
+                ev = self._active.pop(key)
+                events.append(SystemicEvent(now, "ended", ev.domain_kind, ev.domain, (), ev.total_nodes))
+
+        part_of: dict[str, str] = {}
+        for (kind, value), silent_nodes in systemic.items():
+            for n in silent_nodes:
+                part_of.setdefault(n, f"{kind} {value}")
+
+        findings: dict[str, list[Finding]] = {}
+        for node, last in last_received.items():
+            if node not in silent:
+                findings[node] = []
+                continue
+            quiet = now - last
+            summary = f"no report for {quiet:.0f} s (last received {_fmt(last)} UTC)"
+            evidence: dict[str, object] = {"last_received": last, "silent_seconds": round(quiet, 1)}
+            if node in part_of:
+                summary += f"; part of a systemic outage of {part_of[node]}"
+                evidence["systemic"] = part_of[node]
+            findings[node] = [
+                Finding(
+                    detector="silence",
+                    key="silence",
+                    severity="warning",
+                    action="alert",
+                    summary=summary,
+                    since=last,
+                    evidence=evidence,
+                )
+            ]
+        return findings, events

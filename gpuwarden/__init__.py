@@ -1,0 +1,1 @@
+"""The ``gpuwarden`` command: one entry point, a subcommand per part."""

@@ -1,0 +1,3 @@
+from gpuwarden.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,312 @@
+"""Pool placement and the columnar pool frames peer detectors read."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.report import Gpu, Nic, NvLink, Report
+from aggregator.config import FleetConfig
+from aggregator.fleet.frame import GPU_COLUMN, GPU_FIELDS, NIC_COLUMN, NIC_FIELDS, FleetFrames
+from aggregator.fleet.history import Fleet
+from aggregator.fleet.pools import Placement, gpu_model_pool, label_safe, placement_of
+
+H100 = "NVIDIA H100 80GB HBM3"
+TEMP = GPU_COLUMN["temperature_celsius"]
+
+
+def gpu(index: int, model: str | None = H100, **fields: Any) -> Gpu:
+    return Gpu(index=index, uuid=f"GPU-{index:04d}", model=model, **fields)
+
+
+def report(
+    t: float,
+    node: str = "gpu-0001",
+    *,
+    gpus: list[Gpu] | None = None,
+    nics: list[Nic] | None = None,
+    labels: dict[str, str] | None = None,
+    boot: str = "boot-a",
+) -> Report:
+    extra: dict[str, Any] = {"labels": labels} if labels is not None else {}
+    return Report(
+        schema="gpuwarden/report/v1",
+        node=node,
+        time=t,
+        seq=int(t),
+        boot_id=boot,
+        gpus=gpus if gpus is not None else [gpu(i) for i in range(8)],
+        nics=nics if nics is not None else [],
+        **extra,
+    )
+
+
+def hot(t: float, node: str, temp: float, n_gpus: int = 8) -> Report:
+    return report(t, node, gpus=[gpu(i, temperature_celsius=temp + i) for i in range(n_gpus)])
+
+
+POOL = Placement("p")
+
+
+def frames_for(frame_seconds: float = 60.0) -> tuple[Fleet, FleetFrames]:
+    config = FleetConfig(window_seconds=1800.0, interval_seconds=10.0)
+    return Fleet(config), FleetFrames(config, frame_seconds=frame_seconds)
+
+
+# -- placement ---------------------------------------------------------------------------------
+
+
+def test_pool_from_report_label_then_k8s_label_then_gpu_model_then_unknown() -> None:
+    gpus = [gpu(0), gpu(1)]
+    k8s = {"gpuwarden.io/pool": "training-a", "node.kubernetes.io/instance-type": "p5.48xlarge"}
+    assert placement_of(report(0, gpus=gpus, labels={"pool": "mine"}), k8s).pool == "mine"
+    assert placement_of(report(0, gpus=gpus), k8s).pool == "training-a"
+    assert placement_of(report(0, gpus=gpus), {"node.kubernetes.io/instance-type": "p5.48xlarge"}).pool == (
+        "p5.48xlarge"
+    )
+    assert placement_of(report(0, gpus=gpus)).pool == "nvidia-h100-80gb-hbm3"
+    assert placement_of(report(0, gpus=[gpu(0, model=None)])).pool == "unknown"
+    assert placement_of(report(0, gpus=[])).pool == "unknown"
+    # An empty label is no label.
+    assert placement_of(report(0, gpus=gpus, labels={"pool": ""})).pool == "nvidia-h100-80gb-hbm3"
+
+
+def test_gpu_model_pool_is_the_most_common_model_whatever_the_order() -> None:
+    a100 = "NVIDIA A100-SXM4-80GB"
+    mixed = [gpu(0, model=a100), gpu(1), gpu(2), gpu(3, model=None)]
+    assert gpu_model_pool(report(0, gpus=mixed)) == "nvidia-h100-80gb-hbm3"
+    tie = [gpu(0), gpu(1, model=a100)]
+    assert (
+        gpu_model_pool(report(0, gpus=tie))
+        == gpu_model_pool(report(0, gpus=tie[::-1]))
+        == "nvidia-a100-sxm4-80gb"
+    )
+    assert label_safe("  NVIDIA  GeForce RTX 4090 (rev. a1)!") == "nvidia-geforce-rtx-4090-rev-a1"
+    assert len(label_safe("x" * 100)) == 63
+
+
+def test_failure_domains_from_report_labels_then_k8s() -> None:
+    labels = {"pool": "p", "rack": "r12", "leaf": "leaf-3"}
+    k8s = {"topology.kubernetes.io/zone": "us-east-1a", "gpuwarden.io/rack": "from-k8s"}
+    assert placement_of(report(0, labels=labels), k8s) == Placement("p", "r12", "leaf-3", "us-east-1a")
+    assert placement_of(report(0, labels={"zone": "z9"}), k8s).zone == "z9"
+    assert placement_of(report(0), k8s).rack == "from-k8s"
+    assert placement_of(report(0)) == Placement("nvidia-h100-80gb-hbm3", None, None, None)
+
+
+# -- frames ------------------------------------------------------------------------------------
+
+
+def test_field_lists_are_named_columns() -> None:
+    assert len(GPU_FIELDS) == len(GPU_COLUMN) == len(set(GPU_FIELDS))
+    assert len(NIC_FIELDS) == len(NIC_COLUMN) == len(set(NIC_FIELDS))
+    for name in ("utilization_ratio", "sm_clock_ratio", "hw_slowdown", "power_brake", "ecc_sbe_per_second"):
+        assert GPU_FIELDS[GPU_COLUMN[name]] == name
+
+
+def test_snapshot_shape_and_nan_for_what_is_missing() -> None:
+    fleet, frames = frames_for()
+    for t in (100, 110, 120):
+        frames.record(fleet.add(hot(t, "a", 50.0)), POOL)
+    # Node b: 4 GPUs only, and silent at 110.
+    for t in (100, 120):
+        frames.record(fleet.add(hot(t, "b", 70.0, n_gpus=4)), POOL)
+    names, values = frames.snapshot("p", 100, 125)
+    assert names == ["a", "b"]
+    assert values.shape == (3, 2, 8, len(GPU_FIELDS))
+    assert values.dtype == np.float32
+    a, b = names.index("a"), names.index("b")
+    assert values[:, a, 3, TEMP].tolist() == [53.0, 53.0, 53.0]
+    assert values[0, b, 0, TEMP] == 70.0
+    assert np.isnan(values[1, b]).all()  # b did not report in the slot of 110
+    assert np.isnan(values[:, b, 4:]).all()  # b has no GPUs 4-7
+    assert np.isnan(values[:, a, :, GPU_COLUMN["power_watts"]]).all()  # null in the report
+    assert frames.frame("p") is not None
+    assert frames.frame("p").slot_starts(100, 125).tolist() == [100.0, 110.0, 120.0]  # type: ignore[union-attr]
+
+
+def test_gauge_columns_and_rates_from_the_view() -> None:
+    fleet, frames = frames_for()
+
+    def r(t: float, ecc: int, crc: tuple[int, int], reasons: int) -> Report:
+        links = [NvLink(link=0, crc_flit_errors_total=crc[0]), NvLink(link=1, crc_data_errors_total=crc[1])]
+        g = gpu(
+            0,
+            sm_clock_hz=990e6,
+            sm_clock_max_hz=1980e6,
+            pcie_link_width=8,
+            pcie_link_width_max=16,
+            clock_event_reasons=reasons,
+            ecc_sbe_volatile_total=ecc,
+            nvlink=links,
+        )
+        return report(t, "a", gpus=[g])
+
+    frames.record(fleet.add(r(100, 5, (0, 0), 0)), POOL)
+    frames.record(fleet.add(r(110, 25, (10, 3), 0x8 | 0x80)), POOL)
+    _, values = frames.snapshot("p", 100, 110)
+    first, second = values[0, 0, 0], values[1, 0, 0]
+    assert np.isnan(first[GPU_COLUMN["ecc_sbe_per_second"]])  # first report: no interval yet
+    assert second[GPU_COLUMN["ecc_sbe_per_second"]] == pytest.approx(2.0)
+    assert second[GPU_COLUMN["nvlink_crc_per_second"]] == pytest.approx(1.3)
+    assert second[GPU_COLUMN["sm_clock_ratio"]] == pytest.approx(0.5)
+    assert second[GPU_COLUMN["pcie_link_width_ratio"]] == pytest.approx(0.5)
+    flags = {
+        name: second[GPU_COLUMN[name]] for name in ("hw_slowdown", "power_brake", "hw_thermal", "sw_thermal")
+    }
+    assert flags == {"hw_slowdown": 1.0, "power_brake": 1.0, "hw_thermal": 0.0, "sw_thermal": 0.0}
+    assert first[GPU_COLUMN["hw_slowdown"]] == 0.0
+
+
+def test_rate_after_a_gap_spreads_over_the_real_interval() -> None:
+    fleet, frames = frames_for(frame_seconds=300.0)
+    frames.record(fleet.add(report(100, "a", gpus=[gpu(0, pcie_replay_total=0)])), POOL)
+    frames.record(fleet.add(report(160, "a", gpus=[gpu(0, pcie_replay_total=30)])), POOL)
+    _, values = frames.snapshot("p", 160, 160)
+    assert values[0, 0, 0, GPU_COLUMN["pcie_replay_per_second"]] == pytest.approx(0.5)
+
+
+def test_ring_reuse_clears_the_old_time() -> None:
+    fleet, frames = frames_for(frame_seconds=60.0)  # 6 slots
+    frames.record(fleet.add(hot(0, "a", 50.0)), POOL)
+    frames.record(fleet.add(hot(10, "b", 60.0)), POOL)
+    # Slot 6 (t=60) reuses the position of slot 0: a's value from t=0 must not show up at t=60.
+    frames.record(fleet.add(hot(60, "b", 61.0)), POOL)
+    names, values = frames.snapshot("p", 0, 60)
+    assert values.shape[0] == 6  # slots 1..6: slot 0 is gone
+    assert np.isnan(values[:, names.index("a")]).all()
+    assert values[0, names.index("b"), 0, TEMP] == 60.0
+    assert values[-1, names.index("b"), 0, TEMP] == 61.0
+    # A jump past the whole ring clears everything, and a write for a time gone is refused.
+    frames.record(fleet.add(hot(500, "b", 62.0)), POOL)
+    _, values = frames.snapshot("p", 0, 500)
+    assert values.shape[0] == 6
+    assert np.isnan(values[:-1]).all()
+    frame = frames.frame("p")
+    assert frame is not None
+    assert frame.write("a", 100, values[0, 0], [], np.zeros((0, len(NIC_FIELDS)), np.float32)) is False
+
+
+def test_snapshot_is_a_read_only_view_unless_the_range_wraps() -> None:
+    fleet, frames = frames_for(frame_seconds=60.0)
+    for t in range(0, 90, 10):  # slots 0..8 in 6 positions: the ring has wrapped
+        frames.record(fleet.add(hot(t, "a", float(t))), POOL)
+    frame = frames.frame("p")
+    assert frame is not None
+    _, inside = frames.snapshot("p", 60, 80)  # positions 0..2: contiguous
+    assert np.shares_memory(inside, frame.gpu)
+    assert not inside.flags.writeable
+    _, wrapped = frames.snapshot("p", 30, 80)  # positions 3..5 then 0..2
+    assert wrapped[:, 0, 0, TEMP].tolist() == [30.0, 40.0, 50.0, 60.0, 70.0, 80.0]
+    assert not wrapped.flags.writeable
+    _, none = frames.snapshot("p", 200, 300)
+    assert none.shape == (0, 1, 8, len(GPU_FIELDS))
+
+
+def test_rows_grow_and_released_rows_are_reused_with_data_kept() -> None:
+    fleet, frames = frames_for()
+    nodes = [f"n{i:02d}" for i in range(20)]  # beyond the initial 8 rows
+    for i, node in enumerate(nodes):
+        frames.record(fleet.add(hot(100, node, float(i))), POOL)
+    names, values = frames.snapshot("p", 100, 100)
+    assert names == nodes
+    assert values[0, :, 0, TEMP].tolist() == [float(i) for i in range(20)]
+    assert frames.forget("n05") is True
+    assert frames.forget("n05") is False
+    names, values = frames.snapshot("p", 100, 100)
+    assert len(names) == 19 and "n05" not in names
+    # Every remaining node still has its own values, wherever its row is now.
+    assert {n: values[0, i, 0, TEMP] for i, n in enumerate(names)} == {
+        n: float(i) for i, n in enumerate(nodes) if n != "n05"
+    }
+    frame = frames.frame("p")
+    assert frame is not None
+    assert np.isnan(frame.gpu[:, 19:]).all()  # the freed row holds nothing
+    for node in names:
+        frames.forget(node)
+    assert frames.frame("p") is None  # an empty pool's frame is dropped
+
+
+def test_node_changing_pool_leaves_the_old_frame() -> None:
+    fleet, frames = frames_for()
+    frames.record(fleet.add(hot(100, "a", 50.0)), Placement("old"))
+    frames.record(fleet.add(hot(100, "b", 50.0)), Placement("old"))
+    frames.record(fleet.add(hot(110, "a", 51.0)), Placement("new"))
+    assert frames.pool_of("a") == "new"
+    assert frames.snapshot("old", 100, 110)[0] == ["b"]
+    names, values = frames.snapshot("new", 100, 110)
+    assert names == ["a"]
+    assert np.isnan(values[0]).all() and values[1, 0, 0, TEMP] == 51.0
+
+
+def test_late_and_duplicate_views_write_nothing() -> None:
+    fleet, frames = frames_for()
+    frames.record(fleet.add(hot(100, "a", 50.0)), POOL)
+    frames.record(fleet.add(hot(120, "a", 52.0)), POOL)
+    assert frames.record(fleet.add(hot(110, "a", 51.0)), POOL) is False
+    assert frames.record(fleet.add(hot(120, "a", 52.0)), POOL) is False
+    _, values = frames.snapshot("p", 100, 120)
+    assert np.isnan(values[1]).all()
+
+
+def test_nic_frame_rates_gauges_and_netdev_names() -> None:
+    fleet, frames = frames_for()
+
+    def r(t: float, c: int) -> Report:
+        ib = Nic(
+            device="mlx5_1",
+            link_layer="InfiniBand",
+            port=1,
+            state="ACTIVE",
+            rate_bytes_per_second=5e10,
+            rx_bytes_total=c * 1000,
+            counters={"symbol_error": c, "port_rcv_errors": 0},
+        )
+        ib0 = Nic(device="mlx5_0", link_layer="InfiniBand", port=1, state="DOWN")
+        eth = Nic(device="eth0", link_layer="Ethernet", state="up", counters={"rx_errors": 2 * c})
+        return report(t, "a", gpus=[], nics=[ib, eth, ib0])
+
+    frames.record(fleet.add(r(100, 0)), POOL)
+    frames.record(fleet.add(r(110, 10)), POOL)
+    frame = frames.frame("p")
+    assert frame is not None
+    assert frame.nic_keys("a") == [("eth0", None), ("mlx5_0", 1), ("mlx5_1", 1)]
+    names, values = frames.nic_snapshot("p", 110, 110)
+    assert names == ["a"]
+    eth, ib0, ib = values[0, 0, 0], values[0, 0, 1], values[0, 0, 2]
+    assert ib[NIC_COLUMN["symbol_error_per_second"]] == pytest.approx(1.0)
+    assert ib[NIC_COLUMN["rx_bytes_per_second"]] == pytest.approx(1000.0)
+    assert ib[NIC_COLUMN["port_rcv_errors_per_second"]] == 0.0
+    assert ib[NIC_COLUMN["link_rate_bytes_per_second"]] == pytest.approx(5e10)
+    assert ib[NIC_COLUMN["link_up"]] == 1.0 and ib0[NIC_COLUMN["link_up"]] == 0.0
+    # The netdev's rx_errors fills the same column as InfiniBand's port_rcv_errors.
+    assert eth[NIC_COLUMN["port_rcv_errors_per_second"]] == pytest.approx(2.0)
+    assert np.isnan(eth[NIC_COLUMN["symbol_error_per_second"]])
+    assert np.isnan(ib0[NIC_COLUMN["symbol_error_per_second"]])
+
+
+def test_more_nics_than_the_frame_keeps_are_ignored_not_an_error(caplog: pytest.LogCaptureFixture) -> None:
+    config = FleetConfig()
+    fleet, frames = Fleet(config), FleetFrames(config, max_nics=2)
+    nics = [Nic(device=f"mlx5_{i}", link_layer="InfiniBand", port=1, state="ACTIVE") for i in range(4)]
+    with caplog.at_level(logging.WARNING, logger="aggregator.fleet.frame"):
+        frames.record(fleet.add(report(100, "a", gpus=[], nics=nics)), POOL)
+        frames.record(fleet.add(report(110, "a", gpus=[], nics=nics)), POOL)
+    assert len(caplog.records) == 2  # once per NIC left out, not once per report
+    frame = frames.frame("p")
+    assert frame is not None
+    assert frame.nic_keys("a") == [("mlx5_0", 1), ("mlx5_1", 1)]
+    _, values = frames.nic_snapshot("p", 110, 110)
+    assert values.shape[2] >= 2
+    assert values[0, 0, :2, NIC_COLUMN["link_up"]].tolist() == [1.0, 1.0]
+
+
+def test_unknown_pool_snapshot_is_empty() -> None:
+    frames = FleetFrames()
+    names, values = frames.snapshot("nope", 0, 100)
+    assert names == [] and values.shape == (0, 0, FleetConfig().max_gpus, len(GPU_FIELDS))
+    names, values = frames.nic_snapshot("nope", 0, 100)
+    assert names == [] and values.shape[0] == 0

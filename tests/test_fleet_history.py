@@ -1,0 +1,362 @@
+"""Per-node history: reset-safe rates, ordering, duplicates, the window, and what a view shows."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import msgspec
+import pytest
+
+from agent.errors import ConfigError, ReportError
+from agent.report import Gpu, Nic, NvLink, Report
+from aggregator.config import FleetConfig
+from aggregator.fleet.history import (
+    GPU_COUNTER_FIELDS,
+    GPU_FLAG_FIELDS,
+    GPU_GAUGE_FIELDS,
+    Fleet,
+    NodeHistory,
+)
+
+ECC = "ecc_sbe_volatile_total"
+
+
+def gpu(index: int = 0, **fields: Any) -> Gpu:
+    return Gpu(index=index, uuid=f"GPU-{index:04d}", model="NVIDIA H100 80GB HBM3", **fields)
+
+
+def report(
+    t: float,
+    *,
+    node: str = "gpu-0001",
+    seq: int | None = None,
+    boot: str = "boot-a",
+    gpus: list[Gpu] | None = None,
+    nics: list[Nic] | None = None,
+) -> Report:
+    return Report(
+        schema="gpuwarden/report/v1",
+        node=node,
+        time=t,
+        seq=int(t) if seq is None else seq,
+        boot_id=boot,
+        gpus=gpus if gpus is not None else [],
+        nics=nics if nics is not None else [],
+    )
+
+
+def ecc_report(t: float, value: int | None, **kw: Any) -> Report:
+    return report(t, gpus=[gpu(0, ecc_sbe_volatile_total=value, temperature_celsius=40.0 + t / 10)], **kw)
+
+
+def feed(fleet: Fleet, reports: list[Report]) -> None:
+    """Add reports the way the pipeline does: the rule engine asks the same things after each one."""
+    for r in reports:
+        view = fleet.add(r)
+        view.gpu_rate(0, ECC, 60.0)
+        view.gpu_samples(0, "temperature_celsius", 60.0)
+
+
+def rate(fleet: Fleet, window_s: float, node: str = "gpu-0001") -> float | None:
+    view = fleet.view(node)
+    assert view is not None
+    return view.gpu_rate(0, ECC, window_s)
+
+
+def test_steady_counter_rate_is_delta_over_elapsed_time() -> None:
+    fleet = Fleet()
+    feed(fleet, [ecc_report(t, int(t) * 2) for t in range(0, 70, 10)])
+    assert rate(fleet, 60.0) == pytest.approx(2.0)
+    # A shorter window only sees its own samples: [40, 60].
+    assert rate(fleet, 20.0) == pytest.approx(2.0)
+
+
+def test_counter_going_down_within_a_boot_counts_from_zero_never_negative() -> None:
+    fleet = Fleet()
+    # +10, then a reset to 5 (5 counted since the reset), then +10.
+    feed(fleet, [ecc_report(0, 100), ecc_report(10, 110), ecc_report(20, 5), ecc_report(30, 15)])
+    assert rate(fleet, 60.0) == pytest.approx(25 / 30)
+    # Just the reset interval: 5 over 10 s, not (5 - 110) / 10.
+    view = fleet.view("gpu-0001")
+    assert view is not None
+    fleet2 = Fleet()
+    feed(fleet2, [ecc_report(10, 110), ecc_report(20, 5)])
+    assert rate(fleet2, 60.0) == pytest.approx(0.5)
+
+
+def test_boot_change_starts_over() -> None:
+    fleet = Fleet()
+    feed(fleet, [ecc_report(0, 0, boot="a"), ecc_report(10, 100, boot="a")])
+    view = fleet.add(ecc_report(20, 1000, boot="b"))
+    assert view.rebooted is True
+    assert view.previous is None
+    # One sample of the new boot: no rate yet, and nothing of boot "a" leaks in.
+    assert view.gpu_rate(0, ECC, 60.0) is None
+    view = fleet.add(ecc_report(30, 1003, boot="b"))
+    assert view.rebooted is False
+    assert view.previous is not None and view.previous.time == 20
+    assert view.gpu_rate(0, ECC, 60.0) == pytest.approx(0.3)
+    # A counter that restarted lower after the reboot is a baseline, not a reset or a negative rate.
+    fleet.add(ecc_report(40, 1, boot="c"))
+    assert fleet.add(ecc_report(50, 4, boot="c")).gpu_rate(0, ECC, 600.0) == pytest.approx(0.3)
+
+
+def test_gap_spreads_the_delta_over_the_real_elapsed_time() -> None:
+    fleet = Fleet()
+    # Reports 20..50 were lost: the 50 errors between 10 and 60 spread over 50 s.
+    feed(fleet, [ecc_report(0, 0), ecc_report(10, 10), ecc_report(60, 60)])
+    assert rate(fleet, 600.0) == pytest.approx(1.0)
+    assert rate(fleet, 55.0) == pytest.approx(1.0)
+    # The window [30, 60] holds only the sample at 60: too few samples, no guess.
+    assert rate(fleet, 30.0) is None
+
+
+def test_null_values_are_skipped_and_too_few_samples_give_none() -> None:
+    fleet = Fleet()
+    view = fleet.add(ecc_report(0, 0))
+    assert view.gpu_rate(0, ECC, 60.0) is None  # one sample
+    feed(fleet, [ecc_report(10, None), ecc_report(20, 20)])
+    assert rate(fleet, 60.0) == pytest.approx(1.0)
+    fleet = Fleet()
+    feed(fleet, [ecc_report(t, None) for t in (0, 10, 20)])
+    assert rate(fleet, 60.0) is None
+
+
+def test_out_of_order_reports_are_ordered_by_report_time() -> None:
+    in_order, shuffled = Fleet(), Fleet()
+    times = [0, 10, 20, 30, 40]
+    feed(in_order, [ecc_report(t, int(t) * 3) for t in times])
+    feed(shuffled, [ecc_report(t, int(t) * 3) for t in (0, 20, 10, 40, 30)])
+    view = shuffled.view("gpu-0001")
+    assert view is not None
+    assert view.report.time == 40
+    samples = view.gpu_samples(0, "temperature_celsius", 600.0)
+    assert [s[0] for s in samples] == [0, 10, 20, 30, 40]
+    assert [s[1] for s in samples] == [40.0, 41.0, 42.0, 43.0, 44.0]
+    assert rate(shuffled, 600.0) == pytest.approx(rate(in_order, 600.0))
+    assert rate(shuffled, 600.0) == pytest.approx(3.0)
+
+
+def test_late_report_view_is_the_latest_with_the_late_one_as_added() -> None:
+    fleet = Fleet()
+    feed(fleet, [ecc_report(0, 0), ecc_report(20, 20)])
+    late = ecc_report(10, 10)
+    view = fleet.add(late)
+    assert view.outcome == "late"
+    assert view.report.time == 20
+    assert view.added is late
+    # The late report is now the latest's previous report of the same boot.
+    assert view.previous is late
+    assert view.rebooted is False
+
+
+def test_duplicates_do_not_double_count() -> None:
+    once, twice = Fleet(), Fleet()
+    reports = [ecc_report(0, 0), ecc_report(10, 10), ecc_report(20, 30)]
+    feed(once, reports)
+    for r in reports:
+        assert twice.add(r).outcome == "latest"
+        assert twice.add(r).outcome == "duplicate"
+        feed(twice, [r])
+    # A late duplicate of an older report too.
+    assert twice.add(reports[1]).outcome == "duplicate"
+    assert rate(twice, 60.0) == pytest.approx(rate(once, 60.0))
+    view = twice.view("gpu-0001")
+    assert view is not None
+    assert [s[0] for s in view.gpu_samples(0, "temperature_celsius", 60.0)] == [0, 10, 20]
+
+
+def test_window_evicts_old_samples_and_drops_reports_older_than_it() -> None:
+    fleet = Fleet(FleetConfig(window_seconds=100.0, interval_seconds=10.0), coarse_seconds=0.0)
+    feed(fleet, [ecc_report(t, int(t)) for t in range(0, 310, 10)])
+    history = fleet.history("gpu-0001")
+    assert history is not None
+    assert history.times() == [float(t) for t in range(200, 310, 10)]
+    # A rate asking for more than the window gets the window.
+    assert rate(fleet, 10_000.0) == pytest.approx(1.0)
+    view = fleet.add(ecc_report(150, 150))
+    assert view.outcome == "expired"
+    assert history.times()[0] == 200.0
+
+
+def test_older_samples_are_thinned_but_counter_rates_stay_exact() -> None:
+    fleet = Fleet(
+        FleetConfig(window_seconds=600.0, interval_seconds=10.0), fine_seconds=60.0, coarse_seconds=30.0
+    )
+    # Irregular increments so that a wrong thinning would show in the rate.
+    values = [t * t for t in range(61)]
+    feed(fleet, [ecc_report(10 * i, v) for i, v in enumerate(values)])
+    history = fleet.history("gpu-0001")
+    assert history is not None
+    times = history.times()
+    latest = times[-1]
+    # Older than the fine part (and than the few samples waiting for the next kept one to go).
+    old = [t for t in times if t < latest - 60 - 30]
+    recent = [t for t in times if t >= latest - 60]
+    assert old[0] == 0.0
+    assert all(b - a >= 30 for a, b in itertools.pairwise(old))
+    assert recent == [float(t) for t in range(540, 610, 10)]
+    assert len(times) < 61
+    first = times[0]
+    expected = (values[-1] - values[int(first) // 10]) / (latest - first)
+    assert rate(fleet, 600.0) == pytest.approx(expected)
+    # A window inside the fine part is exact to the sample.
+    assert rate(fleet, 60.0) == pytest.approx((values[60] - values[54]) / 60)
+
+
+def test_nvlink_rate_sums_links_each_reset_safe() -> None:
+    def nv(t: float, a: int, b: int | None) -> Report:
+        links = [NvLink(link=0, crc_flit_errors_total=a), NvLink(link=1, crc_flit_errors_total=b)]
+        return report(t, gpus=[gpu(0, nvlink=links)])
+
+    fleet = Fleet()
+    for r in (nv(0, 100, 0), nv(10, 110, 5), nv(20, 3, 10)):  # link 0 resets to 3
+        fleet.add(r).nvlink_rate(0, "crc_flit_errors_total", 60.0)
+    view = fleet.add(nv(30, 3, None))  # link 1 unsupported now: link 0 alone
+    assert view.nvlink_rate(0, "crc_flit_errors_total", 60.0) == pytest.approx((15 + 8 + 0) / 30)
+    assert view.nvlink_rate(1, "crc_flit_errors_total", 60.0) is None  # no such GPU
+
+
+def test_nic_rate_of_typed_and_driver_counters() -> None:
+    def ib(t: float, rx: int, sym: int) -> Report:
+        nic = Nic(
+            device="mlx5_0",
+            link_layer="InfiniBand",
+            port=1,
+            rx_bytes_total=rx,
+            counters={"symbol_error": sym},
+        )
+        return report(t, nics=[nic])
+
+    fleet = Fleet()
+    for r in (ib(0, 0, 0), ib(10, 1000, 2)):
+        view = fleet.add(r)
+        view.nic_rate("mlx5_0", 1, "rx_bytes_total", 60.0)
+        view.nic_rate("mlx5_0", 1, "symbol_error", 60.0)
+    view = fleet.add(ib(20, 3000, 1))  # symbol_error went down: a reset, 1 since
+    assert view.nic_rate("mlx5_0", 1, "rx_bytes_total", 60.0) == pytest.approx(150.0)
+    assert view.nic_rate("mlx5_0", 1, "symbol_error", 60.0) == pytest.approx(3 / 20)
+    assert view.nic_rate("mlx5_0", 1, "port_rcv_errors", 60.0) is None
+    assert view.nic_rate("mlx5_9", 1, "symbol_error", 60.0) is None
+
+
+def test_a_field_asked_on_one_node_is_kept_by_all_from_their_next_report() -> None:
+    fleet = Fleet()
+    fleet.add(ecc_report(0, 0, node="a")).gpu_rate(0, ECC, 60.0)
+    # Node b's series exists from its first report although nobody asked b yet.
+    for t, v in ((0, 0), (10, 5), (20, 30)):
+        fleet.add(ecc_report(t, v, node="b"))
+    assert rate(fleet, 60.0, node="b") == pytest.approx(1.5)
+
+
+def test_first_ask_seeds_from_the_reports_kept_and_never_inflates_a_rate() -> None:
+    fleet = Fleet()
+    fleet.add(ecc_report(0, 0))
+    view = fleet.add(ecc_report(10, 7))
+    # Asked for the first time at the second report: seeded from the previous one and the latest.
+    assert view.gpu_rate(0, ECC, 60.0) == pytest.approx(0.7)
+
+    late = Fleet()
+    for t in (0, 10, 20):
+        view = late.add(ecc_report(t, 0))
+    view = late.add(ecc_report(30, 9))
+    # First asked at the fourth report: the series starts at 20, so it cannot say what happened
+    # over [0, 30]; spreading the 9 over 10 s and calling that the 30 s rate would triple it.
+    assert view.gpu_rate(0, ECC, 30.0) is None
+    assert view.gpu_rate(0, ECC, 10.0) == pytest.approx(0.9)
+    view = late.add(ecc_report(40, 9))
+    assert view.gpu_rate(0, ECC, 20.0) == pytest.approx(0.45)
+    assert view.gpu_rate(0, ECC, 40.0) is None
+    # Registered up front, the series covers everything from the node's first report.
+    tracked = Fleet()
+    tracked.registry.track_gpu_counters(ECC)
+    for t, v in ((0, 0), (10, 0), (20, 0), (30, 9)):
+        view = tracked.add(ecc_report(t, v))
+    assert view.gpu_rate(0, ECC, 30.0) == pytest.approx(0.3)
+
+
+def test_unknown_fields_and_bad_windows_are_refused() -> None:
+    view = Fleet().add(ecc_report(0, 0))
+    with pytest.raises(ConfigError, match="temprature"):
+        view.gpu_samples(0, "temprature", 60.0)
+    with pytest.raises(ConfigError, match="unknown GPU counter field 'temperature_celsius'"):
+        view.gpu_rate(0, "temperature_celsius", 60.0)
+    with pytest.raises(ConfigError, match="NVLink"):
+        view.nvlink_rate(0, ECC, 60.0)
+    with pytest.raises(ConfigError, match="positive"):
+        view.gpu_rate(0, ECC, 0.0)
+    with pytest.raises(ConfigError, match="positive"):
+        view.gpu_rate(0, ECC, math.nan)
+
+
+def test_gpu_samples_give_flags_as_numbers_and_nulls_as_none() -> None:
+    fleet = Fleet()
+    fleet.registry.track_gpu_gauges("remapped_rows_pending", "power_watts")
+    fleet.add(report(0, gpus=[gpu(0, remapped_rows_pending=False, power_watts=300.0)]))
+    fleet.add(report(10, gpus=[gpu(0, remapped_rows_pending=True, power_watts=None)]))
+    view = fleet.add(report(20, gpus=[]))  # GPU 0 fell off: its past stays readable
+    assert view.gpu_samples(0, "remapped_rows_pending", 60.0) == [(0.0, 0.0), (10.0, 1.0), (20.0, None)]
+    assert view.gpu_samples(0, "power_watts", 60.0) == [(0.0, 300.0), (10.0, None), (20.0, None)]
+    assert view.gpu_samples(0, "power_watts", 15.0) == [(10.0, None), (20.0, None)]
+    # Never kept for a GPU this node never had.
+    assert view.gpu_samples(3, "power_watts", 60.0) == []
+
+
+def test_clock_stepping_back_past_the_window_starts_the_history_over() -> None:
+    fleet = Fleet(FleetConfig(window_seconds=100.0))
+    feed(fleet, [ecc_report(1000, 0, seq=1), ecc_report(1010, 10, seq=2)])
+    # Same boot, later seq, but 500 s earlier: the node's clock was wrong before, or is now.
+    view = fleet.add(ecc_report(510, 10, seq=3))
+    assert view.outcome == "latest"
+    assert view.report.time == 510
+    assert view.previous is None
+    assert fleet.last_report_time("gpu-0001") == 510
+    # An old report of an earlier seq is just too old.
+    assert fleet.add(ecc_report(100, 0, seq=0)).outcome == "expired"
+
+
+def test_a_view_answers_for_its_own_time_and_boot() -> None:
+    fleet = Fleet()
+    feed(fleet, [ecc_report(0, 0), ecc_report(10, 10)])
+    old = fleet.add(ecc_report(20, 20))
+    fleet.add(ecc_report(30, 1000)).gpu_rate(0, ECC, 60.0)
+    assert old.gpu_rate(0, ECC, 60.0) == pytest.approx(1.0)
+    fleet.add(ecc_report(40, 0, boot="new"))
+    assert old.gpu_rate(0, ECC, 60.0) is None
+
+
+def test_fast_reporter_is_capped_instead_of_growing() -> None:
+    fleet = Fleet(FleetConfig(window_seconds=100.0, interval_seconds=10.0), coarse_seconds=0.0)
+    feed(fleet, [ecc_report(t / 10, int(t), seq=t) for t in range(1000)])  # every 0.1 s
+    history = fleet.history("gpu-0001")
+    assert history is not None
+    assert len(history) == history.max_samples
+    assert rate(fleet, 5.0) == pytest.approx(10.0)
+
+
+def test_fleet_bookkeeping() -> None:
+    fleet = Fleet()
+    fleet.add(ecc_report(5, 0, node="a"))
+    fleet.add(ecc_report(7, 0, node="b"))
+    assert fleet.nodes() == ["a", "b"]
+    assert "a" in fleet and len(fleet) == 2
+    assert fleet.last_report_time("b") == 7
+    assert fleet.last_report_time("zz") is None
+    assert fleet.forget("a") is True
+    assert fleet.forget("a") is False
+    assert fleet.nodes() == ["b"]
+    assert fleet.view("a") is None
+    with pytest.raises(ReportError, match="gpu-0009"):
+        NodeHistory("gpu-0001").add(ecc_report(0, 0, node="gpu-0009"))
+
+
+def test_field_lists_cover_every_numeric_gpu_field() -> None:
+    numeric = {
+        f.name
+        for f in msgspec.structs.fields(Gpu)
+        if f.name not in {"index", "uuid", "model", "pci_bus_id", "nvlink"}
+    }
+    assert numeric == GPU_COUNTER_FIELDS | GPU_GAUGE_FIELDS | GPU_FLAG_FIELDS
+    assert not (GPU_COUNTER_FIELDS & GPU_GAUGE_FIELDS)

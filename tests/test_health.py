@@ -1,0 +1,139 @@
+"""The health state machine: hysteresis, probation, lemons, and what never quarantines."""
+
+from __future__ import annotations
+
+from aggregator.config import HealthConfig
+from aggregator.health import HealthMachine
+from aggregator.model import Finding
+
+CFG = HealthConfig(
+    suspect_for_seconds=120,
+    clear_for_seconds=60,
+    probation_seconds=600,
+    lemon_count=3,
+    lemon_window_seconds=86400,
+)
+
+
+def hard(key: str = "xid-79:gpu3") -> Finding:
+    return Finding(
+        detector="rule",
+        key=key,
+        rule="xid-79",
+        severity="critical",
+        action="quarantine",
+        hard=True,
+        clears="reboot",
+        summary="GPU 3 fell off the bus (XID 79)",
+        since=0.0,
+        evidence={"gpu": 3, "xid": 79},
+    )
+
+
+def soft(key: str = "pcie-width:gpu1") -> Finding:
+    return Finding(
+        detector="rule",
+        key=key,
+        rule="pcie-width",
+        severity="warning",
+        action="quarantine",
+        summary="GPU 1 PCIe x8 of x16",
+        since=0.0,
+    )
+
+
+def alert(key: str = "remap-pending:gpu0") -> Finding:
+    return Finding(
+        detector="rule",
+        key=key,
+        rule="remap-pending",
+        severity="warning",
+        action="alert",
+        summary="GPU 0 row remap pending",
+        since=0.0,
+    )
+
+
+def test_hard_fault_quarantines_at_once_with_its_reason() -> None:
+    m = HealthMachine(CFG)
+    assert m.update("n1", "rule", [], 0.0) is None
+    d = m.update("n1", "rule", [hard()], 10.0)
+    assert d is not None
+    assert (d.state, d.previous, d.action, d.time) == ("quarantined", "healthy", "taint", 10.0)
+    assert d.reasons[0].rule == "xid-79" and d.reasons[0].evidence["xid"] == 79
+
+
+def test_soft_evidence_must_persist_and_flapping_never_quarantines() -> None:
+    m = HealthMachine(CFG)
+    d = m.update("n1", "rule", [soft()], 0.0)
+    assert d is not None and d.state == "suspect" and d.action == "none"
+    # Comes and goes every 60 s: never 120 s continuously.
+    for t in range(10, 1000, 10):
+        present = (t // 60) % 2 == 0
+        d = m.update("n1", "rule", [soft()] if present else [], float(t))
+        assert d is None or d.state != "quarantined"
+    m2 = HealthMachine(CFG)
+    m2.update("n1", "rule", [soft()], 0.0)
+    assert m2.update("n1", "rule", [soft()], 110.0) is None
+    d = m2.update("n1", "rule", [soft()], 120.0)
+    assert d is not None and d.state == "quarantined"
+    assert d.reasons[0].evidence["persisted_seconds"] == 120.0
+
+
+def test_alert_findings_make_suspect_but_never_quarantine() -> None:
+    m = HealthMachine(CFG)
+    d = m.update("n1", "rule", [alert()], 0.0)
+    assert d is not None and d.state == "suspect"
+    for t in range(10, 5000, 10):
+        assert m.update("n1", "rule", [alert()], float(t)) is None
+    assert m.get("n1").state == "suspect"  # type: ignore[union-attr]
+
+
+def test_suspect_clears_after_evidence_gone_long_enough() -> None:
+    m = HealthMachine(CFG)
+    m.update("n1", "rule", [alert()], 0.0)
+    assert m.update("n1", "rule", [], 10.0) is None
+    assert m.tick(60.0) == []
+    [d] = m.tick(70.0)
+    assert (d.state, d.previous) == ("healthy", "suspect")
+
+
+def test_probation_then_release_and_relapse_during_probation() -> None:
+    m = HealthMachine(CFG)
+    m.update("n1", "rule", [hard()], 0.0)
+    d = m.update("n1", "rule", [], 100.0)  # evidence cleared (e.g. after a reboot)
+    assert d is not None and (d.state, d.action) == ("probation", "none")
+    assert m.tick(600.0) == []
+    [d] = m.tick(700.0)
+    assert (d.state, d.previous, d.action) == ("healthy", "probation", "untaint")
+
+    m.update("n2", "rule", [hard()], 0.0)
+    m.update("n2", "rule", [], 100.0)
+    d = m.update("n2", "rule", [soft()], 200.0)  # any quarantine evidence in probation
+    assert d is not None and (d.state, d.action) == ("quarantined", "none")  # still tainted
+
+
+def test_lemon_stays_out() -> None:
+    m = HealthMachine(CFG)
+    t = 0.0
+    for _ in range(3):
+        m.update("n1", "rule", [hard()], t)
+        m.update("n1", "rule", [], t + 10)
+        m.tick(t + 700)
+        t += 1000
+    h = m.get("n1")
+    assert h is not None and h.lemon and h.state == "quarantined"
+    assert any(r.rule == "lemon" for r in h.reasons)
+    assert m.update("n1", "rule", [], t + 10) is None
+    assert m.tick(t + 10_000) == []
+    d = m.release_lemon("n1", t + 10_001)
+    assert d is not None and d.state == "probation"
+
+
+def test_sources_are_independent() -> None:
+    m = HealthMachine(CFG)
+    m.update("n1", "rule", [alert()], 0.0)
+    m.update("n1", "silence", [alert("silence")], 5.0)
+    m.update("n1", "rule", [], 10.0)  # the rule evidence went away; silence still holds
+    assert m.tick(1000.0) == []
+    assert m.get("n1").state == "suspect"  # type: ignore[union-attr]

@@ -1,0 +1,357 @@
+"""The agent's /metrics exposition: exact text, promtool-clean, nulls absent, served over HTTP.
+
+Regenerate the golden file after an intended change with ``GPUWARDEN_UPDATE_GOLDEN=1 pytest
+tests/test_metrics.py`` and review its diff.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import msgspec
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agent.errors import ConfigError
+from agent.metrics import AgentMetrics, AgentSnapshot, make_registry, serve
+from agent.report import CollectorError, Event, Gpu, Nic, NvLink, Report
+from agent.state import CollectorStatus, CycleResult, ShipperStats
+
+GOLDEN = Path(__file__).parent / "fixtures" / "metrics" / "golden.prom"
+T0 = 1_764_441_600.0
+
+
+def _gpu(index: int, **overrides: object) -> Gpu:
+    fields: dict[str, object] = {
+        "index": index,
+        "uuid": f"GPU-0000000{index}-1111-2222-3333-444444444444",
+        "model": "NVIDIA H100 80GB HBM3",
+        "pci_bus_id": f"0000:{0x18 + index:02x}:00",
+        "utilization_ratio": 0.97,
+        "memory_used_bytes": 79_000_000_000 + index,
+        "memory_total_bytes": 85_520_809_984,
+        "temperature_celsius": 61.0 + index,
+        "memory_temperature_celsius": 70.0,
+        "power_watts": 650.5,
+        "power_limit_watts": 700.0,
+        "energy_joules_total": 123_456_789.25,
+        "sm_clock_hz": 1.98e9,
+        "sm_clock_max_hz": 1.98e9,
+        "memory_clock_hz": 2.619e9,
+        "clock_event_reasons": 0x4 | 0x40,  # sw_power_cap + hw_thermal_slowdown
+        "performance_state": 0,
+        "ecc_sbe_volatile_total": 3,
+        "ecc_dbe_volatile_total": 0,
+        "ecc_sbe_aggregate_total": 17,
+        "ecc_dbe_aggregate_total": 1,
+        "retired_pages_sbe": 2,
+        "retired_pages_dbe": 1,
+        "retired_pages_pending": False,
+        "remapped_rows_correctable": 4,
+        "remapped_rows_uncorrectable": 1,
+        "remapped_rows_pending": True,
+        "remapped_rows_failure": False,
+        "pcie_link_gen": 5,
+        "pcie_link_gen_max": 5,
+        "pcie_link_width": 16,
+        "pcie_link_width_max": 16,
+        "pcie_replay_total": 12,
+        "nvlink": [
+            NvLink(
+                link=0,
+                active=True,
+                crc_flit_errors_total=5,
+                crc_data_errors_total=0,
+                replay_errors_total=2,
+                recovery_errors_total=1,
+            ),
+            NvLink(link=1, active=False),
+        ],
+    }
+    fields.update(overrides)
+    return Gpu(**fields)  # type: ignore[arg-type]
+
+
+def _snapshot(*, seq: int = 7, events: list[Event] | None = None) -> AgentSnapshot:
+    report = Report(
+        schema="gpuwarden/report/v1",
+        node="gpu-0042",
+        time=T0,
+        seq=seq,
+        boot_id="5f1c3c1e-8c1a-4c2e-9f52-0d3a7b1e2f10",
+        agent_version="0.1.0",
+        interval_seconds=10.0,
+        gpus=[
+            _gpu(0),
+            # Not supported on this GPU: must be absent from the exposition, not 0.
+            _gpu(1, memory_temperature_celsius=None),
+        ],
+        nics=[
+            Nic(
+                device="mlx5_0",
+                link_layer="InfiniBand",
+                port=1,
+                netdev="ib0",
+                state="ACTIVE",
+                phys_state="LinkUp",
+                rate_bytes_per_second=5.0e10,
+                rx_bytes_total=4_000_000_000_000,
+                tx_bytes_total=3_900_000_000_000,
+                rx_packets_total=1_000_000_000,
+                tx_packets_total=990_000_000,
+                counters={
+                    "symbol_error": 2,
+                    "link_downed": 1,
+                    "port_rcv_errors": 0,
+                    "port_xmit_wait": 123_456,
+                    "VL15_dropped": 0,
+                    "rnr_nak_retry_err": 0,
+                    "out_of_buffer": 3,
+                    "np_cnp_sent": 42,
+                },
+            ),
+            Nic(
+                device="eth0",
+                link_layer="Ethernet",
+                netdev="eth0",
+                state="down",
+                rate_bytes_per_second=None,
+                rx_bytes_total=10_000,
+                tx_bytes_total=20_000,
+                rx_packets_total=100,
+                tx_packets_total=200,
+                counters={"rx_errors": 1, "carrier_changes": 4},
+            ),
+        ],
+        events=(
+            [
+                Event(kind="xid", time=T0 - 5, gpu=1, code=79, message="GPU has fallen off the bus"),
+                Event(kind="xid", time=T0 - 4, gpu=0, code=13),
+                Event(kind="xid", time=T0 - 3, gpu=None, code=48),
+                Event(kind="kernel", time=T0 - 2, message="mlx5_core: cmd_exec timeout"),
+            ]
+            if events is None
+            else events
+        ),
+        errors=[CollectorError(collector="infiniband", message="mlx5_1: counters unreadable")],
+    )
+    statuses = (
+        CollectorStatus("nvml", supported=True, reason="", success=True, duration_seconds=0.0125),
+        CollectorStatus("infiniband", supported=True, reason="", success=True, duration_seconds=0.002),
+        CollectorStatus(
+            "nvswitch", supported=False, reason="no NVSwitch", success=False, duration_seconds=0.0
+        ),
+    )
+    shipper = ShipperStats(
+        sent_total=120,
+        rejected_total=1,
+        failed_attempts_total=4,
+        spooled_total=6,
+        dropped_total=0,
+        spool_depth=2,
+        last_success_time=T0 - 10,
+    )
+    return AgentSnapshot(
+        cycle=CycleResult(report=report, statuses=statuses), shipper=shipper, version="0.1.0"
+    )
+
+
+def _exposition(snapshot: AgentSnapshot) -> bytes:
+    return generate_latest(make_registry(AgentMetrics(lambda: snapshot), process_metrics=False))
+
+
+def _samples(text: bytes) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text.decode())
+        for s in fam.samples
+    }
+
+
+def test_exposition_matches_golden_file() -> None:
+    text = _exposition(_snapshot())
+    if os.environ.get("GPUWARDEN_UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        GOLDEN.write_bytes(text)
+        pytest.skip(f"rewrote {GOLDEN}: review its diff")
+    assert text.decode() == GOLDEN.read_text(encoding="utf-8")
+
+
+def test_promtool_finds_nothing_to_lint() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail("promtool is not installed (apt-get install prometheus): CI must lint /metrics")
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    # The live server adds the process_* families: lint those too.
+    registry = make_registry(AgentMetrics(_snapshot), process_metrics=True)
+    proc = subprocess.run(
+        [promtool, "check", "metrics"],
+        input=generate_latest(registry),
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
+    assert proc.stdout.decode().strip() == "", proc.stdout.decode()
+
+
+def test_every_family_has_help_and_a_gpuwarden_name() -> None:
+    families = list(text_string_to_metric_families(_exposition(_snapshot()).decode()))
+    assert families
+    for fam in families:
+        assert fam.name.startswith("gpuwarden_"), fam.name
+        assert fam.documentation, f"{fam.name} has no HELP"
+        for sample in fam.samples:
+            assert "node" not in sample.labels and "hostname" not in sample.labels
+
+
+def test_null_fields_produce_no_sample() -> None:
+    samples = _samples(_exposition(_snapshot()))
+    gpu0 = ("gpu", "0"), ("uuid", "GPU-00000000-1111-2222-3333-444444444444")
+    gpu1 = ("gpu", "1"), ("uuid", "GPU-00000001-1111-2222-3333-444444444444")
+    assert samples[("gpuwarden_gpu_memory_temperature_celsius", frozenset(gpu0))] == 70.0
+    assert ("gpuwarden_gpu_memory_temperature_celsius", frozenset(gpu1)) not in samples
+    assert samples[("gpuwarden_gpu_temperature_celsius", frozenset(gpu1))] == 62.0
+    # An NVLink whose error counters are null has its active state and no error series.
+    link1 = (*gpu0, ("link", "1"))
+    assert samples[("gpuwarden_gpu_nvlink_active", frozenset(link1))] == 0.0
+    assert not [k for k in samples if k[0] == "gpuwarden_gpu_nvlink_errors_total" and ("link", "1") in k[1]]
+    eth0 = frozenset({("device", "eth0"), ("port", "")})
+    assert ("gpuwarden_nic_link_speed_bytes", eth0) not in samples
+    assert samples[("gpuwarden_nic_up", eth0)] == 0.0
+
+
+def test_a_gpu_with_every_field_null_exports_only_its_identity() -> None:
+    bare = Gpu(index=3, uuid="GPU-3")
+    snap = _snapshot()
+    assert snap.cycle is not None
+    report = msgspec.structs.replace(snap.cycle.report, gpus=[bare], nics=[])
+    cycle = CycleResult(report=report, statuses=())
+    text = _exposition(AgentSnapshot(cycle=cycle))
+    gpu_series = {name for name, labels in _samples(text) if ("uuid", "GPU-3") in labels}
+    assert gpu_series == {"gpuwarden_gpu_info"}
+    assert b"gpuwarden_shipper" not in text  # no shipper, no shipper series
+
+
+def test_an_unknown_performance_state_is_absent() -> None:
+    snap = _snapshot()
+    assert snap.cycle is not None
+    # NVML_PSTATE_UNKNOWN (32) is "no answer", not a P-state deeper than 15.
+    report = msgspec.structs.replace(snap.cycle.report, gpus=[_gpu(0, performance_state=32), _gpu(1)])
+    text = _exposition(AgentSnapshot(cycle=CycleResult(report=report, statuses=())))
+    pstates = {dict(labels)["gpu"]: v for (n, labels), v in _samples(text).items() if n.endswith("_state")}
+    assert pstates == {"1": 0.0}
+
+
+def test_clock_event_reasons_become_one_series_per_bit() -> None:
+    samples = _samples(_exposition(_snapshot()))
+    gpu0 = ("gpu", "0"), ("uuid", "GPU-00000000-1111-2222-3333-444444444444")
+    active = {
+        dict(labels)["reason"]: value
+        for (name, labels), value in samples.items()
+        if name == "gpuwarden_gpu_clock_event_reason_active" and set(gpu0) <= labels
+    }
+    assert {r for r, v in active.items() if v == 1.0} == {"sw_power_cap", "hw_thermal_slowdown"}
+    assert len(active) == 9
+    assert samples[("gpuwarden_gpu_clock_event_reasons", frozenset(gpu0))] == 0x44
+
+
+def test_before_the_first_cycle_only_the_agent_is_described() -> None:
+    text = _exposition(AgentSnapshot(version="9.9.9"))
+    names = {name for name, _ in _samples(text)}
+    assert ("gpuwarden_agent_info", frozenset({("version", "9.9.9")})) in _samples(text)
+    assert not {n for n in names if n.startswith(("gpuwarden_gpu_", "gpuwarden_nic_"))}
+
+
+def test_scrapes_follow_the_snapshot_as_cycles_change() -> None:
+    first_snap = _snapshot(seq=1)
+    current = [first_snap]
+    registry = make_registry(AgentMetrics(lambda: current[0]), process_metrics=False)
+    first = generate_latest(registry)
+    assert generate_latest(registry) == first
+    assert first_snap.cycle is not None
+    report = msgspec.structs.replace(first_snap.cycle.report, seq=2, gpus=[_gpu(0, temperature_celsius=90.5)])
+    current[0] = AgentSnapshot(cycle=CycleResult(report=report, statuses=first_snap.cycle.statuses))
+    samples = _samples(generate_latest(registry))
+    gpu0 = frozenset({("gpu", "0"), ("uuid", "GPU-00000000-1111-2222-3333-444444444444")})
+    assert samples[("gpuwarden_gpu_temperature_celsius", gpu0)] == 90.5
+    # GPU 1 left the report, so its series left the exposition (only event counts remember it).
+    assert not [k for k in samples if ("gpu", "1") in k[1] and k[0] != "gpuwarden_gpu_xid_events_total"]
+
+
+def _xid_counts(metrics: AgentMetrics) -> dict[tuple[str, str], float]:
+    text = generate_latest(make_registry(metrics, process_metrics=False))
+    return {
+        (dict(labels)["gpu"], dict(labels)["code"]): value
+        for (name, labels), value in _samples(text).items()
+        if name == "gpuwarden_gpu_xid_events_total"
+    }
+
+
+def test_xid_events_are_counted_once_per_cycle() -> None:
+    xid79 = Event(kind="xid", time=T0, gpu=1, code=79)
+    current = [_snapshot(seq=1, events=[xid79, xid79])]
+    metrics = AgentMetrics(lambda: current[0])
+    assert _xid_counts(metrics) == {("1", "79"): 2.0}
+    # The same cycle scraped again counts nothing more.
+    assert _xid_counts(metrics) == {("1", "79"): 2.0}
+
+    current[0] = _snapshot(seq=2, events=[xid79, Event(kind="xid", time=T0, gpu=0, code=48)])
+    assert _xid_counts(metrics) == {("0", "48"): 1.0, ("1", "79"): 3.0}
+
+    # Cycles handed over by the runner between scrapes are counted, each once, whichever
+    # path (record_cycle or a scrape) sees them first; an older cycle counts nothing.
+    seq3 = _snapshot(seq=3, events=[xid79])
+    seq4 = _snapshot(seq=4, events=[xid79])
+    assert seq3.cycle is not None and seq4.cycle is not None
+    metrics.record_cycle(seq3.cycle)
+    metrics.record_cycle(seq4.cycle)
+    current[0] = seq4
+    assert _xid_counts(metrics) == {("0", "48"): 1.0, ("1", "79"): 5.0}
+    metrics.record_cycle(seq3.cycle)
+    metrics.record_cycle(seq4.cycle)
+    assert _xid_counts(metrics) == {("0", "48"): 1.0, ("1", "79"): 5.0}
+
+    kinds = {
+        dict(labels)["kind"]: value
+        for (name, labels), value in _samples(
+            generate_latest(make_registry(metrics, process_metrics=False))
+        ).items()
+        if name == "gpuwarden_agent_events_total"
+    }
+    assert kinds == {"xid": 6.0, "sxid": 0.0, "kernel": 0.0}
+
+
+def test_serve_answers_a_real_scrape() -> None:
+    snapshot = _snapshot()
+    server = serve("127.0.0.1", 0, make_registry(AgentMetrics(lambda: snapshot), process_metrics=False))
+    try:
+        assert server.port > 0
+        # No proxy: an http_proxy in the environment must not intercept a loopback scrape.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"http://127.0.0.1:{server.port}/metrics", timeout=5) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            body = resp.read()
+    finally:
+        server.shutdown()
+    assert body == GOLDEN.read_bytes()
+    assert not server.thread.is_alive()
+
+
+def test_serve_refuses_an_address_it_cannot_use() -> None:
+    registry = make_registry(AgentMetrics(AgentSnapshot), process_metrics=False)
+    with pytest.raises(ConfigError, match="out of range"):
+        serve("127.0.0.1", 70000, registry)
+    first = serve("127.0.0.1", 0, registry)
+    try:
+        with pytest.raises(ConfigError, match=f"127.0.0.1:{first.port}"):
+            serve("127.0.0.1", first.port, registry)
+    finally:
+        first.shutdown()

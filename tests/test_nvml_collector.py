@@ -1,0 +1,340 @@
+"""The NVML collector against the fake NVML: units, nulls, partial failures, lost GPUs, no driver."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pynvml
+import pytest
+from msgspec import UNSET
+
+from agent.clock import FakeClock
+from agent.collectors.base import Collected, CollectorContext
+from agent.collectors.nvml import NvmlCollector
+from agent.gpu.fake import FakeNvml
+from agent.gpu.session import NvmlSession
+from agent.report import SCHEMA_ID, Gpu, Report, encode, json_schema
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gpus"
+
+
+def collector_for(fake: FakeNvml, clock: FakeClock | None = None) -> NvmlCollector:
+    return NvmlCollector(CollectorContext(nvml=NvmlSession(fake, clock or FakeClock(), retry_seconds=60.0)))
+
+
+def validate(collected: Collected) -> dict[str, Any]:
+    """The GPUs as they go on the wire, checked against the published schema."""
+    report = Report(
+        schema=SCHEMA_ID,
+        node="gpu-0001",
+        time=1_764_441_600.0,
+        seq=0,
+        boot_id="b0",
+        gpus=list(collected.gpus),
+        nics=[],
+    )
+    wire: dict[str, Any] = json.loads(encode(report))
+    jsonschema.validate(wire, json_schema())
+    return wire
+
+
+def by_index(collected: Collected) -> dict[int, Gpu]:
+    return {g.index: g for g in collected.gpus}
+
+
+def test_unsupported_without_a_backend() -> None:
+    collector = NvmlCollector(CollectorContext(nvml=None))
+    support = collector.supported()
+    assert not support.supported and "--gpu-backend none" in support.reason
+
+
+def test_every_field_in_schema_units() -> None:
+    fake = FakeNvml.from_dict(
+        {
+            "gpus": {
+                "2": {
+                    "utilization_gpu": 57,
+                    "power_usage": 412_345,
+                    "energy": 9_876_543_210,
+                    "sm_clock": 1755,
+                    "ecc_sbe_volatile": 11,
+                    "ecc_dbe_volatile": 1,
+                    "ecc_sbe_aggregate": 31,
+                    "ecc_dbe_aggregate": 3,
+                    "remapped_rows_correctable": 4,
+                    "remapped_rows_uncorrectable": 2,
+                    "remapped_rows_pending": True,
+                    "remapped_rows_failure": True,
+                    "retired_pages_sbe": 5,
+                    "retired_pages_dbe": 2,
+                    "retired_pages_pending": True,
+                    "clocks_event_reasons": 0x44,
+                    "performance_state": 2,
+                    "pcie_link_gen": 4,
+                    "pcie_link_width": 8,
+                    "pcie_replay": 77,
+                    "nvlink": {
+                        "5": {"active": False, "crc_flit": 6, "crc_data": 7, "replay": 8, "recovery": 9}
+                    },
+                }
+            }
+        }
+    )
+    collected = collector_for(fake).collect()
+    assert collected.errors == ()
+    wire = validate(collected)
+    assert [g["index"] for g in wire["gpus"]] == list(range(8))
+    g = by_index(collected)[2]
+
+    def v(name: str) -> Any:
+        return fake.value(2, name)
+
+    assert (
+        g.uuid == v("uuid") and g.model == v("name") and g.pci_bus_id == v("pci_bus_id") == "00000000:3A:00.0"
+    )
+    assert g.utilization_ratio == pytest.approx(0.57)
+    assert g.memory_used_bytes == v("memory_used") and g.memory_total_bytes == v("memory_total")
+    assert g.temperature_celsius == float(v("temperature"))
+    assert g.memory_temperature_celsius == float(v("memory_temperature"))
+    assert g.power_watts == pytest.approx(412.345)
+    assert g.power_limit_watts == pytest.approx(700.0)
+    assert g.energy_joules_total == pytest.approx(9_876_543.210)
+    assert g.sm_clock_hz == pytest.approx(1755e6)
+    assert g.sm_clock_max_hz == pytest.approx(1980e6)
+    assert g.memory_clock_hz == pytest.approx(2619e6)
+    assert g.clock_event_reasons == 0x44
+    assert g.performance_state == 2
+    assert (g.ecc_sbe_volatile_total, g.ecc_dbe_volatile_total) == (11, 1)
+    assert (g.ecc_sbe_aggregate_total, g.ecc_dbe_aggregate_total) == (31, 3)
+    assert (g.retired_pages_sbe, g.retired_pages_dbe, g.retired_pages_pending) == (5, 2, True)
+    assert (g.remapped_rows_correctable, g.remapped_rows_uncorrectable) == (4, 2)
+    assert (g.remapped_rows_pending, g.remapped_rows_failure) == (True, True)
+    assert (g.pcie_link_gen, g.pcie_link_gen_max, g.pcie_link_width, g.pcie_link_width_max) == (4, 5, 8, 16)
+    assert g.pcie_replay_total == 77
+    assert g.nvlink is not UNSET and len(g.nvlink) == 18
+    link5 = g.nvlink[5]
+    assert (link5.link, link5.active) == (5, False)
+    assert (link5.crc_flit_errors_total, link5.crc_data_errors_total) == (6, 7)
+    assert (link5.replay_errors_total, link5.recovery_errors_total) == (8, 9)
+    assert all(link.active for link in g.nvlink if link.link != 5)
+
+    # A healthy neighbour: H100 has no retired pages (it remaps rows), so those are null.
+    h = wire["gpus"][3]
+    assert h["retired_pages_sbe"] is None and h["retired_pages_pending"] is None
+    assert h["remapped_rows_pending"] is False and h["ecc_dbe_volatile_total"] == 0
+
+
+def test_not_supported_is_null_and_not_an_error() -> None:
+    unsupported = {"error": "NOT_SUPPORTED"}
+    fake = FakeNvml.from_dict(
+        {
+            "gpus": {
+                "1": {
+                    "temperature": unsupported,
+                    "memory_temperature": unsupported,
+                    "energy": unsupported,
+                    "pcie_replay": unsupported,
+                    "utilization_gpu": unsupported,
+                    "nvlinks": 0,
+                }
+            }
+        }
+    )
+    collected = collector_for(fake).collect()
+    assert collected.errors == ()
+    wire = validate(collected)
+    g = wire["gpus"][1]
+    for name in (
+        "temperature_celsius",
+        "memory_temperature_celsius",
+        "energy_joules_total",
+        "pcie_replay_total",
+        "utilization_ratio",
+    ):
+        assert name in g and g[name] is None, name
+    # No NVLink at all: the schema has no null for the list, so it is left out.
+    assert "nvlink" not in g
+    power_mw = fake.value(1, "power_usage")
+    assert isinstance(power_mw, int) and g["power_watts"] == pytest.approx(power_mw / 1000)
+
+
+def test_one_failing_call_keeps_the_rest_of_the_gpu() -> None:
+    fake = FakeNvml.from_dict(
+        {
+            "gpus": {
+                "4": {
+                    "power_usage": {"error": "UNKNOWN"},
+                    "ecc_dbe_volatile": {"error": "NO_PERMISSION"},
+                    "nvlink": {"2": {"crc_flit": {"error": "UNKNOWN"}}},
+                }
+            }
+        }
+    )
+    collected = collector_for(fake).collect()
+    validate(collected)
+    g = by_index(collected)[4]
+    assert g.power_watts is None and g.ecc_dbe_volatile_total is None
+    assert g.power_limit_watts == pytest.approx(700.0)
+    assert g.ecc_sbe_volatile_total == 0
+    assert g.nvlink is not UNSET and g.nvlink[2].crc_flit_errors_total is None
+    assert g.nvlink[2].crc_data_errors_total == 0
+    assert len(collected.errors) == 1
+    (error,) = collected.errors
+    assert error.startswith(f"GPU 4 ({fake.value(4, 'uuid')}, 00000000:9A:00.0): 3 unreadable:")
+    assert "power: Unknown Error" in error and "ECC DBE volatile: Insufficient Permissions" in error
+    assert "nvlink 2 crc flit" in error
+
+
+def test_lost_gpu_is_left_out_with_an_error_naming_it_and_the_others_go_out() -> None:
+    fake = FakeNvml.from_dict({})
+    collector = collector_for(fake)
+    assert len(collector.collect().gpus) == 8
+    fake.update(5, {"lost": True})
+    collected = collector.collect()
+    validate(collected)
+    assert sorted(by_index(collected)) == [0, 1, 2, 3, 4, 6, 7]
+    assert collected.errors == (f"GPU 5 ({fake.value(5, 'uuid')}, 00000000:AB:00.0): GPU is lost",)
+    # Still lost next cycle: still said.
+    assert collector.collect().errors == collected.errors
+
+
+def test_gpu_lost_before_the_first_cycle() -> None:
+    collected = collector_for(FakeNvml.from_file(FIXTURES / "gpu_lost.json")).collect()
+    validate(collected)
+    assert 5 not in by_index(collected) and len(collected.gpus) == 7
+    assert collected.errors == ("GPU 5: GPU is lost",)
+
+
+def test_gpu_lost_in_the_middle_of_a_read() -> None:
+    fake = FakeNvml.from_dict({})
+    collector = collector_for(fake)
+    collector.collect()
+    # GPU_IS_LOST from one call (here the PCIe replay counter) loses the whole GPU, not one field.
+    fake.update(1, {"pcie_replay": {"error": "GPU_IS_LOST"}})
+    collected = collector.collect()
+    assert 1 not in by_index(collected) and len(collected.gpus) == 7
+    assert collected.errors[0].endswith("GPU is lost")
+
+
+def test_init_failure_reports_an_error_and_retries_on_the_clock() -> None:
+    fake = FakeNvml.from_file(FIXTURES / "driver_not_loaded.json")
+    clock = FakeClock()
+    collector = collector_for(fake, clock)
+    assert collector.supported().supported
+    first = collector.collect()
+    assert first.gpus == () and first.errors == ("NVML init failed: Driver Not Loaded",)
+    clock.advance(30)
+    assert collector.collect().errors == first.errors
+    assert fake.init_calls == 1  # not retried every cycle
+    fake.set_init_error(None)
+    clock.advance(31)
+    recovered = collector.collect()
+    assert fake.init_calls == 2
+    assert recovered.errors == () and len(recovered.gpus) == 8
+    validate(recovered)
+
+
+def test_old_driver_falls_back_and_reports_what_it_can() -> None:
+    fake = FakeNvml.from_file(FIXTURES / "old_driver_pcie_card.json")
+    collected = collector_for(fake).collect()
+    assert collected.errors == ()
+    wire = validate(collected)
+    g = wire["gpus"][0]
+    assert g["model"] == "NVIDIA A10"
+    assert g["clock_event_reasons"] == pynvml.nvmlClocksEventReasonGpuIdle  # from the throttle-reasons call
+    assert g["pcie_link_gen_max"] == 4  # from nvmlDeviceGetMaxPcieLinkGeneration
+    assert g["memory_temperature_celsius"] is None and g["energy_joules_total"] is None
+    assert g["remapped_rows_correctable"] is None and g["retired_pages_dbe"] == 0
+    assert "nvlink" not in g
+
+
+def test_gpu_max_pcie_generation_is_preferred_over_the_slots() -> None:
+    fake = FakeNvml.from_dict({"gpus": {"0": {"pcie_link_gen_max_system": 4, "pcie_link_gen": 4}}})
+    g = by_index(collector_for(fake).collect())[0]
+    assert (g.pcie_link_gen, g.pcie_link_gen_max) == (4, 5)
+
+
+class CountingNvml(FakeNvml):
+    """Counts calls by name, to see what the collector reads once and what every cycle."""
+
+    def __init__(self, description: dict[str, object]) -> None:
+        super().__init__(description)
+        self.calls: dict[str, int] = {}
+
+    def __getattribute__(self, name: str) -> Any:
+        attr = super().__getattribute__(name)
+        if name.startswith("nvmlDevice") and callable(attr):
+            calls: dict[str, int] = super().__getattribute__("calls")
+
+            def counted(*args: Any, _fn: Callable[..., Any] = attr, _name: str = name) -> Any:
+                calls[_name] = calls.get(_name, 0) + 1
+                return _fn(*args)
+
+            return counted
+        return attr
+
+
+def test_static_fields_are_read_once_and_the_power_limit_every_cycle() -> None:
+    fake = CountingNvml({})
+    collector = collector_for(fake)
+    collector.collect()
+    fake.update(0, {"power_limit": 350_000, "uuid": "GPU-changed"})
+    g = by_index(collector.collect())[0]
+    assert fake.calls["nvmlDeviceGetUUID"] == 8
+    assert fake.calls["nvmlDeviceGetPciInfo"] == 8
+    assert fake.calls["nvmlDeviceGetMaxClockInfo"] == 8
+    assert fake.calls["nvmlDeviceGetEnforcedPowerLimit"] == 16
+    assert g.power_limit_watts == pytest.approx(350.0)
+    assert g.uuid != "GPU-changed"
+
+
+def test_static_fields_that_failed_are_read_again() -> None:
+    fake = FakeNvml.from_dict({"gpus": {"0": {"name": {"error": "UNKNOWN"}}}})
+    collector = collector_for(fake)
+    first = by_index(collector.collect())[0]
+    assert first.model is None and first.uuid == fake.value(0, "uuid")
+    fake.update(0, {"name": "NVIDIA H100 80GB HBM3"})
+    second = collector.collect()
+    assert by_index(second)[0].model == "NVIDIA H100 80GB HBM3" and second.errors == ()
+
+
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("*.json")), ids=lambda p: p.name)
+def test_every_fixture_makes_a_valid_report(path: Path) -> None:
+    validate(collector_for(FakeNvml.from_file(path)).collect())
+
+
+def test_faults_in_fixtures_are_visible() -> None:
+    ecc = by_index(collector_for(FakeNvml.from_file(FIXTURES / "ecc_dbe_row_remap.json")).collect())[2]
+    assert ecc.ecc_dbe_volatile_total == 2 and ecc.remapped_rows_pending is True
+    links = by_index(collector_for(FakeNvml.from_file(FIXTURES / "nvlink_errors.json")).collect())
+    assert links[1].nvlink is not UNSET and links[1].nvlink[7].crc_flit_errors_total == 48211
+    assert links[6].nvlink is not UNSET and [link.link for link in links[6].nvlink if not link.active] == [
+        3,
+        4,
+    ]
+    pcie = by_index(collector_for(FakeNvml.from_file(FIXTURES / "pcie_degraded.json")).collect())[4]
+    assert (pcie.pcie_link_gen, pcie.pcie_link_width, pcie.pcie_replay_total) == (3, 8, 5821)
+    hot = by_index(collector_for(FakeNvml.from_file(FIXTURES / "thermal_throttle.json")).collect())
+    assert hot[0].temperature_celsius == 91.0 and hot[0].clock_event_reasons == 104
+    assert hot[3].utilization_ratio == 1.0 and hot[3].power_watts == pytest.approx(688.0)
+
+
+def test_long_error_lists_fit_the_schema() -> None:
+    fake = FakeNvml.from_dict(
+        {
+            "gpus": {
+                "0": {
+                    "nvlink": {
+                        "*": {n: {"error": "UNKNOWN"} for n in ("crc_flit", "crc_data", "replay", "recovery")}
+                    }
+                }
+            }
+        }
+    )
+    collected = collector_for(fake).collect()
+    (error,) = collected.errors
+    assert len(error) <= 1024 and error.endswith("...")

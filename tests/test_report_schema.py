@@ -1,0 +1,221 @@
+"""The msgspec report types and the published JSON Schema are one contract.
+
+Two checks: the schemas agree node by node (types, nullability, required fields, every constraint),
+and for a set of edge-case documents jsonschema and msgspec accept and refuse exactly the same ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import jsonschema
+import msgspec
+import pytest
+
+from agent import report
+from agent.errors import ReportError
+from tests.conftest import SHARED
+
+_CONSTRAINTS = (
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "maxItems",
+    "maxProperties",
+)
+
+
+def _resolve(node: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in node:
+        target: Any = doc
+        for part in node["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        node = {**{k: v for k, v in node.items() if k != "$ref"}, **target}
+    return node
+
+
+def canon(node: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
+    node = _resolve(node, doc)
+    out: dict[str, Any] = {}
+    types: set[str] = set()
+    if "anyOf" in node:
+        for branch in node["anyOf"]:
+            c = canon(branch, doc)
+            types |= set(c.pop("types", set()))
+            out.update(c)
+    t = node.get("type")
+    if t is not None:
+        types |= {t} if isinstance(t, str) else set(t)
+    if "const" in node:
+        out["enum"] = [node["const"]]
+    if "enum" in node:
+        out["enum"] = sorted(node["enum"])
+    if types:
+        out["types"] = sorted(types)
+    for key in _CONSTRAINTS:
+        if key in node:
+            out[key] = node[key]
+    if "items" in node:
+        out["items"] = canon(node["items"], doc)
+    if "properties" in node:
+        out["properties"] = {k: canon(v, doc) for k, v in node["properties"].items()}
+        out["required"] = sorted(node.get("required", []))
+    ap = node.get("additionalProperties")
+    if isinstance(ap, dict):
+        out["additionalProperties"] = canon(ap, doc)
+    elif ap is False:
+        out["additionalProperties"] = False
+    return out
+
+
+def test_types_and_schema_agree_node_by_node() -> None:
+    published = report.json_schema()
+    generated = msgspec.json.schema(report.Report)
+    assert canon(generated, generated) == canon(published, published)
+
+
+def test_project_copy_is_the_shared_contract() -> None:
+    shared = SHARED / "spec" / "report-v1.schema.json"
+    if not shared.exists():
+        pytest.fail(f"shared contract missing at {shared}")
+    assert json.loads(shared.read_text()) == report.json_schema()
+
+
+def _valid() -> dict[str, Any]:
+    return {
+        "schema": "gpuwarden/report/v1",
+        "node": "gpu-0042",
+        "time": 1764441630.5,
+        "seq": 7,
+        "boot_id": "5e9b3c1a-1111-2222-3333-444455556666",
+        "agent_version": "0.1.0",
+        "interval_seconds": 10,
+        "labels": {"pool": "h100-a", "rack": "r12"},
+        "gpus": [
+            {
+                "index": 0,
+                "uuid": "GPU-0f1e2d3c",
+                "temperature_celsius": 41.0,
+                "ecc_dbe_volatile_total": 0,
+                "remapped_rows_failure": False,
+                "nvlink": [{"link": 0, "active": True, "crc_flit_errors_total": 3}],
+            }
+        ],
+        "nics": [
+            {
+                "device": "mlx5_0",
+                "port": 1,
+                "link_layer": "InfiniBand",
+                "rate_bytes_per_second": 5.0e10,
+                "counters": {"symbol_error": 0},
+            }
+        ],
+        "events": [{"kind": "xid", "time": 1764441629.0, "gpu": 0, "code": 79, "message": "x"}],
+        "probes": [{"kind": "tcp_pair", "time": 1764441628.0, "ok": True, "peer": "gpu-0043"}],
+        "errors": [{"collector": "nvml", "message": "GPU 3 is lost"}],
+    }
+
+
+def _set(path: str, value: Any) -> Any:
+    def mutate(doc: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        target: Any = doc
+        for p in parents:
+            target = target[int(p)] if isinstance(target, list) else target[p]
+        if value is _DELETE:
+            del target[last]
+        elif isinstance(target, list):
+            target[int(last)] = value
+        else:
+            target[last] = value
+
+    return mutate
+
+
+_DELETE = object()
+
+CASES = {
+    "valid": lambda d: None,
+    "missing node": _set("node", _DELETE),
+    "uppercase node": _set("node", "GPU-1"),
+    "empty node": _set("node", ""),
+    "wrong schema": _set("schema", "gpuwarden/report/v2"),
+    "negative seq": _set("seq", -1),
+    "float seq": _set("seq", 1.5),
+    "unknown top-level field": _set("extra", 1),
+    "null labels": _set("labels", None),
+    "null events": _set("events", None),
+    "labels value too long": _set("labels.pool", "x" * 129),
+    "labels value number": _set("labels.pool", 3),
+    "zero interval": _set("interval_seconds", 0),
+    "null interval": _set("interval_seconds", None),
+    "gpu index too large": _set("gpus.0.index", 64),
+    "gpu utilization above 1": _set("gpus.0.utilization_ratio", 1.5),
+    "gpu null temperature": _set("gpus.0.temperature_celsius", None),
+    "gpu negative ecc": _set("gpus.0.ecc_dbe_volatile_total", -1),
+    "gpu unknown field": _set("gpus.0.fan_speed", 3),
+    "gpu missing uuid": _set("gpus.0.uuid", _DELETE),
+    "gpu flag as int": _set("gpus.0.remapped_rows_failure", 1),
+    "gpu pstate too large": _set("gpus.0.performance_state", 33),
+    "nvlink link 32": _set("gpus.0.nvlink.0.link", 32),
+    "nic bad link layer": _set("nics.0.link_layer", "OmniPath"),
+    "nic negative counter": _set("nics.0.counters.symbol_error", -5),
+    "nic float counter": _set("nics.0.counters.symbol_error", 1.5),
+    "nic null port": _set("nics.0.port", None),
+    "nic null counters": _set("nics.0.counters", None),
+    "gpu null nvlink": _set("gpus.0.nvlink", None),
+    "event bad kind": _set("events.0.kind", "panic"),
+    "event null code": _set("events.0.code", None),
+    "probe missing ok": _set("probes.0.ok", _DELETE),
+    "probe bad kind": _set("probes.0.kind", "ib_write_bw"),
+    "error missing message": _set("errors.0.message", _DELETE),
+    "error message too long": _set("errors.0.message", "m" * 1025),
+    "boot_id too long": _set("boot_id", "b" * 65),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_jsonschema_and_msgspec_accept_the_same_documents(name: str) -> None:
+    doc = copy.deepcopy(_valid())
+    CASES[name](doc)
+    schema_ok = jsonschema.Draft202012Validator(report.json_schema()).is_valid(doc)
+    try:
+        report.decode(json.dumps(doc))
+        types_ok = True
+    except ReportError:
+        types_ok = False
+    assert schema_ok == types_ok, f"{name}: jsonschema says {schema_ok}, msgspec says {types_ok}"
+    assert schema_ok == (name in {"valid", "gpu null temperature", "event null code", "nic null port"})
+
+
+def test_encode_round_trips_and_validates() -> None:
+    r = report.decode(json.dumps(_valid()))
+    wire = json.loads(report.encode(r))
+    jsonschema.Draft202012Validator(report.json_schema()).validate(wire)
+    assert report.decode(report.encode(r)) == r
+    # Unsupported measurements are written as null, never left out.
+    assert wire["gpus"][0]["power_watts"] is None
+    # Optional top-level fields that were not set are left out (the schema does not allow null).
+    minimal = report.Report(schema=report.SCHEMA_ID, node="n", time=1.0, seq=0, boot_id="b", gpus=[], nics=[])
+    assert set(json.loads(report.encode(minimal))) == {
+        "schema",
+        "node",
+        "time",
+        "seq",
+        "boot_id",
+        "gpus",
+        "nics",
+    }
+
+
+def test_decode_error_names_the_field() -> None:
+    doc = _valid()
+    doc["gpus"][0]["temperature_celsius"] = "hot"
+    with pytest.raises(ReportError, match=r"\$\.gpus\[0\]\.temperature_celsius"):
+        report.decode(json.dumps(doc))

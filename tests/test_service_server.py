@@ -1,0 +1,210 @@
+"""A real aggregator server on 127.0.0.1: the agent's own shipper delivers to it, hostile clients
+cannot break it, and it stops cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import pytest
+from prometheus_client import CollectorRegistry
+
+from agent.clock import FakeClock
+from agent.report import encode
+from agent.shipper import Shipper
+from aggregator.auth import StaticTokens
+from aggregator.config import Config
+from aggregator.service import REPORTS_PATH, create_app, serve
+from tests.test_service import NOW, TOKENS, FakePipeline, make_report
+
+
+@dataclass
+class Running:
+    url: str
+    host: str
+    port: int
+    pipeline: FakePipeline
+    registry: CollectorRegistry
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+
+
+async def start(tmp_path: Path, *, handle_signals: bool = False, advance_s: float = 0.02) -> Running:
+    token_file = tmp_path / "tokens"
+    token_file.write_text("".join(f"{node} {token}\n" for node, token in TOKENS.items()))
+    pipeline = FakePipeline()
+    registry = CollectorRegistry()
+    app = create_app(
+        pipeline,
+        StaticTokens(token_file),
+        Config(),
+        FakeClock(NOW),
+        registry,
+        advance_interval_s=advance_s,
+    )
+    bound: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
+    stop_event = asyncio.Event()
+    task = asyncio.create_task(
+        serve(
+            app,
+            "127.0.0.1",
+            0,
+            stop=None if handle_signals else stop_event,
+            on_started=lambda host, port: bound.set_result((host, port)),
+            shutdown_timeout_s=1.0,
+        )
+    )
+    host, port = await asyncio.wait_for(bound, 5.0)
+    return Running(f"http://{host}:{port}", host, port, pipeline, registry, stop_event, task)
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[Running]:
+    running = await start(tmp_path)
+    yield running
+    running.stop.set()
+    await asyncio.wait_for(running.task, 5.0)
+
+
+async def post_valid(running: Running, seq: int) -> int:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            running.url + REPORTS_PATH,
+            data=gzip.compress(encode(make_report(seq=seq))),
+            headers={
+                "Authorization": f"Bearer {TOKENS['gpu-0001']}",
+                "Content-Type": "application/json",
+                "Content-Encoding": "gzip",
+            },
+        ) as resp,
+    ):
+        return resp.status
+
+
+async def test_the_agents_shipper_delivers_to_the_aggregator(server: Running, tmp_path: Path) -> None:
+    agent_token = tmp_path / "agent-token"
+    agent_token.write_text(TOKENS["gpu-0002"] + "\n")
+    shipper = Shipper(server.url, agent_token, FakeClock(NOW), timeout_s=5.0)
+    try:
+        for seq in range(1, 21):
+            shipper.submit(make_report("gpu-0002", seq))
+        shipper.submit(make_report("gpu-0002", 20))  # delivered twice: at-least-once delivery
+        assert await asyncio.to_thread(shipper.flush, 10.0)
+    finally:
+        await asyncio.to_thread(shipper.close, 1.0)
+    stats = shipper.stats()
+    assert (stats.sent_total, stats.rejected_total) == (21, 0)
+    assert [r.seq for r, _ in server.pipeline.ingested] == list(range(1, 21))
+    assert server.registry.get_sample_value("gpuwarden_aggregator_reports_duplicate_total") == 1
+
+
+async def test_the_shipper_drops_what_the_aggregator_refuses_for_good(
+    server: Running, tmp_path: Path
+) -> None:
+    # A report the aggregator can never accept (900 degrees): refused once, not retried forever.
+    agent_token = tmp_path / "agent-token"
+    agent_token.write_text(TOKENS["gpu-0001"] + "\n")
+    report = make_report(seq=5)
+    gpus = [msgspec.structs.replace(report.gpus[0], temperature_celsius=900.0), *report.gpus[1:]]
+    shipper = Shipper(server.url, agent_token, FakeClock(NOW), timeout_s=5.0)
+    try:
+        shipper.submit(msgspec.structs.replace(report, gpus=gpus))
+        shipper.submit(make_report(seq=6))
+        assert await asyncio.to_thread(shipper.flush, 10.0)
+    finally:
+        await asyncio.to_thread(shipper.close, 1.0)
+    assert (shipper.stats().sent_total, shipper.stats().rejected_total) == (1, 1)
+    assert [r.seq for r, _ in server.pipeline.ingested] == [6]
+
+
+async def raw_exchange(running: Running, data: bytes, *, half_close: bool = True) -> bytes:
+    """Send raw bytes on a fresh connection; whatever the server answers before closing."""
+    reader, writer = await asyncio.open_connection(running.host, running.port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        if half_close:
+            writer.write_eof()
+        return await asyncio.wait_for(reader.read(65536), 5.0)
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+def request_head(length: int | str, *, encoding: str = "gzip") -> bytes:
+    return (
+        f"POST {REPORTS_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKENS['gpu-0001']}\r\n"
+        f"Content-Type: application/json\r\nContent-Encoding: {encoding}\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+async def test_hostile_clients_do_not_break_the_server(server: Running) -> None:
+    bomb = gzip.compress(b"\0" * (10 << 20), compresslevel=9)
+    hostile = [
+        # Announces a gigabyte: refused from the headers, before a byte of body is sent.
+        (request_head(10**9), False, b"413"),
+        # A gzip bomb over the wire.
+        (request_head(len(bomb)) + bomb, False, b"413"),
+        # Promises 900 kB, sends 10 bytes and hangs up: nobody to answer.
+        (request_head(900_000) + b"\x1f\x8b" + b"x" * 8, True, b""),
+        # Not HTTP at all.
+        (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + os.urandom(64), False, b"400"),
+        # Headers that never end.
+        (b"POST /v1/reports HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 20_000, False, b"400"),
+        # A negative Content-Length.
+        (request_head("-5"), False, b"400"),
+    ]
+    seq = 0
+    for data, half_close, status in hostile:
+        answer = await raw_exchange(server, data, half_close=half_close)
+        assert answer.split(b"\r\n", 1)[0].split(b" ")[1:2] == ([status] if status else [])
+        seq += 1
+        assert await post_valid(server, seq) == 200
+    assert [r.seq for r, _ in server.pipeline.ingested] == list(range(1, seq + 1))
+    for reason in ("body_too_large", "decompressed_too_large", "incomplete_body"):
+        count = server.registry.get_sample_value(
+            "gpuwarden_aggregator_reports_rejected_total", {"reason": reason}
+        )
+        assert count == 1, reason
+
+
+async def test_many_concurrent_reports(server: Running) -> None:
+    statuses = await asyncio.gather(*(post_valid(server, seq) for seq in range(1, 201)))
+    assert statuses == [200] * 200
+    assert sorted(r.seq for r, _ in server.pipeline.ingested) == list(range(1, 201))
+
+
+async def test_stop_shuts_the_server_and_the_periodic_task(tmp_path: Path) -> None:
+    running = await start(tmp_path)
+    for _ in range(200):
+        if running.pipeline.advanced:
+            break
+        await asyncio.sleep(0.01)
+    assert running.pipeline.advanced
+    running.stop.set()
+    await asyncio.wait_for(running.task, 5.0)
+    calls = len(running.pipeline.advanced)
+    await asyncio.sleep(0.1)
+    assert len(running.pipeline.advanced) == calls
+    with pytest.raises(OSError):
+        await asyncio.open_connection(running.host, running.port)
+
+
+async def test_sigterm_stops_serve(tmp_path: Path) -> None:
+    running = await start(tmp_path, handle_signals=True)
+    # serve() installed its handler; without it SIGTERM would end the test run itself.
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)
+    os.kill(os.getpid(), signal.SIGTERM)
+    await asyncio.wait_for(running.task, 5.0)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
