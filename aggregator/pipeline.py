@@ -61,7 +61,8 @@ class Pipeline:
     ) -> None:
         self.config = config
         self.fleet = Fleet(config.fleet)
-        self.frames = FleetFrames(config.fleet)
+        # 8 RDMA ports, their 8 IPoIB netdevs and a few Ethernet ports fit with room to spare.
+        self.frames = FleetFrames(config.fleet, max_nics=32)
         self.engine = RuleEngine(rules)
         # Every node keeps the series the rules read from its first report on, so a rule that
         # looks at a field only now and then still has a full window when it does.

@@ -24,7 +24,8 @@ a recorded sysfs tree with 8 InfiniBand ports and their netdevs:
    the same files (infiniband, netclass) and once with its defaults, scraped the same way: its CPU
    per scrape (node_exporter collects on every scrape), latency, response size and peak RSS.
 
-Scrapes ask like Prometheus's text fallback does (``Accept: text/plain;version=0.0.4``,
+Everything measured follows a short sleep, as in the agent (see ``paced``). Scrapes ask like
+Prometheus's text fallback does (``Accept: text/plain;version=0.0.4``,
 ``Accept-Encoding: gzip``), each on a new connection. Ratios are gpuwarden / node_exporter.
 Markdown goes to stdout, progress to stderr.
 """
@@ -54,6 +55,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
 from typing import IO, Any, cast
 
 import msgspec
@@ -80,7 +82,7 @@ RSS_TARGET_MB = 60.0
 NVML_COLLECTOR = "nvml"
 NIC_COLLECTORS = ("infiniband", "netdev")
 FRESH_INTERVAL = 0.25  # agent interval while measuring fresh scrapes
-CACHED_INTERVAL = 2.0  # agent interval while measuring cached scrapes
+CACHED_INTERVAL = 5.0  # agent interval while measuring cached scrapes
 BASELINE = "infiniband+netclass"  # the node_exporter run that reads what the agent's NIC collectors read
 SCRAPE_HEADERS = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "gzip"}
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -549,13 +551,13 @@ class Scrapes:
     peak_rss_mb: float
 
 
-def run_scrapes(port: int, n: int) -> tuple[list[ScrapeResult], float]:
-    """``n`` back-to-back scrapes and the wall time they took."""
+def run_scrapes(port: int, n: int, pace: float) -> list[ScrapeResult]:
+    """``n`` scrapes, each after ``pace`` seconds of sleep (see ``paced``)."""
     results: list[ScrapeResult] = []
-    start = time.monotonic()
     for _ in range(n):
+        paced(pace)
         results.append(scrape(port))
-    return results, time.monotonic() - start
+    return results
 
 
 def summarize(results: list[ScrapeResult], cpu_per_scrape_s: float, rss: int) -> Scrapes:
@@ -623,7 +625,7 @@ def start_agent(argv: list[str], port: int, tmp: Path, tag: str) -> tuple[Proces
 
 
 def measure_agent_process(
-    setup: Setup, *, interval: float, seconds: float, fresh_n: int, scrapes_n: int, tmp: Path
+    setup: Setup, *, interval: float, seconds: float, fresh_n: int, scrapes_n: int, pace: float, tmp: Path
 ) -> AgentProcess:
     # Cycles: a short interval and no scrapes.
     port = free_port()
@@ -666,9 +668,9 @@ def measure_agent_process(
     proc, lines = start_agent(agent_argv(setup, CACHED_INTERVAL, port), port, tmp, "cached")
     try:
         lines.wait_beyond(0, timeout=CACHED_INTERVAL + 10.0)
-        run_scrapes(port, 5)  # builds the families of this snapshot
+        run_scrapes(port, 5, 0.0)  # builds the families of this snapshot
         n0, c0 = lines.value(), cpu_seconds(proc.pid)
-        results, _ = run_scrapes(port, scrapes_n)
+        results = run_scrapes(port, scrapes_n, pace)
         n1, c1 = lines.value(), cpu_seconds(proc.pid)
         rss.append(peak_rss_bytes(proc.pid))
         cached = summarize(results, ((c1 - c0) - (n1 - n0) * per_cycle) / scrapes_n, rss[-1])
@@ -706,16 +708,16 @@ def node_exporter_version(binary: str) -> str:
 
 
 def measure_node_exporter(
-    binary: str, sysfs_root: Path, *, flags: list[str], label: str, scrapes_n: int, tmp: Path
+    binary: str, sysfs_root: Path, *, flags: list[str], label: str, scrapes_n: int, pace: float, tmp: Path
 ) -> NodeExporter:
     port = free_port()
     argv = [binary, f"--path.sysfs={sysfs_root}", f"--web.listen-address=127.0.0.1:{port}", *flags]
     proc = Process(argv, tmp / f"node-exporter-{label}.stderr")
     try:
         wait_ready(proc, port, timeout=20.0)
-        run_scrapes(port, 5)
+        run_scrapes(port, 5, 0.0)
         c0 = cpu_seconds(proc.pid)
-        results, _ = run_scrapes(port, scrapes_n)
+        results = run_scrapes(port, scrapes_n, pace)
         c1 = cpu_seconds(proc.pid)
         summary = summarize(results, (c1 - c0) / scrapes_n, peak_rss_bytes(proc.pid))
     finally:
@@ -842,13 +844,18 @@ def render(res: Results) -> str:
     w("#### One /metrics scrape, side by side")
     w("")
     w(
+        f"Each scrape on a new connection, `Accept-Encoding: gzip`; the cached and node_exporter scrapes "
+        f"each follow {ip.pace_s * 1000:.0f} ms of sleep. node_exporter reads the tree on every scrape."
+    )
+    w("")
+    w(
         "| | latency median (ms) | latency p90 (ms) | exporter CPU per scrape (ms) | samples "
         "| CPU per 1000 samples (ms) | bytes | gzip bytes | peak RSS (MB) |"
     )
     w("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows: list[tuple[str, Scrapes]] = [
-        (f"gpuwarden, fresh ({ag.fresh.n}, one after each cycle, `--interval {FRESH_INTERVAL}`)", ag.fresh),
-        (f"gpuwarden, cached ({ag.cached.n} of one snapshot, `--interval {CACHED_INTERVAL}`)", ag.cached),
+        (f"gpuwarden, fresh ({ag.fresh.n}, one after each cycle, `--interval {FRESH_INTERVAL:g}`)", ag.fresh),
+        (f"gpuwarden, cached ({ag.cached.n} of one snapshot, `--interval {CACHED_INTERVAL:g}`)", ag.cached),
     ]
     rows += [(f"node_exporter, {ne.label} ({ne.scrapes.n})", ne.scrapes) for ne in res.node_exporter]
     for name, s in rows:
@@ -912,7 +919,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--pace",
         type=float,
         default=0.045,
-        help="in process, seconds of sleep before each measured cycle, replay and render (default 0.045)",
+        help="seconds of sleep before each measured in-process cycle, replay and render, and before each "
+        "back-to-back scrape (default 0.045)",
     )
     p.add_argument("--renders", type=int, default=60, help="in-process /metrics renders (default 60)")
     p.add_argument("--interval", type=float, default=0.05, help="agent process interval (default 0.05)")
@@ -930,9 +938,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _terminate(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    # SIGTERM unwinds like Ctrl-C, so that the finally blocks stop the processes this run started.
+    signal.signal(signal.SIGTERM, _terminate)
     if args.cycles < 10 or args.scrapes < 20 or args.renders < 10 or args.fresh_scrapes < 10:
         print(
             "agent_cycle: need --cycles >= 10, --renders >= 10, --scrapes >= 20 and --fresh-scrapes >= 10",
@@ -960,6 +974,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seconds=args.seconds,
             fresh_n=args.fresh_scrapes,
             scrapes_n=args.scrapes,
+            pace=args.pace,
             tmp=tmp,
         )
         res = Results(
@@ -985,7 +1000,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"node_exporter {label} ...", file=sys.stderr)
                 res.node_exporter.append(
                     measure_node_exporter(
-                        ne_binary, setup.sysfs_root, flags=flags, label=label, scrapes_n=args.scrapes, tmp=tmp
+                        ne_binary,
+                        setup.sysfs_root,
+                        flags=flags,
+                        label=label,
+                        scrapes_n=args.scrapes,
+                        pace=args.pace,
+                        tmp=tmp,
                     )
                 )
     except (BenchError, GpuwardenError, OSError) as exc:

@@ -1,0 +1,183 @@
+"""The commands as operators run them: ``gpuwarden agent`` and ``gpuwarden aggregator`` as processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from agent.report import json_schema
+from tests.conftest import FIXTURES, REPO, SHARED
+
+GPWD = [sys.executable, "-m", "gpuwarden"]
+
+
+def _agent(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*GPWD, "agent", "--once", "--print", "--node", "node-1", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        check=False,
+    )
+
+
+def _report(out: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert out.returncode == 0, out.stderr
+    report: dict[str, Any] = json.loads(out.stdout)
+    jsonschema.Draft202012Validator(json_schema()).validate(report)
+    return report
+
+
+def _int(path: Path) -> int:
+    return int(path.read_text().split()[0])
+
+
+@pytest.mark.parametrize("tree", ["node_exporter", "procfs"])
+def test_recorded_tree_report_validates_and_counters_equal_the_files(tree: str) -> None:
+    sysfs = SHARED / "fixtures" / "sysfs" / tree / "sys"
+    report = _report(_agent("--gpu-backend", "none", "--sysfs-root", str(sysfs)))
+    assert report["gpus"] == []
+    ports = [n for n in report["nics"] if n["port"] is not None]
+    assert ports, "no RDMA port reported"
+    checked = 0
+    for nic in ports:
+        base = sysfs / "class" / "infiniband" / nic["device"] / "ports" / str(nic["port"])
+        for name, value in nic.get("counters", {}).items():
+            for sub in ("hw_counters", "counters_ext", "counters"):  # the collector's precedence
+                f = base / sub / name
+                if f.is_file():
+                    assert value == _int(f), f"{nic['device']}/{nic['port']} {name}"
+                    checked += 1
+                    break
+        words = base / "counters" / "port_rcv_data"
+        ext = base / "counters_ext" / "port_rcv_data_64"
+        src = ext if ext.is_file() else words
+        if src.is_file() and src.read_text().strip().isdigit():
+            assert nic["rx_bytes_total"] == 4 * _int(src)  # 4-byte words to bytes
+        state = (base / "state").read_text().split(":", 1)[1].strip()
+        assert nic["state"] == state
+    assert checked >= 10
+
+
+def test_fake_gpus_fill_every_gpu_field() -> None:
+    report = _report(
+        _agent(
+            "--gpu-backend",
+            f"fake:{FIXTURES / 'gpus' / 'h100x8.json'}",
+            "--sysfs-root",
+            str(FIXTURES / "sysfs" / "h100" / "sys"),
+        )
+    )
+    assert [g["index"] for g in report["gpus"]] == list(range(8))
+    g = report["gpus"][0]
+    for field in ("temperature_celsius", "power_watts", "sm_clock_max_hz", "pcie_link_width_max"):
+        assert g[field] is not None, field
+    assert g["sm_clock_max_hz"] == 1.98e9 and g["power_limit_watts"] == 700.0
+    assert len(g["nvlink"]) == 18
+    assert sum(1 for n in report["nics"] if n["link_layer"] == "InfiniBand" and n["port"]) == 8
+
+
+def test_nvml_missing_is_an_error_in_the_report_and_nics_still_go_out() -> None:
+    report = _report(
+        _agent("--gpu-backend", "nvml", "--sysfs-root", str(FIXTURES / "sysfs" / "h100" / "sys"))
+    )
+    assert report["gpus"] == []
+    assert any(e["collector"] == "nvml" for e in report["errors"])
+    assert len(report["nics"]) >= 8
+
+
+def test_bad_flags_are_clear_errors() -> None:
+    out = _agent("--gpu-backend", "cuda")
+    assert out.returncode == 2 and "gpu-backend" in out.stderr.lower() and "Traceback" not in out.stderr
+    out = _agent("--node", "Not_A_Node")
+    assert out.returncode == 2 and "node name" in out.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_agent_to_aggregator_over_http_quarantines_a_lost_gpu(tmp_path: Path) -> None:
+    port = _free_port()
+    (tmp_path / "tokens").write_text("node-1 3b8f0c2e9d7a4f61a5c0e2d4\n")
+    (tmp_path / "node-1.token").write_text("3b8f0c2e9d7a4f61a5c0e2d4\n")
+    decisions = tmp_path / "decisions.jsonl"
+    server = subprocess.Popen(
+        [
+            *GPWD,
+            "aggregator",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--token-file",
+            str(tmp_path / "tokens"),
+            "--decisions",
+            str(decisions),
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None, server.stderr.read() if server.stderr else ""
+            assert time.monotonic() < deadline, "aggregator did not become ready"
+            time.sleep(0.2)
+        out = subprocess.run(
+            [
+                *GPWD,
+                "agent",
+                "--once",
+                "--node",
+                "node-1",
+                "--gpu-backend",
+                f"fake:{FIXTURES / 'gpus' / 'gpu_lost.json'}",
+                "--sysfs-root",
+                str(FIXTURES / "sysfs" / "h100" / "sys"),
+                "--aggregator",
+                f"http://127.0.0.1:{port}",
+                "--token-file",
+                str(tmp_path / "node-1.token"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/nodes/node-1", timeout=5) as r:
+            node = json.loads(r.read())
+        assert node["state"] == "quarantined"
+        [d] = [json.loads(line) for line in decisions.read_text().splitlines()]
+        assert (d["node"], d["state"], d["action"]) == ("node-1", "quarantined", "taint")
+        assert any(r["rule"] == "gpu-lost" for r in d["reasons"]), d["reasons"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            metrics = r.read().decode()
+        assert "gpuwarden_aggregator_reports_accepted_total 1.0" in metrics
+    finally:
+        server.terminate()
+        server.wait(timeout=15)
+    assert server.returncode == 0
