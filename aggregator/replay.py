@@ -11,12 +11,15 @@ import argparse
 import gzip
 import heapq
 import logging
+import statistics
 import sys
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+import msgspec
 
 from agent.errors import ConfigError, GpuwardenError, ReportError
 from agent.report import Report, decode
@@ -25,10 +28,13 @@ from aggregator.decisions import Decision, DecisionLog
 from aggregator.model import IngestOutcome
 from aggregator.pipeline import Pipeline
 from aggregator.rules.model import Rule
+from aggregator.service import plausibility_errors
 
 log = logging.getLogger(__name__)
 
 REORDER_SECONDS = 30.0  # reports may arrive this far out of time order and still be ordered
+SKEW_CHUNK_LINES = 256  # lines whose median report time stands for the fleet's time there
+SKEW_MIN_SECONDS = 10.0  # node clocks closer than this to the fleet's are used as they are
 
 
 class TraceError(GpuwardenError):
@@ -42,6 +48,7 @@ class ReplaySummary:
     rejected: Counter[str] = field(default_factory=Counter)
     duplicates: int = 0
     decisions: Counter[str] = field(default_factory=Counter)
+    skew: dict[str, float] = field(default_factory=dict)  # node clocks corrected, seconds ahead
 
     def render(self) -> str:
         lines = [
@@ -49,6 +56,7 @@ class ReplaySummary:
             f"duplicates: {self.duplicates}, rejected: {sum(self.rejected.values())}"
         ]
         lines += [f"  rejected ({why}): {n}" for why, n in sorted(self.rejected.items())]
+        lines += [f"  clock of {who} corrected by {-off:+.0f} s" for who, off in self.skew.items()]
         lines.append(
             "decisions: "
             + (", ".join(f"{state} {n}" for state, n in sorted(self.decisions.items())) or "none")
@@ -68,9 +76,57 @@ def _open(path: Path) -> IO[bytes] | gzip.GzipFile:
     return f
 
 
+class _Stamp(msgspec.Struct):
+    """The part of a report the clock estimate needs; decoding only this is cheap."""
+
+    node: str
+    boot_id: str
+    time: float
+
+
+_STAMP = msgspec.json.Decoder(_Stamp)
+
+
+def estimate_skew(path: Path) -> dict[tuple[str, str], float]:
+    """Each node's clock offset from the fleet's, per boot, where it is over ``SKEW_MIN_SECONDS``.
+
+    Live, the aggregator judges time by its own receive clock, so a node whose clock is an hour
+    off is judged like any other. A trace has only the reports' own times; used as they are, a
+    node an hour ahead would push the replay clock an hour on and make the whole fleet look
+    silent. A recorded trace is in the order the aggregator received it, so the fleet's time at a
+    point in the file is the median report time of the lines around it, and a node's offset is the
+    median of its reports' distance from that. Nodes within ``SKEW_MIN_SECONDS`` are left exactly
+    as they are. (A trace sorted by report time instead hides skew; it is then not corrected.)
+    """
+    stamps: list[_Stamp] = []
+    with _open(path) as stream:
+        try:
+            for line in stream:
+                try:
+                    stamps.append(_STAMP.decode(line))
+                except msgspec.DecodeError:
+                    continue  # the main pass reports bad lines
+        except (OSError, EOFError, gzip.BadGzipFile):
+            pass  # likewise
+    distances: dict[tuple[str, str], list[float]] = {}
+    for start in range(0, len(stamps), SKEW_CHUNK_LINES):
+        chunk = stamps[start : start + SKEW_CHUNK_LINES]
+        fleet_time = statistics.median(s.time for s in chunk)
+        for s in chunk:
+            distances.setdefault((s.node, s.boot_id), []).append(s.time - fleet_time)
+    offsets = {}
+    for key, values in distances.items():
+        offset = statistics.median(values)
+        if abs(offset) > SKEW_MIN_SECONDS:
+            offsets[key] = offset
+    return offsets
+
+
 def read_trace(path: Path, summary: ReplaySummary) -> Iterator[Report]:
-    """Reports of a JSONL trace in file order. A line that is not a report is counted and
-    skipped; a file that is not JSONL at all (no report on its first line) is unusable."""
+    """Reports of a JSONL trace in file order. A line that is not a report, or one the live
+    service would refuse as implausible, is counted and skipped; a file whose first report line
+    is not a report is unusable."""
+    lineno = 0
     with _open(path) as stream:
         try:
             for lineno, line in enumerate(stream, 1):
@@ -78,27 +134,40 @@ def read_trace(path: Path, summary: ReplaySummary) -> Iterator[Report]:
                     continue
                 summary.reports_read += 1
                 try:
-                    yield decode(line)
+                    report = decode(line)
                 except ReportError as exc:
-                    if summary.reports_read == 1 and summary.reports_replayed == 0:
+                    if summary.reports_read == 1:
                         raise TraceError(f"{path}:{lineno}: not a gpuwarden report: {exc}") from exc
                     reason = "schema" if "does not match" in str(exc) else "json"
                     summary.rejected[reason] += 1
                     log.warning("skipping line", extra={"line": lineno, "error": str(exc)})
+                    continue
+                problems = plausibility_errors(report)
+                if problems:
+                    summary.rejected["implausible"] += 1
+                    log.warning("skipping line", extra={"line": lineno, "error": "; ".join(problems)})
+                    continue
+                yield report
         except (OSError, EOFError, gzip.BadGzipFile) as exc:
-            raise TraceError(f"{path}: unreadable trace: {exc}") from exc
+            raise TraceError(f"{path}: unreadable trace after line {lineno}: {exc}") from exc
 
 
-def _ordered(reports: Iterator[Report]) -> Iterator[Report]:
+def _ordered(
+    reports: Iterator[Report], offsets: dict[tuple[str, str], float]
+) -> Iterator[tuple[float, Report]]:
+    """(aggregator time, report) in aggregator time order, through a short reorder buffer."""
     heap: list[tuple[float, str, int, int, Report]] = []
     latest = float("-inf")
     for n, r in enumerate(reports):
-        latest = max(latest, r.time)
-        heapq.heappush(heap, (r.time, r.node, r.seq, n, r))
+        at = r.time - offsets.get((r.node, r.boot_id), 0.0)
+        latest = max(latest, at)
+        heapq.heappush(heap, (at, r.node, r.seq, n, r))
         while heap and heap[0][0] <= latest - REORDER_SECONDS:
-            yield heapq.heappop(heap)[4]
+            entry = heapq.heappop(heap)
+            yield entry[0], entry[4]
     while heap:
-        yield heapq.heappop(heap)[4]
+        entry = heapq.heappop(heap)
+        yield entry[0], entry[4]
 
 
 def replay(
@@ -111,18 +180,21 @@ def replay(
         produced.append(d)
         summary.decisions[d.state] += 1
 
+    offsets = estimate_skew(trace)
+    summary.skew = {f"{node} (boot {boot[:8]})": off for (node, boot), off in sorted(offsets.items())}
     decisions = DecisionLog(out)
     pipeline = Pipeline(config, rules, decisions, on_decision=_record)
     try:
         last: float | None = None
-        for report in _ordered(read_trace(trace, summary)):
-            if pipeline.ingest(report, report.time) is IngestOutcome.DUPLICATE:
+        for at, report in _ordered(read_trace(trace, summary), offsets):
+            if pipeline.ingest(report, at) is IngestOutcome.DUPLICATE:
                 summary.duplicates += 1
             else:
                 summary.reports_replayed += 1
-            last = report.time if last is None else max(last, report.time)
-        if last is not None:
-            pipeline.advance(last)
+            last = at if last is None else max(last, at)
+        if last is None:
+            raise TraceError(f"{trace}: no reports in the trace")
+        pipeline.advance(last)
     finally:
         decisions.close()
     return produced, summary

@@ -43,6 +43,19 @@ class SystemicEvent:
 _WIDTH = {"rack": 0, "leaf": 1, "zone": 2, "pool": 3}
 
 
+def _spread(nodes: list[str], placements: Mapping[str, Placement]) -> bool:
+    """No single rack or leaf holds more than half of ``nodes``."""
+    for attr in ("rack", "leaf"):
+        counts: dict[str, int] = defaultdict(int)
+        for n in nodes:
+            value = getattr(placements[n], attr)
+            if value:
+                counts[value] += 1
+        if counts and max(counts.values()) * 2 > len(nodes):
+            return False
+    return True
+
+
 def _fmt(t: float) -> str:
     return _time.strftime("%H:%M:%S", _time.gmtime(t))
 
@@ -75,15 +88,19 @@ class SilenceDetector:
                 if value:
                     members[(kind, value)].append(node)
 
-        # Racks, leaves and zones: systemic when most of the domain is silent. A domain whose
-        # silent nodes all lie in a wider systemic domain is part of that one (a dead leaf switch
-        # silences its racks: one event for the leaf, not one per rack).
+        # Racks, leaves and zones: systemic when most of the domain is silent; once started, the
+        # event lasts while at least domain_min_nodes of it stay silent (hysteresis: a rack coming
+        # back node by node is one event that ends, not a flurry). A domain whose silent nodes all
+        # lie in a wider systemic domain is part of that one (a dead leaf switch silences its
+        # racks: one event for the leaf, not one per rack).
         candidates: dict[tuple[str, str], frozenset[str]] = {}
         for (kind, value), nodes in members.items():
             if kind == "pool":
                 continue
             down_set = frozenset(n for n in nodes if n in silent)
-            if len(down_set) >= cfg.domain_min_nodes and len(down_set) / len(nodes) > 0.5:
+            if len(down_set) < cfg.domain_min_nodes:
+                continue
+            if (kind, value) in self._active or len(down_set) / len(nodes) > 0.5:
                 candidates[(kind, value)] = down_set
         systemic: dict[tuple[str, str], tuple[str, ...]] = {
             key: tuple(sorted(down_set))
@@ -93,15 +110,21 @@ class SilenceDetector:
                 _WIDTH[other[0]] > _WIDTH[key[0]] and down_set == wider for other, wider in candidates.items()
             )
         }
-        # A pool: systemic when a large share of it is silent beyond what those domains explain
-        # (silence spread over many racks points at something shared by all: the network to us).
+        # A pool: systemic when a large share of it is silent beyond what its racks, leaves and
+        # zones explain, spread over them (silence spread thinly over many racks points at
+        # something all share, such as the network to the aggregator). Silence concentrated in one
+        # rack or leaf is that domain's, even before it is most of it (a rack going down node by
+        # node must not be called a pool outage on the way).
         explained = frozenset(n for down in systemic.values() for n in down)
         for (kind, value), nodes in members.items():
             if kind != "pool":
                 continue
-            rest = sorted(n for n in nodes if n in silent and n not in explained)
-            if len(rest) >= cfg.domain_min_nodes and len(rest) / len(nodes) >= cfg.pool_share:
-                systemic[(kind, value)] = tuple(rest)
+            rest = [n for n in nodes if n in silent and n not in explained]
+            if len(rest) < cfg.domain_min_nodes:
+                continue
+            active = (kind, value) in self._active
+            if active or (len(rest) / len(nodes) >= cfg.pool_share and _spread(rest, placements)):
+                systemic[(kind, value)] = tuple(sorted(rest))
 
         events: list[SystemicEvent] = []
         for key, silent_nodes in systemic.items():

@@ -1,6 +1,6 @@
 """What one agent collection cycle and one ``/metrics`` scrape cost, next to node_exporter's.
 
-Run from the repository root (about a minute; loopback only; every process it starts is stopped,
+Run from the repository root (about 1.5 minutes; loopback only; every process it starts is stopped,
 also on failure)::
 
     .venv/bin/python bench/agent_cycle.py [--json out.json] [--profile]
@@ -9,9 +9,10 @@ It measures, on 8 fake GPUs (``--gpu-backend fake:...``, which stands in for the
 a recorded sysfs tree with 8 InfiniBand ports and their netdevs:
 
 1. In this process, ``Agent.cycle()`` built as ``agent/cli.py`` builds it: CPU per cycle (this
-   thread's CPU clock; median and percentiles), each collector's share (the durations the runner
-   records), and the time spent inside the NVML API calls themselves (a timing proxy around the
-   backend), so that the cost *outside the driver* can be given. Also the CPU of rendering
+   thread's CPU clock; median and percentiles), each collector's CPU (the same clock around its
+   ``collect()``), and the CPU spent inside the NVML API calls themselves (one cycle's calls
+   recorded, then replayed against the backend), so that the cost *outside the driver* can be
+   given. Also the CPU of rendering
    ``/metrics`` from the registry, once right after a new cycle ("fresh", what a Prometheus
    scraping slower than the agent cycles sees) and again on the same snapshot ("cached").
 2. A real ``gpuwarden agent`` process (``--interval 0.05 --print --listen``): CPU per cycle over

@@ -99,6 +99,7 @@ __all__ = [
 ]
 
 START_TIME: Final = 1_764_000_000.0  # 2025-11-24 16:00:00 UTC
+_EARLIEST_START: Final = 1_577_836_800.0  # 2020: the aggregator refuses report times before it
 APP_XIDS: Final = frozenset({13, 31, 43, 45})  # application errors: never a reason to quarantine
 
 H100_MODEL: Final = "NVIDIA H100 80GB HBM3"
@@ -243,7 +244,8 @@ class Silent:
     t1: float
 
 
-Fault = Xid79 | Dbe | RemapFailure | IbPortDown | AppXid | Reboot | ClockSkew | Silent
+_TimedFault = Xid79 | Dbe | RemapFailure | IbPortDown | AppXid | Reboot  # happens to a node at t
+Fault = _TimedFault | ClockSkew | Silent
 
 
 def xid79(node: str, gpu: int, t: float) -> Xid79:
@@ -303,6 +305,9 @@ def silent(target: str, t0: float, t1: float) -> Silent:
 
 @dataclass(frozen=True)
 class Scenario:
+    """A fleet and what happens to it. Event times are seconds after ``start``, in true time (a
+    skewed node's reports carry its own clock); ``duration_s`` is the length of the trace."""
+
     nodes: int = 16
     duration_s: float = 1800.0
     interval_s: float = 10.0
@@ -329,8 +334,10 @@ class Scenario:
 
     def labels(self, node: str) -> dict[str, str]:
         """The node's ``pool``, ``rack`` and ``leaf`` labels, as its agent sends them."""
-        index = self.node_names().index(node)
-        return self._labels_of(index)
+        names = self.node_names()
+        if node not in names:
+            raise ConfigError(f"scenario: unknown node {node!r}")
+        return self._labels_of(names.index(node))
 
     def members(self, target: str) -> list[str]:
         """The nodes a node, rack or leaf name stands for (empty for an unknown name)."""
@@ -350,6 +357,8 @@ class Scenario:
             )
         if not 0 <= self.nics <= 64:
             raise ConfigError(f"scenario: nics must be 0..64, got {self.nics}")
+        if not (math.isfinite(self.start) and self.start >= _EARLIEST_START):
+            raise ConfigError(f"scenario: start must be unix seconds after 2020, got {self.start!r}")
         positive = {
             "duration_s": self.duration_s,
             "interval_s": self.interval_s,
@@ -462,11 +471,14 @@ class _Node:
         self.rng = random.Random(f"gpuwarden-tracegen:{scenario.seed}:{self.name}")
         self.phase = round(self.rng.uniform(0.0, scenario.interval_s), 3)
         self.skew = sum(f.seconds for f in faults if isinstance(f, ClockSkew))
-        self.faults = sorted((f for f in faults if not isinstance(f, ClockSkew | Silent)), key=lambda f: f.t)
+        self.faults: list[_TimedFault] = sorted(
+            (f for f in faults if not isinstance(f, ClockSkew | Silent)), key=lambda f: f.t
+        )
         self.next_fault = 0
         self.down_until: float | None = None
         self.ports_down_until: dict[int, float] = {}
         self.pending_events: list[Event] = []
+        self.lose_next: set[int] = set()
         self.gpus = [
             _GpuState(
                 index=i,
@@ -501,6 +513,7 @@ class _Node:
             g.energy_j = 0.0
             g.remap_pending = False
             g.lost = False
+        self.lose_next.clear()
         downs = {p.index: (p.down, p.phys_state) for p in self.ports}
         self.ports = [_PortState(i) for i in range(self.s.nics)]
         for p in self.ports:
@@ -521,15 +534,15 @@ class _Node:
 
     # -- faults ---------------------------------------------------------------------------------
 
-    def _apply(self, f: Fault) -> None:
-        s = self.s
-        when = round(s.start + f.t + self.skew, 3) if not isinstance(f, ClockSkew | Silent) else 0.0
+    def _apply(self, f: _TimedFault) -> None:
+        when = round(self.s.start + f.t + self.skew, 3)  # on the node's clock, as its kernel logs it
         if isinstance(f, Xid79):
             g = self.gpus[f.gpu]
             self.pending_events.append(
                 self._xid(79, g, when, "pid='<unknown>', name=<unknown>, GPU has fallen off the bus.")
             )
-            g.lost = True
+            # NVML read the GPU earlier in the cycle that logged the XID: it is lost from the next.
+            self.lose_next.add(g.index)
         elif isinstance(f, Dbe):
             g = self.gpus[f.gpu]
             g.dbe_volatile += 1
@@ -584,6 +597,9 @@ class _Node:
                     return False
                 self.down_until = None
                 self._boot()
+                # The scheduler gives a rebooted node a new job only after a while.
+                self._start_job_stretch(False)
+                self.job_until = self.s.start + rel + self.rng.expovariate(1.0 / self.s.idle_mean_s)
             if self.next_fault >= len(self.faults) or self.faults[self.next_fault].t > rel:
                 break
             f = self.faults[self.next_fault]
@@ -627,6 +643,9 @@ class _Node:
             errors=errors if errors else msgspec.UNSET,
         )
         self.seq += 1
+        for index in self.lose_next:
+            self.gpus[index].lost = True
+        self.lose_next.clear()
         return report
 
     def _gpu(self, g: _GpuState, dt: float) -> Gpu:
@@ -781,7 +800,7 @@ def generate(scenario: Scenario) -> Iterator[tuple[float, Report]]:
         yield receive, report
 
 
-def write_trace(path: Path, scenario: Scenario) -> int:
+def write_trace(path: Path | str, scenario: Scenario) -> int:
     """Write the scenario's reports, in receive order, as a JSON Lines trace; the number written.
 
     ``.gz`` names get gzip with a zero timestamp and no file name in the header, so the same

@@ -1,0 +1,379 @@
+"""``gpuwarden replay TRACE --out DECISIONS`` on generated traces, as a user runs it (a subprocess).
+
+It writes the decision log and a summary, is deterministic, refuses unusable input with exit 2 and
+a one-line reason, skips a bad line in the middle, orders slightly out-of-order reports, and (the
+property replay exists for) gives the same decisions as the live aggregator fed the same reports
+over HTTP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import random
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestServer
+from prometheus_client import CollectorRegistry
+
+from agent.report import encode
+from aggregator.auth import StaticTokens
+from aggregator.configload import parse_config
+from aggregator.decisions import Decision, DecisionLog, read_decisions
+from aggregator.pipeline import Pipeline
+from aggregator.replay import replay
+from aggregator.rules import default_rules_dir, load_rules
+from aggregator.service import REPORTS_PATH, SERVER_KWARGS, create_app
+from gpuwarden.tracegen import (
+    Scenario,
+    app_xid,
+    clock_skew,
+    dbe,
+    generate,
+    ib_port_down,
+    reboot,
+    silent,
+    write_trace,
+    xid79,
+)
+from tests.conftest import REPO
+
+CONFIG_YAML = """
+health: {suspect_for_seconds: 30, clear_for_seconds: 30, probation_seconds: 60}
+silence: {silent_after_seconds: 30}
+"""
+CONFIG = parse_config(CONFIG_YAML, "test_replay")
+RULES = load_rules([default_rules_dir()])
+
+# Zero skew and zero receive jitter: the live service's clock (receive time) and replay's clock
+# (the report's own time) are then the same clock, so the two must decide the same.
+SCENARIO = Scenario(
+    nodes=16,
+    duration_s=360.0,
+    seed=5,
+    receive_jitter_s=0.0,
+    lost_fraction=0.01,
+    duplicate_fraction=0.02,
+    events=(
+        xid79("gpu-0002", 1, 60.0),
+        reboot("gpu-0002", 150.0, down_s=20.0),
+        ib_port_down("gpu-0006", 4, 90.0),
+        dbe("gpu-0008", 0, 100.0),
+        app_xid("gpu-0004", 2, 13, 100.0),
+        silent("gpu-0010", 120.0, 200.0),
+    ),
+)
+# The same fleet as agents really deliver it: receive times jittered, so not in time order.
+JITTERED = dataclasses.replace(SCENARIO, receive_jitter_s=2.0)
+
+
+def gpuwarden(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpuwarden", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def run_replay(trace: Path, out: Path, config: Path) -> subprocess.CompletedProcess[str]:
+    return gpuwarden("replay", trace, "--out", out, "--config", config)
+
+
+def own_lines(stderr: str, prefix: str) -> list[str]:
+    """stderr lines the command printed itself (log lines start with a timestamp)."""
+    return [line for line in stderr.splitlines() if line.startswith(prefix)]
+
+
+def summary_of(stderr: str) -> dict[str, Any]:
+    """The replay summary on stderr: counts, rejections by reason, decisions by state."""
+    (head,) = own_lines(stderr, "reports read: ")
+    counts = dict(part.split(": ") for part in head.split(", "))
+    rejected = {
+        line.split("(")[1].split(")")[0]: int(line.rsplit(": ", 1)[1])
+        for line in own_lines(stderr, "  rejected (")
+    }
+    (tail,) = own_lines(stderr, "decisions: ")
+    states = tail.removeprefix("decisions: ")
+    by_state = {} if states == "none" else {s.split()[0]: int(s.split()[1]) for s in states.split(", ")}
+    return {"counts": {k: int(v) for k, v in counts.items()}, "rejected": rejected, "decisions": by_state}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("replay")
+    (path / "config.yaml").write_text(CONFIG_YAML)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trace(work: Path) -> Path:
+    path = work / "trace.jsonl"
+    write_trace(path, JITTERED)
+    return path
+
+
+@pytest.fixture(scope="module")
+def replayed(work: Path, trace: Path) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    out = work / "decisions.jsonl"
+    return out, run_replay(trace, out, work / "config.yaml")
+
+
+# -- a normal replay --------------------------------------------------------------------------------
+
+
+def test_replay_writes_the_decision_log_and_a_summary(
+    replayed: tuple[Path, subprocess.CompletedProcess[str]], trace: Path
+) -> None:
+    out, proc = replayed
+    assert proc.returncode == 0, proc.stderr
+    decisions = list(read_decisions(out))
+    lines = trace.read_bytes().splitlines()
+    summary = summary_of(proc.stderr)
+    duplicates = len(lines) - len(set(lines))
+    assert duplicates > 0
+    assert summary["counts"] == {
+        "reports read": len(lines),
+        "replayed": len(lines) - duplicates,
+        "duplicates": duplicates,
+        "rejected": 0,
+    }
+    assert summary["rejected"] == {}
+    assert summary["decisions"] == dict(Counter(d.state for d in decisions))
+
+    # What the scenario holds: three hard faults, a silent node, a reboot that clears one fault.
+    by_node = {
+        n: [(d.state, [r.rule for r in d.reasons]) for d in decisions if d.node == n]
+        for n in SCENARIO.node_names()
+    }
+    assert by_node["gpu-0002"][0] == ("quarantined", ["xid-79"])
+    assert [s for s, _ in by_node["gpu-0002"]][-2:] == ["probation", "healthy"]
+    assert ("quarantined", ["ib-port-down"]) in by_node["gpu-0006"]
+    assert by_node["gpu-0008"] == [("quarantined", ["xid-48"])]
+    assert [s for s, _ in by_node["gpu-0010"]] == ["suspect", "healthy"]
+    assert by_node["gpu-0004"] == []  # an application XID
+    assert {n for n, ds in by_node.items() if ds} == {"gpu-0002", "gpu-0006", "gpu-0008", "gpu-0010"}
+
+
+def test_replay_reads_gzip_traces_and_is_deterministic(
+    replayed: tuple[Path, subprocess.CompletedProcess[str]], work: Path, trace: Path
+) -> None:
+    first, _ = replayed
+    gz = work / "trace.jsonl.gz"
+    write_trace(gz, JITTERED)
+    written = gz.read_bytes()
+    write_trace(gz, JITTERED)
+    assert gz.read_bytes() == written  # the generator is deterministic, gzip header included
+    assert gzip.decompress(written) == trace.read_bytes()
+    again, from_gz = work / "again.jsonl", work / "from-gz.jsonl"
+    for source, out in ((trace, again), (gz, from_gz)):
+        proc = run_replay(source, out, work / "config.yaml")
+        assert proc.returncode == 0, proc.stderr
+    assert first.read_bytes() == again.read_bytes() == from_gz.read_bytes()
+    assert first.stat().st_size > 0
+
+
+# -- unusable and bad input -------------------------------------------------------------------------
+
+
+def _not_json(work: Path) -> Path:
+    path = work / "not-json.jsonl"
+    path.write_text("this is not a trace\n")
+    return path
+
+
+def _missing(work: Path) -> Path:
+    return work / "no-such-trace.jsonl"
+
+
+def _empty(work: Path) -> Path:
+    path = work / "empty.jsonl"
+    path.write_text("")
+    return path
+
+
+def _truncated_gzip(work: Path) -> Path:
+    data = gzip.compress((work / "trace.jsonl").read_bytes(), mtime=0)
+    path = work / "truncated.jsonl.gz"
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        pytest.param(_not_json, [":1: not a gpuwarden report"], id="not-json"),
+        pytest.param(_missing, ["cannot open trace", "No such file"], id="missing"),
+        pytest.param(_truncated_gzip, ["unreadable trace after line "], id="truncated-gzip"),
+        pytest.param(_empty, ["no reports in the trace"], id="empty"),
+    ],
+)
+def test_unusable_input_exits_2_with_a_one_line_reason(
+    work: Path, trace: Path, make: Callable[[Path], Path], says: list[str]
+) -> None:
+    path = make(work)
+    proc = run_replay(path, work / f"{path.name}.out", work / "config.yaml")
+    assert proc.returncode == 2
+    (reason,) = own_lines(proc.stderr, "gpuwarden replay: ")
+    assert str(path) in reason
+    for text in says:
+        assert text in reason
+    assert not own_lines(proc.stderr, "reports read: ")  # no summary of a replay that did not happen
+
+
+def test_a_bad_line_in_the_middle_is_counted_and_skipped(
+    replayed: tuple[Path, subprocess.CompletedProcess[str]], work: Path, trace: Path
+) -> None:
+    clean, _ = replayed
+    lines = trace.read_bytes().splitlines(keepends=True)
+    middle = len(lines) // 2
+    not_json = b'{"schema": "gpuwarden/report/v1", "node": \n'
+    wrong_schema = json.dumps({**json.loads(lines[middle]), "seq": -1}).encode() + b"\n"
+    hot = json.loads(lines[middle])
+    hot["gpus"][0]["temperature_celsius"] = 900.0  # valid JSON and schema; live refuses it (422)
+    implausible = json.dumps(hot).encode() + b"\n"
+    damaged = work / "damaged.jsonl"
+    damaged.write_bytes(b"".join([*lines[:middle], not_json, wrong_schema, implausible, *lines[middle:]]))
+    out = work / "damaged-decisions.jsonl"
+    proc = run_replay(damaged, out, work / "config.yaml")
+    assert proc.returncode == 0, proc.stderr
+    summary = summary_of(proc.stderr)
+    assert summary["counts"]["reports read"] == len(lines) + 3
+    assert summary["counts"]["rejected"] == 3
+    assert summary["rejected"] == {"json": 1, "schema": 1, "implausible": 1}
+    assert out.read_bytes() == clean.read_bytes()
+
+
+def test_reports_out_of_order_across_nodes_give_the_same_decisions(
+    replayed: tuple[Path, subprocess.CompletedProcess[str]], work: Path, trace: Path
+) -> None:
+    clean, _ = replayed
+    lines = trace.read_bytes().splitlines(keepends=True)
+    windows: dict[int, list[bytes]] = {}
+    for line in lines:
+        windows.setdefault(int((json.loads(line)["time"] - SCENARIO.start) // 10.0), []).append(line)
+    rng = random.Random(11)
+    shuffled: list[bytes] = []
+    for key in sorted(windows):
+        rng.shuffle(windows[key])
+        shuffled.extend(windows[key])
+    assert shuffled != lines
+    path = work / "shuffled.jsonl"
+    path.write_bytes(b"".join(shuffled))
+    out = work / "shuffled-decisions.jsonl"
+    proc = run_replay(path, out, work / "config.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == clean.read_bytes()
+
+
+# -- replay is live ingestion -----------------------------------------------------------------------
+
+
+class ReceiveClock:
+    """The aggregator's clock, set by the test to each report's receive time before it is posted."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+async def test_replay_gives_the_same_decisions_as_live_ingestion(aiohttp_client: Any, tmp_path: Path) -> None:
+    """Post every report of the trace to the real aggregator app over HTTP (gzip, bearer token),
+    in receive order with the clock at each receive time, then replay the same trace.
+
+    The trace has zero clock skew and zero receive jitter: live ingestion judges by receive time and
+    replay by the reports' own time, and only then are those the same clock.
+    """
+    tokens = {node: f"token-{node}-0123456789abcdef" for node in SCENARIO.node_names()}
+    token_file = tmp_path / "tokens"
+    token_file.write_text("".join(f"{node} {token}\n" for node, token in tokens.items()))
+    live_log = tmp_path / "live.jsonl"
+    decisions = DecisionLog(live_log)
+    pipeline = Pipeline(CONFIG, RULES, decisions)
+    clock = ReceiveClock(SCENARIO.start)
+    app = create_app(
+        pipeline, StaticTokens(token_file), CONFIG, clock, CollectorRegistry(), advance_interval_s=None
+    )
+    server = TestServer(app)
+    await server.start_server(**SERVER_KWARGS)
+    client = await aiohttp_client(server)
+    answers: Counter[tuple[int, str]] = Counter()
+    try:
+        for received, report in generate(SCENARIO):
+            clock.now = received
+            resp = await client.post(
+                REPORTS_PATH,
+                data=gzip.compress(encode(report)),
+                headers={
+                    "Authorization": f"Bearer {tokens[report.node]}",
+                    "Content-Type": "application/json",
+                    "Content-Encoding": "gzip",
+                },
+            )
+            answers[(resp.status, (await resp.json())["status"])] += 1
+    finally:
+        decisions.close()
+    assert set(answers) == {(200, "accepted"), (200, "duplicate")}
+
+    trace = tmp_path / "trace.jsonl.gz"
+    write_trace(trace, SCENARIO)
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG_YAML)
+    replay_log = tmp_path / "replay.jsonl"
+    proc = run_replay(trace, replay_log, config)
+    assert proc.returncode == 0, proc.stderr
+    assert summary_of(proc.stderr)["counts"]["duplicates"] == answers[(200, "duplicate")]
+
+    live = list(read_decisions(live_log))
+    replayed = list(read_decisions(replay_log))
+    assert {d.state for d in live} == {"suspect", "quarantined", "probation", "healthy"}
+    assert _comparable(replayed) == _comparable(live)
+    assert replay_log.read_bytes() == live_log.read_bytes()
+
+
+def _comparable(decisions: list[Decision]) -> list[tuple[Any, ...]]:
+    return [
+        (
+            d.time,
+            d.node,
+            d.previous,
+            d.state,
+            d.action,
+            [(r.detector, r.rule, r.summary, r.evidence) for r in d.reasons],
+        )
+        for d in decisions
+    ]
+
+
+# -- clock skew -------------------------------------------------------------------------------------
+
+
+def test_a_node_with_a_skewed_clock_makes_no_decision_in_replay(tmp_path: Path) -> None:
+    scenario = Scenario(
+        nodes=16,
+        duration_s=300.0,
+        seed=6,
+        events=(clock_skew("gpu-0003", 3600.0), clock_skew("gpu-0011", -3600.0)),
+    )
+    trace = tmp_path / "skewed.jsonl"
+    write_trace(trace, scenario)
+    decisions, summary = replay(trace, None, CONFIG, RULES)
+    assert summary.reports_replayed == summary.reports_read > 0
+    assert decisions == []
