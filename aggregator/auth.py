@@ -432,8 +432,8 @@ class TokenReviewAuthenticator:
                 data = await resp.read()
                 if resp.status not in (200, 201):
                     log.error(
-                        "TokenReview refused by the API server (does the aggregator's service "
-                        "account have the system:auth-delegator role?)",
+                        "TokenReview refused by the API server (may the aggregator's service "
+                        "account create tokenreviews? see daemonset/base RBAC)",
                         extra={"http_status": resp.status, "body": data[:512].decode("utf-8", "replace")},
                     )
                     raise AuthUnavailable(f"TokenReview answered HTTP {resp.status}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+import os
 import re
 import string
 import types
@@ -43,9 +44,23 @@ class RuleError(ConfigError):
         self.key = key
 
 
+# Where the shipped rules are, in order: beside the aggregator package (a source checkout or an
+# editable install), then where the container image puts them.
+_RULES_DIRS = (Path(__file__).resolve().parents[2] / "rules", Path("/usr/share/gpuwarden/rules"))
+
+
 def default_rules_dir() -> Path:
-    """The ``rules/`` directory shipped with gpuwarden (beside the ``aggregator`` package)."""
-    return Path(__file__).resolve().parents[2] / "rules"
+    """The shipped ``rules/`` directory; ``$GPUWARDEN_RULES_DIR`` overrides it."""
+    override = os.environ.get("GPUWARDEN_RULES_DIR")
+    if override:
+        return Path(override)
+    for candidate in _RULES_DIRS:
+        if candidate.is_dir():
+            return candidate
+    raise ConfigError(
+        f"no rules directory found (looked in {', '.join(str(d) for d in _RULES_DIRS)}); "
+        "pass --rules or set GPUWARDEN_RULES_DIR"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
