@@ -18,6 +18,7 @@ COPY pyproject.toml README.md /build/
 COPY agent/ /build/agent/
 COPY aggregator/ /build/aggregator/
 COPY gpuwarden/ /build/gpuwarden/
+COPY sim/ /build/sim/
 RUN pip install /build && rm -rf /build
 
 # The detection rules are data the aggregator reads at start (--rules); the Deployment points at

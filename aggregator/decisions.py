@@ -66,7 +66,8 @@ def read_decisions(path: Path) -> Iterator[Decision]:
 class DecisionLog:
     """Appends decisions to a JSONL file (or nowhere) and keeps the recent ones for the API."""
 
-    def __init__(self, path: Path | None, *, keep: int = 10_000) -> None:
+    def __init__(self, path: Path | None, *, keep: int = 10_000, truncate: bool = False) -> None:
+        """``truncate``: start the file empty (replay's output); the live log only ever appends."""
         self.path = path
         self._recent: deque[Decision] = deque(maxlen=keep)
         self._lock = threading.Lock()
@@ -74,7 +75,7 @@ class DecisionLog:
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = path.open("ab")
+                self._file = path.open("wb" if truncate else "ab")
             except OSError as exc:
                 raise ConfigError(f"cannot open decision log {path}: {exc}") from exc
 

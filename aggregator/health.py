@@ -105,6 +105,8 @@ class HealthMachine:
         """Time-driven transitions (persistence reached, probation over) for every node."""
         out = []
         for h in self._nodes.values():
+            if h.state == "healthy" and not h.groups:
+                continue  # nothing can change for it until a finding arrives
             d = self._evaluate(h, now)
             if d is not None:
                 out.append(d)

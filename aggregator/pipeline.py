@@ -23,6 +23,7 @@ import msgspec
 from agent.report import Report
 from aggregator.config import Config
 from aggregator.decisions import Decision, DecisionLog
+from aggregator.detect import DETECTORS
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import Placement, placement_of
@@ -73,12 +74,16 @@ class Pipeline:
         self.fleet.registry.track_gpu_gauges(*sorted(series.gpu_gauges))
         self.health = HealthMachine(config.health)
         self.silence = SilenceDetector(config.silence)
+        # Fleet-wide detectors (peers, trend) run on the pool frames every few seconds.
+        self.detectors = [make() for make in DETECTORS]
+        self._detector_due: dict[str, float] = {d.name: -math.inf for d in self.detectors}
         self.decisions = decisions
         self._k8s_labels = k8s_labels or (lambda _node: {})
         self._on_decision = on_decision
         self._on_systemic = on_systemic
         self._nodes: dict[str, _NodeRecord] = {}
         self._next_tick = -math.inf
+        self._silent: set[str] = set()  # nodes with a silence finding now
         self.systemic_log: deque[SystemicEvent] = deque(maxlen=1000)
 
     # -- ingest ---------------------------------------------------------------------------------
@@ -107,8 +112,10 @@ class Pipeline:
         # its pool's newest slot forward and clear everyone's data.
         self.frames.record(view, placement, at=received)
         findings = self.engine.evaluate(view)
-        # The node is talking again: whatever silence said is over.
-        self._emit(self.health.update(report.node, "silence", (), received))
+        if report.node in self._silent:
+            # The node is talking again: whatever silence said is over.
+            self._silent.discard(report.node)
+            self._emit(self.health.update(report.node, "silence", (), received))
         self._emit(self.health.update(report.node, "rule", findings, received))
         self.advance(received)
         return IngestOutcome.ACCEPTED
@@ -120,9 +127,15 @@ class Pipeline:
             return
         tick = math.floor(now / TICK_SECONDS) * TICK_SECONDS
         self._next_tick = tick + TICK_SECONDS
+        # Runs every second over the whole fleet: the common case (nobody silent) is one pass over
+        # the receive times and nothing else.
         last = {n: r.last_received for n, r in self._nodes.items()}
-        placements = {n: r.placement for n, r in self._nodes.items()}
-        per_node, events = self.silence.check(last, placements, tick)
+        quiet_after = tick - self.config.silence.silent_after_seconds
+        per_node: dict[str, list[Finding]] = {}
+        events: list[SystemicEvent] = []
+        if self._silent or self.silence.active_events() or any(t < quiet_after for t in last.values()):
+            placements = {n: r.placement for n, r in self._nodes.items()}
+            per_node, events = self.silence.check(last, placements, tick)
         for ev in events:
             self.systemic_log.append(ev)
             log.warning(
@@ -133,6 +146,14 @@ class Pipeline:
                 self._on_systemic(ev)
         for node, findings in per_node.items():
             self._emit(self.health.update(node, "silence", findings, tick))
+        for node in self._silent - per_node.keys():
+            self._emit(self.health.update(node, "silence", (), tick))
+        self._silent = set(per_node)
+        for det in self.detectors:
+            if tick >= self._detector_due[det.name]:
+                self._detector_due[det.name] = tick + det.every_seconds
+                for node, found in det.run(self.frames, tick).items():
+                    self._emit(self.health.update(node, det.name, found, tick))
         for d in self.health.tick(tick):
             self._emit(d)
 

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import IO
 
 import msgspec
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from agent.errors import ConfigError, GpuwardenError, ReportError
 from agent.report import Report, decode
@@ -33,7 +35,7 @@ from aggregator.service import plausibility_errors
 log = logging.getLogger(__name__)
 
 REORDER_SECONDS = 30.0  # reports may arrive this far out of time order and still be ordered
-SKEW_CHUNK_LINES = 256  # lines whose median report time stands for the fleet's time there
+SKEW_WINDOW_LINES = 64  # lines around a line whose median report time is the fleet's time there
 SKEW_MIN_SECONDS = 10.0  # node clocks closer than this to the fleet's are used as they are
 
 
@@ -94,8 +96,8 @@ def estimate_skew(path: Path) -> dict[tuple[str, str], float]:
     off is judged like any other. A trace has only the reports' own times; used as they are, a
     node an hour ahead would push the replay clock an hour on and make the whole fleet look
     silent. A recorded trace is in the order the aggregator received it, so the fleet's time at a
-    point in the file is the median report time of the lines around it, and a node's offset is the
-    median of its reports' distance from that. Nodes within ``SKEW_MIN_SECONDS`` are left exactly
+    line is the median report time of the lines centred on it, and a node's offset is the median
+    of its reports' distances from that. Nodes within ``SKEW_MIN_SECONDS`` are left exactly
     as they are. (A trace sorted by report time instead hides skew; it is then not corrected.)
     """
     stamps: list[_Stamp] = []
@@ -108,12 +110,21 @@ def estimate_skew(path: Path) -> dict[tuple[str, str], float]:
                     continue  # the main pass reports bad lines
         except (OSError, EOFError, gzip.BadGzipFile):
             pass  # likewise
+    if not stamps:
+        return {}
+    # The fleet's time at each line: the median report time of the lines centred on it (a
+    # sliding window, in blocks so memory stays bounded on a long trace).
+    times = np.fromiter((s.time for s in stamps), dtype=np.float64, count=len(stamps))
+    half = SKEW_WINDOW_LINES // 2
+    padded = np.pad(times, half, mode="edge")
+    fleet_time = np.empty_like(times)
+    for start in range(0, len(times), 65_536):
+        stop = min(start + 65_536, len(times))
+        window = sliding_window_view(padded[start : stop + 2 * half], 2 * half + 1)
+        fleet_time[start:stop] = np.median(window, axis=1)
     distances: dict[tuple[str, str], list[float]] = {}
-    for start in range(0, len(stamps), SKEW_CHUNK_LINES):
-        chunk = stamps[start : start + SKEW_CHUNK_LINES]
-        fleet_time = statistics.median(s.time for s in chunk)
-        for s in chunk:
-            distances.setdefault((s.node, s.boot_id), []).append(s.time - fleet_time)
+    for s, distance in zip(stamps, (times - fleet_time).tolist(), strict=True):
+        distances.setdefault((s.node, s.boot_id), []).append(distance)
     offsets = {}
     for key, values in distances.items():
         offset = statistics.median(values)
@@ -182,7 +193,7 @@ def replay(
 
     offsets = estimate_skew(trace)
     summary.skew = {f"{node} (boot {boot[:8]})": off for (node, boot), off in sorted(offsets.items())}
-    decisions = DecisionLog(out)
+    decisions = DecisionLog(out, truncate=True)  # a replay's output is its own, not appended
     pipeline = Pipeline(config, rules, decisions, on_decision=_record)
     try:
         last: float | None = None

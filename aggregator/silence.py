@@ -74,8 +74,8 @@ class SilenceDetector:
         placements: Mapping[str, Placement],
         now: float,
     ) -> tuple[dict[str, list[Finding]], list[SystemicEvent]]:
-        """Silence findings per node (every node gets an entry, empty when it reports) and the
-        systemic events that started or ended at ``now``."""
+        """Silence findings of the silent nodes, and the systemic events that started or ended at
+        ``now``. Nodes that report have no entry."""
         cfg = self.config
         silent = {n for n, t in last_received.items() if now - t > cfg.silent_after_seconds}
 
@@ -143,10 +143,8 @@ class SilenceDetector:
                 part_of.setdefault(n, f"{kind} {value}")
 
         findings: dict[str, list[Finding]] = {}
-        for node, last in last_received.items():
-            if node not in silent:
-                findings[node] = []
-                continue
+        for node in sorted(silent):
+            last = last_received[node]
             quiet = now - last
             summary = f"no report for {quiet:.0f} s (last received {_fmt(last)} UTC)"
             evidence: dict[str, object] = {"last_received": last, "silent_seconds": round(quiet, 1)}

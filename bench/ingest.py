@@ -1,9 +1,9 @@
 """Aggregator ingest throughput: reports per second on one core, over real HTTP.
 
-Run from the repository root (about a minute; loopback only; every process it starts is stopped,
-also on failure)::
+Run from the repository root (about 1.5 minutes on 2 cores; loopback only; every process it
+starts is stopped, also on failure)::
 
-    .venv/bin/python bench/ingest.py [--runs 3] [--nodes 2000] [--rounds 5] [--json out.json] [--profile]
+    .venv/bin/python bench/ingest.py [--runs 3] [--nodes 2000] [--rounds 5] [--json FILE] [--profile]
 
 What it does:
 
@@ -75,20 +75,26 @@ from _reports import (
     token_file_text,
     token_of,
 )
+from prometheus_client import CollectorRegistry
 
+from agent.clock import SystemClock
 from agent.report import Report, decode
 from agent.shipper import encode_body
+from aggregator.auth import StaticTokens
 from aggregator.config import Config
 from aggregator.configload import load_config
 from aggregator.decisions import DecisionLog
+from aggregator.metrics import Metrics
+from aggregator.model import IngestOutcome
 from aggregator.pipeline import Pipeline
 from aggregator.rules.model import Rule, default_rules_dir, load_rules
-from aggregator.service import REPORTS_PATH, gunzip_bounded, plausibility_errors
+from aggregator.service import REPORTS_PATH, create_app, gunzip_bounded, plausibility_errors, serve
 
 log = logging.getLogger("bench.ingest")
 
 REPO = Path(__file__).resolve().parent.parent
 GPUWARDEN = REPO / ".venv" / "bin" / "gpuwarden"
+NOOP_SERVER = "_noop-server"  # argv[1] that makes this script the no-op pipeline's server
 TARGET_PER_CORE = 1000.0  # reports/s per core, from the issue
 NEEDED_PER_CORE = 750.0  # 7,500 nodes at a 10 s interval
 INTERVAL_S = 10.0
@@ -395,7 +401,7 @@ async def _load_main(
         common: dict[str, Any] = {"concurrency": concurrency, "server_pid": server_pid, "deadline": deadline}
         out = {"warmup": await _phase(session, url, work.warmup, headers, rate=None, **common)}
         out["measured"] = await _phase(session, url, work.measured, headers, rate=None, **common)
-        if work.paced:
+        if work.paced and paced_rate > 0:
             out["paced"] = await _phase(session, url, work.paced, headers, rate=paced_rate, **common)
     return out
 
@@ -429,6 +435,42 @@ def _load_process(  # noqa: PLR0917 (multiprocessing passes positional arguments
         raise
     finally:
         conn.close()
+
+
+# ---- the service around a pipeline that does nothing --------------------------------------------
+
+
+class NoopPipeline:
+    """Accepts every report and keeps nothing: what is left is the HTTP service's own cost
+    (aiohttp, token check, gunzip, decode, plausibility, metrics)."""
+
+    def ingest(self, report: Report, received: float) -> IngestOutcome:
+        return IngestOutcome.ACCEPTED
+
+    def advance(self, now: float) -> None:
+        return None
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return []
+
+    def node(self, name: str) -> dict[str, Any] | None:
+        return None
+
+    def decisions_since(self, since: float, limit: int) -> list[dict[str, Any]]:
+        return []
+
+    def node_states(self) -> dict[str, int]:
+        return {}
+
+
+def serve_noop(port: int, tokens: Path) -> int:
+    """``gpuwarden aggregator``'s service, as aggregator/cli.py builds it, around ``NoopPipeline``."""
+    config = load_config(None)
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    app = create_app(NoopPipeline(), StaticTokens(tokens), config, SystemClock(), registry, metrics=metrics)
+    asyncio.run(serve(app, "127.0.0.1", port))
+    return 0
 
 
 # ---- one run against a real server --------------------------------------------------------------
@@ -502,20 +544,23 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def server_command(
-    port: int, tokens: Path, decisions: Path, core: int, profile_out: Path | None
+    port: int, tokens: Path, decisions: Path, core: int, profile_out: Path | None, *, noop: bool = False
 ) -> list[str]:
-    cmd = [
-        str(GPUWARDEN),
-        "--log-level",
-        "WARNING",
-        "aggregator",
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--token-file",
-        str(tokens),
-        "--decisions",
-        str(decisions),
-    ]
+    if noop:
+        cmd = [sys.executable, str(Path(__file__).resolve()), NOOP_SERVER, str(port), str(tokens)]
+    else:
+        cmd = [
+            str(GPUWARDEN),
+            "--log-level",
+            "WARNING",
+            "aggregator",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--token-file",
+            str(tokens),
+            "--decisions",
+            str(decisions),
+        ]
     if profile_out is not None:
         cmd = [sys.executable, "-m", "cProfile", "-o", str(profile_out), *cmd]
     # taskset pins before the interpreter starts, so every thread the server ever makes is pinned.
@@ -533,6 +578,7 @@ def http_run(
     max_seconds: float,
     paced_rate: float,
     profile_out: Path | None,
+    noop: bool = False,
 ) -> HttpRun:
     tokens = tmp / "tokens"
     tokens.write_text(token_file_text(work.nodes), encoding="utf-8")
@@ -542,7 +588,7 @@ def http_run(
     ctx = multiprocessing.get_context("fork")
     with logfile.open("wb") as logf:
         proc = subprocess.Popen(
-            server_command(port, tokens, decisions, server_core, profile_out),
+            server_command(port, tokens, decisions, server_core, profile_out, noop=noop),
             stdout=logf,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -622,7 +668,11 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def render(
-    machine: dict[str, Any], params: dict[str, Any], inproc: list[InProcess], runs: list[HttpRun]
+    machine: dict[str, Any],
+    params: dict[str, Any],
+    inproc: list[InProcess],
+    runs: list[HttpRun],
+    noop: HttpRun | None,
 ) -> str:
     lines = [
         "## Aggregator ingest",
@@ -638,6 +688,11 @@ def render(
     ]
     for ip in inproc:
         lines.append(f"| {ip.what}, in process | {ip.cpu_us_per_report:.0f} us | {ip.per_core:,.0f} |")
+    if noop is not None:
+        lines.append(
+            "| HTTP service around a no-op pipeline (server process) | "
+            f"{noop.server_cpu_us_per_report:.0f} us | {noop.per_core:,.0f} |"
+        )
     med_cpu = _median(runs, "server_cpu_us_per_report")
     if med_cpu is not None:
         lines.append(
@@ -681,6 +736,10 @@ def render(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == [NOOP_SERVER]:
+        logging.basicConfig(level=logging.WARNING)
+        return serve_noop(int(argv[1]), Path(argv[2]))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--nodes", type=int, default=2000, help="simulated nodes (each has its own token)")
     p.add_argument("--rounds", type=int, default=5, help="measured rounds (one report per node each)")
@@ -768,7 +827,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.append(run)
             if prof_out is not None and prof_out.exists():
                 print_profile(pstats.Stats(str(prof_out)), "aggregator server process (whole run)")
-    print(render(machine, params, inproc, results))
+        noop = None
+        if not args.profile:
+            noop = http_run(
+                work,
+                tmp,
+                server_core=server_core,
+                load_core=load_core,
+                concurrency=args.concurrency,
+                max_seconds=args.max_seconds,
+                paced_rate=0.0,
+                profile_out=None,
+                noop=True,
+            )
+            log.info(
+                "no-op pipeline: %.0f us server CPU per report (%.0f/s per core), %.0f reports/s wall",
+                noop.server_cpu_us_per_report,
+                noop.per_core,
+                noop.reports_per_s,
+            )
+    print(render(machine, params, inproc, results, noop))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {
@@ -776,11 +854,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "params": params,
             "in_process": [{**asdict(ip), "per_core": ip.per_core} for ip in inproc],
             "http_runs": [{**asdict(r), "per_core": r.per_core} for r in results],
+            "http_noop_pipeline": {**asdict(noop), "per_core": noop.per_core} if noop else None,
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    bad = sum(sum(r.refused.values()) for r in results)
+    every = [*results, *([noop] if noop else [])]
+    bad = sum(sum(r.refused.values()) for r in every)
     if bad:
-        print(f"\nFAILED: {bad} reports were not accepted: {[r.refused for r in results]}", file=sys.stderr)
+        print(f"\nFAILED: {bad} reports were not accepted: {[r.refused for r in every]}", file=sys.stderr)
         return 1
     return 0
 

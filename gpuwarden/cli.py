@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("agent.cli", "run the node agent (collect, expose /metrics, send reports)"),
     "aggregator": ("aggregator.cli", "run the aggregator (ingest reports, detect, decide)"),
     "replay": ("aggregator.replay", "run the detection pipeline over a recorded trace"),
+    "sim": ("sim.cli", "simulate a GPU fleet: a trace and its ground truth"),
+    "eval": ("sim.eval", "score a decision log against ground truth and a static baseline"),
     "demo": ("gpuwarden.demo", "run the demo: a small fleet, the aggregator, decisions as they happen"),
 }
 

@@ -81,3 +81,16 @@ def test_since_and_limit() -> None:
     for t in range(10):
         log.append(_d(float(t)))
     assert [d.time for d in log.since(5.0, limit=3)] == [5.0, 6.0, 7.0]
+
+
+def test_replay_output_starts_empty_but_the_live_log_appends(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    for _ in range(2):
+        log = DecisionLog(path)
+        log.append(_d(1.0))
+        log.close()
+    assert len(path.read_text().splitlines()) == 2
+    log = DecisionLog(path, truncate=True)
+    log.append(_d(2.0))
+    log.close()
+    assert [d.time for d in read_decisions(path)] == [2.0]

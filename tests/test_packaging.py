@@ -11,7 +11,7 @@ def test_every_package_is_listed() -> None:
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {
         ".".join(init.parent.relative_to(REPO).parts)
-        for top in ("agent", "aggregator", "gpuwarden")
+        for top in ("agent", "aggregator", "gpuwarden", "sim")
         for init in (REPO / top).rglob("__init__.py")
     }
     assert found == listed

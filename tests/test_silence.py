@@ -26,7 +26,7 @@ def test_one_silent_node_is_suspect_evidence_without_systemic_event() -> None:
     [f] = findings["n0-3"]
     assert (f.detector, f.action) == ("silence", "alert")
     assert "no report for 100 s" in f.summary and "systemic" not in f.evidence
-    assert all(findings[n] == [] for n in placements if n != "n0-3")
+    assert set(findings) == {"n0-3"}  # nodes that report have no entry
 
 
 def test_silent_rack_is_one_systemic_event_that_ends() -> None:

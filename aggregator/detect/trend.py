@@ -1,0 +1,297 @@
+"""Trend: each GPU and NIC port against its own recent past.
+
+Peers cannot see a problem in a pool too small to compare with, or in a pool that is idle. What
+every port and GPU can always be compared with is itself a few minutes ago. Two kinds of change:
+
+**Error bursts.** An error counter's rate (NIC symbol errors, receive errors, link error
+recoveries; GPU PCIe replays, NVLink CRC/replay/recovery errors, corrected ECC errors) is
+compared with its own baseline: the slots of the frame older than ``long_slots``, robustly
+(median + ``burst_mads`` scaled MADs, and never less than median + the counter's ``floor``). A
+burst is at least ``alert_hits`` of the last ``recent_slots`` slots above that line (alert); a
+clear, persistent one is at least ``quarantine_share`` of the last ``long_slots`` slots above it
+at a median of at least ``quarantine_floors`` floors over the baseline (quarantine, not hard).
+The baseline is the port's own recent past, so a rate that has stayed high for longer than the
+frame becomes the new normal here: levels are the rules' job, changes are this one's.
+
+**Temperature drift under load.** A GPU's median temperature (and memory temperature) under load
+over the last ``drift_slots`` slots against its median under load before them. The pool's median
+change is subtracted (the room warms up for everyone; in a one-node pool, the node's GPUs are the
+pool), and a GPU whose power under load rose by more than ``drift_power_ratio`` is left out (more
+power is more heat, not worse cooling). ``drift_celsius`` or more is an alert.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from aggregator.detect.peers import MAD_SCALE, nanmedian
+from aggregator.fleet.frame import GPU_COLUMN, NIC_COLUMN, FleetFrames, PoolFrame, nic_name
+from aggregator.model import Action, Finding
+
+log = logging.getLogger(__name__)
+
+Float = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class Counter:
+    column: str  # GPU_COLUMN or NIC_COLUMN name of the rate
+    label: str
+    floor: float  # per second: the smallest excess over the baseline that is a burst
+
+
+# The floor everywhere is one error per 10-s report, and a burst must exceed it: these counters
+# sit at zero on healthy hardware (a good InfiniBand link sees a handful of symbol errors a day;
+# PCIe replays, NVLink CRC errors and corrected ECC errors on a good GPU are as rare), so a stray
+# single error is noise, while several per report in most of half a minute is a change of state of
+# the link or the chip.
+GPU_COUNTERS: Final[tuple[Counter, ...]] = (
+    Counter("pcie_replay_per_second", "PCIe replays", 0.1),
+    Counter("nvlink_crc_per_second", "NVLink CRC errors", 0.1),
+    Counter("nvlink_replay_per_second", "NVLink replays", 0.1),
+    Counter("nvlink_recovery_per_second", "NVLink recoveries", 0.1),
+    Counter("ecc_sbe_per_second", "corrected ECC errors", 0.1),
+)
+NIC_COUNTERS: Final[tuple[Counter, ...]] = (
+    Counter("symbol_error_per_second", "symbol errors", 0.1),
+    Counter("port_rcv_errors_per_second", "receive errors", 0.1),
+    Counter("link_error_recovery_per_second", "link error recoveries", 0.1),
+)
+DRIFT_COLUMNS: Final[tuple[tuple[str, str, str], ...]] = (
+    ("temperature_celsius", "temperature", "temperature"),
+    ("memory_temperature_celsius", "memory-temperature", "memory temperature"),
+)
+
+
+@dataclass(frozen=True)
+class TrendConfig:
+    every_seconds: float = 30.0
+    recent_slots: int = 3  # the burst window: 30 s at 10-s reports
+    alert_hits: int = 2  # slots of the burst window above the baseline line
+    long_slots: int = 18  # the persistence window (3 min); the baseline is what is older
+    min_baseline_slots: int = 6  # a port needs a minute of its own past to be judged
+    burst_mads: float = 6.0
+    quarantine_share: float = 0.9
+    quarantine_floors: float = 10.0
+    load_threshold: float = 0.5
+    drift_slots: int = 12  # the drift window: 2 min
+    min_drift_samples: int = 6  # loaded slots in each of the two windows
+    # At constant load a GPU's temperature over inlet is power times thermal resistance; healthy
+    # ones hold within a couple of degrees from minute to minute. 10 C more at the same power, with
+    # the room's change removed, is about a quarter more thermal resistance: a fan, the heat sink,
+    # the paste. Not yet a throttle (rules and peers see that), so an alert.
+    drift_celsius: float = 10.0
+    drift_power_ratio: float = 1.1
+
+
+@dataclass(frozen=True)
+class _Burst:
+    hit: npt.NDArray[np.bool_]
+    quarantine: npt.NDArray[np.bool_]
+    recent: Float  # mean rate over the burst window
+    baseline: Float
+    line: Float
+
+
+class TrendDetector:
+    """Error-counter bursts and temperature drift, each against the same GPU's or port's past."""
+
+    name: Final = "trend"
+
+    def __init__(self, config: TrendConfig | None = None) -> None:
+        self.config = config if config is not None else TrendConfig()
+        c = self.config
+        if not (0 < c.alert_hits <= c.recent_slots <= c.long_slots and c.drift_slots > 0):
+            raise ValueError(f"trend detector needs 0 < alert_hits <= recent_slots <= long_slots; got {c}")
+        self.every_seconds = c.every_seconds
+
+    def run(self, frames: FleetFrames, now: float) -> Mapping[str, list[Finding]]:
+        out: dict[str, list[Finding]] = {}
+        for pool in frames.pools():
+            frame = frames.frame(pool)
+            if frame is not None:
+                out.update(self.run_pool(frame, now))
+        return out
+
+    def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
+        t0, t1 = now - frame.slots * frame.interval_s, now - frame.interval_s  # complete slots only
+        nodes, gpu = frame.snapshot(t0, t1)
+        _, nic = frame.nic_snapshot(t0, t1)
+        out: dict[str, list[Finding]] = {n: [] for n in nodes}
+        if not nodes or gpu.shape[0] == 0:
+            return out
+        seconds = self.config.recent_slots * frame.interval_s
+        for counter in GPU_COUNTERS:
+            b = self._burst(gpu[..., GPU_COLUMN[counter.column]].astype(np.float64), counter.floor)
+            if b is None:
+                continue
+            for n, g in zip(*np.nonzero(b.hit), strict=True):
+                out[nodes[int(n)]].append(
+                    self._burst_finding(
+                        counter=counter,
+                        where=f"gpu{int(g)}",
+                        label=f"GPU {int(g)}",
+                        b=b,
+                        cell=(n, g),
+                        seconds=seconds,
+                        now=now,
+                    )
+                )
+        if nic.shape[0] > 0:
+            for counter in NIC_COUNTERS:
+                b = self._burst(nic[..., NIC_COLUMN[counter.column]].astype(np.float64), counter.floor)
+                if b is None:
+                    continue
+                for n, p in zip(*np.nonzero(b.hit), strict=True):
+                    node = nodes[int(n)]
+                    keys = frame.nic_keys(node)
+                    if int(p) >= len(keys):
+                        continue  # a column left over from a node that held the row before
+                    port = nic_name(keys[int(p)])
+                    out[node].append(
+                        self._burst_finding(
+                            counter=counter,
+                            where=port,
+                            label=port,
+                            b=b,
+                            cell=(n, p),
+                            seconds=seconds,
+                            now=now,
+                        )
+                    )
+        self._drift(gpu, nodes, now, frame.interval_s, out)
+        return out
+
+    def _burst(self, rate: Float, floor: float) -> _Burst | None:
+        """Burst masks over ``rate`` ``(slots, nodes, devices)``; None when no baseline exists."""
+        c = self.config
+        slots = rate.shape[0]
+        if slots - c.long_slots < c.min_baseline_slots:
+            return None
+        base = rate[: slots - c.long_slots]
+        enough = (~np.isnan(base)).sum(axis=0) >= c.min_baseline_slots
+        median = nanmedian(base, axis=0)
+        mad = nanmedian(np.abs(base - median[None]), axis=0)
+        line = median + np.maximum(c.burst_mads * MAD_SCALE * mad, floor)
+        # NaN compares False: a missing rate is no evidence. The frame holds float32, whose 0.1 is
+        # a hair above float64's: the tolerance keeps "exactly the floor" at the floor.
+        above = rate > line[None] * (1 + 1e-6)
+        recent_hits = above[-c.recent_slots :].sum(axis=0)
+        long_hits = above[-c.long_slots :].sum(axis=0)
+        long_median = nanmedian(rate[-c.long_slots :], axis=0)
+        hit = enough & (recent_hits >= c.alert_hits)
+        quarantine = (
+            hit
+            & (long_hits >= c.quarantine_share * c.long_slots)
+            & (long_median >= median + c.quarantine_floors * floor)
+        )
+        if not hit.any():
+            return _Burst(hit, quarantine, median, median, line)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            recent = np.nanmean(rate[-c.recent_slots :], axis=0)
+        return _Burst(hit, quarantine, recent, median, line)
+
+    def _burst_finding(
+        self,
+        *,
+        counter: Counter,
+        where: str,
+        label: str,
+        b: _Burst,
+        cell: tuple[np.intp, np.intp],
+        seconds: float,
+        now: float,
+    ) -> Finding:
+        quarantine = bool(b.quarantine[cell])
+        action: Action = "quarantine" if quarantine else "alert"
+        recent, baseline = float(b.recent[cell]), float(b.baseline[cell])
+        window = self.config.long_slots if quarantine else self.config.recent_slots
+        return Finding(
+            detector="trend",
+            key=f"trend-{counter.column.removesuffix('_per_second').replace('_', '-')}:{where}",
+            severity="critical" if quarantine else "warning",
+            action=action,
+            summary=(
+                f"{label} {counter.label} {recent:.2f}/s over the last {seconds:.0f} s, "
+                f"its own baseline {baseline:.2f}/s"
+                + (
+                    f", above it for {window * seconds / self.config.recent_slots:.0f} s"
+                    if quarantine
+                    else ""
+                )
+            ),
+            since=now - seconds,
+            evidence={
+                "where": where,
+                "counter": counter.column,
+                "rate_per_second": round(recent, 4),
+                "baseline_per_second": round(baseline, 4),
+                "line_per_second": round(float(b.line[cell]), 4),
+                "window_seconds": seconds,
+            },
+        )
+
+    def _drift(
+        self,
+        gpu: npt.NDArray[np.float32],
+        nodes: list[str],
+        now: float,
+        interval: float,
+        out: dict[str, list[Finding]],
+    ) -> None:
+        c = self.config
+        slots = gpu.shape[0]
+        if slots - c.drift_slots < c.min_drift_samples:
+            return
+        loaded = gpu[..., GPU_COLUMN["utilization_ratio"]].astype(np.float64) >= c.load_threshold
+        power = np.where(loaded, gpu[..., GPU_COLUMN["power_watts"]].astype(np.float64), np.nan)
+        split = slots - c.drift_slots
+        power_before = nanmedian(power[:split], axis=0)
+        power_after = nanmedian(power[split:], axis=0)
+        # Unknown power cannot vouch for more heat: such a GPU stays in.
+        more_power = power_after > c.drift_power_ratio * power_before
+        for column, key, label in DRIFT_COLUMNS:
+            temp = np.where(loaded, gpu[..., GPU_COLUMN[column]].astype(np.float64), np.nan)
+            before, after = temp[:split], temp[split:]
+            ok = ((~np.isnan(before)).sum(axis=0) >= c.min_drift_samples) & (
+                (~np.isnan(after)).sum(axis=0) >= c.min_drift_samples
+            )
+            if not ok.any():
+                continue
+            delta = nanmedian(after, axis=0) - nanmedian(before, axis=0)
+            room = float(np.median(delta[ok]))
+            excess = delta - room
+            hit = ok & ~more_power & (excess >= c.drift_celsius)
+            t_before, t_after = nanmedian(before, axis=0), nanmedian(after, axis=0)
+            for n, g in zip(*np.nonzero(hit), strict=True):
+                gi = int(g)
+                out[nodes[int(n)]].append(
+                    Finding(
+                        detector="trend",
+                        key=f"trend-{key}:gpu{gi}",
+                        severity="warning",
+                        action="alert",
+                        summary=(
+                            f"GPU {gi} {label} under load {t_after[n, g]:.0f} C over the last "
+                            f"{c.drift_slots * interval:.0f} s, {t_before[n, g]:.0f} C before: "
+                            f"{excess[n, g]:+.0f} C beyond its pool's change ({room:+.1f} C)"
+                        ),
+                        since=now - c.drift_slots * interval,
+                        evidence={
+                            "gpu": gi,
+                            "feature": key,
+                            "before_celsius": round(float(t_before[n, g]), 1),
+                            "after_celsius": round(float(t_after[n, g]), 1),
+                            "excess_celsius": round(float(excess[n, g]), 1),
+                            "pool_change_celsius": round(room, 2),
+                        },
+                    )
+                )

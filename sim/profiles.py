@@ -1,0 +1,132 @@
+"""Node profiles: what a healthy HGX node of each kind reports, from public numbers.
+
+Sources (numbers below carry the letter of the source they come from):
+
+[a] NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB: up to 700 W configurable TDP, NVLink 900 GB/s
+    = 18 links of fourth-generation NVLink, PCIe Gen5 x16).
+[b] NVIDIA H100 whitepaper / ``nvidia-smi -q -d CLOCK`` on H100 SXM: max SM clock 1980 MHz, idle
+    345 MHz, HBM3 memory clock 2619 MHz; NVML memory total 81,559 MiB.
+[c] NVIDIA A100 datasheet (SXM4 80GB: 400 W TDP, 12 third-generation NVLinks = 600 GB/s) and
+    ``nvidia-smi -q`` on A100 SXM4 80GB: max SM clock 1410 MHz, idle 210 MHz, HBM2e 1593 MHz,
+    81,920 MiB total.
+[d] NVIDIA DGX H100 user guide: 8x ConnectX-7 single-port 400 Gb/s NDR for the compute fabric;
+    DGX A100 user guide: 8x ConnectX-6 200 Gb/s HDR.
+[e] Published ``nvidia-smi dmon`` traces and cloud provider monitoring write-ups: idle H100 SXM
+    60-80 W, 30-40 C; training load 550-700 W, 60-80 C; HBM 2-6 C above the GPU; idle A100 SXM
+    50-65 W; the PCIe link trains down to Gen1 at idle (ASPM/power management) and back up under load.
+[f] nccl-tests results (NVIDIA's "NCCL performance" blog posts, the DGX H100 and DGX A100
+    SuperPOD reference architectures, and public cloud benchmark reports): all_reduce_perf bus
+    bandwidth at large messages ~480 GB/s within an 8x H100 NVSwitch node with NVLS, ~370-390 GB/s
+    across two nodes over 8x 400G with the Ring algorithm; ~230 GB/s within an 8x A100 node,
+    ~180-190 GB/s across two nodes over 8x HDR.
+[g] NVML API reference (``nvmlClocksEventReasons``): bit values used for ``clock_event_reasons``.
+[h] NVIDIA GPU thermal guidance for data centre GPUs: slowdown begins near 85-87 C on H100/A100
+    (the "GPU Slowdown Temp" of ``nvidia-smi -q -d TEMPERATURE``); dcgm-exporter's usual alert is 85 C.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+# [g] nvmlClocksEventReasons bits.
+REASON_GPU_IDLE: Final = 0x1
+REASON_SW_POWER_CAP: Final = 0x4
+REASON_HW_SLOWDOWN: Final = 0x8
+REASON_SW_THERMAL: Final = 0x20
+REASON_HW_THERMAL: Final = 0x40
+REASON_HW_POWER_BRAKE: Final = 0x80
+
+GB: Final = 1e9
+TEMPERATURE_ALERT_C: Final = 85.0  # [h]
+
+# An HGX board's GPUs, in NVML index order (the same on HGX H100 and HGX A100 boards).
+HGX_PCI_BUS_IDS: Final = (
+    "00000000:18:00.0",
+    "00000000:2A:00.0",
+    "00000000:3A:00.0",
+    "00000000:5D:00.0",
+    "00000000:9A:00.0",
+    "00000000:AB:00.0",
+    "00000000:BA:00.0",
+    "00000000:DB:00.0",
+)
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    """A healthy node of one kind: fixed properties and the ranges its readings move in."""
+
+    name: str
+    model: str
+    gpus: int
+    memory_bytes: int
+    sm_clock_max_hz: float
+    sm_clock_idle_hz: float
+    memory_clock_hz: float
+    power_limit_w: float
+    idle_power_w: tuple[float, float]
+    load_power_w: tuple[float, float]
+    # Temperature = ambient + offset + power / power_limit * gain, lagged (first order).
+    temperature_offset_c: float
+    temperature_gain_c: float
+    hbm_above_gpu_c: tuple[float, float]
+    pcie_gen_max: int
+    pcie_width_max: int
+    nvlinks: int
+    nics: int
+    nic_rate_bytes_per_second: float
+    local_busbw_bytes_per_second: float  # nccl all_reduce_perf, 8 GPUs, large messages
+    pair_busbw_bytes_per_second: float  # the same across two nodes
+    probe_noise_ratio: float  # one standard deviation of a probe's busbw, relative
+
+
+H100_SXM_80GB: Final = NodeProfile(
+    name="h100-sxm-80gb",
+    model="NVIDIA H100 80GB HBM3",
+    gpus=8,
+    memory_bytes=85_520_809_984,  # [b] 81,559 MiB
+    sm_clock_max_hz=1.98e9,  # [b]
+    sm_clock_idle_hz=345e6,  # [b]
+    memory_clock_hz=2.619e9,  # [b]
+    power_limit_w=700.0,  # [a]
+    idle_power_w=(62.0, 80.0),  # [e]
+    load_power_w=(550.0, 695.0),  # [e]
+    temperature_offset_c=8.0,  # with ~25 C inlet: idle ~35 C, full load ~78 C [e]
+    temperature_gain_c=45.0,
+    hbm_above_gpu_c=(2.0, 6.0),  # [e]
+    pcie_gen_max=5,  # [a]
+    pcie_width_max=16,
+    nvlinks=18,  # [a]
+    nics=8,  # [d]
+    nic_rate_bytes_per_second=5.0e10,  # [d] 400 Gb/s
+    local_busbw_bytes_per_second=480 * GB,  # [f]
+    pair_busbw_bytes_per_second=380 * GB,  # [f]
+    probe_noise_ratio=0.015,
+)
+
+A100_SXM_80GB: Final = NodeProfile(
+    name="a100-sxm-80gb",
+    model="NVIDIA A100-SXM4-80GB",
+    gpus=8,
+    memory_bytes=85_899_345_920,  # [c] 81,920 MiB
+    sm_clock_max_hz=1.41e9,  # [c]
+    sm_clock_idle_hz=210e6,  # [c]
+    memory_clock_hz=1.593e9,  # [c]
+    power_limit_w=400.0,  # [c]
+    idle_power_w=(50.0, 65.0),  # [e]
+    load_power_w=(300.0, 395.0),
+    temperature_offset_c=8.0,
+    temperature_gain_c=45.0,
+    hbm_above_gpu_c=(2.0, 6.0),
+    pcie_gen_max=4,  # [c] PCIe Gen4 x16
+    pcie_width_max=16,
+    nvlinks=12,  # [c]
+    nics=8,  # [d]
+    nic_rate_bytes_per_second=2.5e10,  # [d] 200 Gb/s
+    local_busbw_bytes_per_second=230 * GB,  # [f]
+    pair_busbw_bytes_per_second=185 * GB,  # [f]
+    probe_noise_ratio=0.015,
+)
+
+PROFILES: Final[dict[str, NodeProfile]] = {p.name: p for p in (H100_SXM_80GB, A100_SXM_80GB)}

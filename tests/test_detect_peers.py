@@ -1,0 +1,292 @@
+"""The peer detector: a GPU against every loaded GPU of its pool, at the same moments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from agent.report import Gpu, Report
+from aggregator.config import FleetConfig
+from aggregator.detect import DETECTORS, PeerDetector
+from aggregator.detect.cusum import cusum
+from aggregator.fleet.frame import GPU_COLUMN, GPU_FIELDS, FleetFrames, PoolFrame
+from aggregator.fleet.history import Fleet
+from aggregator.fleet.pools import Placement
+from aggregator.model import Finding
+
+INTERVAL = 10.0
+SLOTS = 60  # the pipeline's frame: 10 min at 10 s
+GPUS = 8
+MAX_HZ = 1_980e6
+STEP_HZ = 15e6  # NVML clock granularity
+C = GPU_COLUMN
+
+
+@dataclass
+class Fault:
+    node: int
+    gpu: int
+    start: float  # seconds into the run
+    slow: float = 0.0  # share of SM clock lost under load
+    throttle: bool = False  # thermal: hot, HW/SW thermal slowdown, clocks down
+
+
+@dataclass
+class PoolSim:
+    """A pool of H100 nodes under realistic noise, written slot by slot into a ``PoolFrame``.
+
+    Noise that a real pool has and a detector must live with: per-node offsets (inlet air, the job
+    a node runs), per-GPU positional offsets in the chassis and silicon differences that persist,
+    per-sample noise, step-phase power swings, nodes going idle between jobs, NVML clock steps,
+    integer temperatures, and a rare stray slowdown bit.
+    """
+
+    nodes: int
+    seed: int
+    ambient_c_per_min: float = 0.0
+    idle: bool = False
+    faults: list[Fault] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        rng = np.random.default_rng(self.seed)
+        self.rng = rng
+        shape = (self.nodes, GPUS)
+        position = np.array([0.0, 1.5, 3.0, 4.5, 4.5, 3.0, 1.5, 0.0])  # middle of the chassis runs hotter
+        self.temp_offset = rng.normal(0, 2.0, (self.nodes, 1)) + position + rng.normal(0, 1.5, shape)
+        self.mem_offset = rng.normal(5.0, 1.5, shape)
+        self.clock_offset = rng.normal(0, 0.01, shape)
+        self.power_offset = rng.normal(0, 30.0, (self.nodes, 1)) + rng.normal(0, 15.0, shape)
+        # Each node runs a job for a while, then sits idle between jobs.
+        self.busy_until = rng.uniform(0, 1200, self.nodes)
+        self.idle_until = np.zeros(self.nodes)
+        self.frame = PoolFrame("h100", interval_s=INTERVAL, slots=SLOTS, gpus=GPUS)
+        self.names = [f"node-{i:03d}" for i in range(self.nodes)]
+
+    def step(self, t: float) -> None:
+        rng = self.rng
+        shape = (self.nodes, GPUS)
+        ended = t >= self.busy_until
+        self.idle_until[ended] = t + rng.uniform(30, 120, int(ended.sum()))
+        self.busy_until[ended] = self.idle_until[ended] + rng.uniform(600, 1800, int(ended.sum()))
+        busy = (t >= self.idle_until)[:, None] & np.ones(shape, bool) & (not self.idle)
+        util = np.where(busy, rng.uniform(0.85, 1.0, shape), rng.uniform(0.0, 0.05, shape))
+        phase = rng.normal(0, 40.0)  # the whole pool's step phase is not in sync, but close
+        clock = np.where(busy, 0.95 + self.clock_offset + rng.normal(0, 0.01, shape), 0.175)
+        ambient = 24.0 + self.ambient_c_per_min * t / 60
+        temp = np.where(busy, ambient + 41 + self.temp_offset + rng.normal(0, 1.0, shape), ambient + 11)
+        power = np.where(
+            busy, 600 + phase + self.power_offset + rng.normal(0, 40.0, shape), 70 + rng.normal(0, 3, shape)
+        )
+        bits = np.zeros((*shape, 4))
+        bits[..., 0] = rng.random(shape) < 0.001
+        for f in self.faults:
+            if t < f.start or not busy[f.node, f.gpu]:
+                continue
+            if f.slow:
+                clock[f.node, f.gpu] *= 1 - f.slow
+            if f.throttle:
+                temp[f.node, f.gpu] = rng.uniform(86, 89)
+                clock[f.node, f.gpu] *= 0.85
+                throttled = rng.random() < 0.7
+                bits[f.node, f.gpu, 1] = throttled  # HW thermal
+                bits[f.node, f.gpu, 3] = throttled  # SW thermal
+        block = np.full((self.nodes, GPUS, len(GPU_FIELDS)), np.nan, np.float32)
+        block[..., C["utilization_ratio"]] = util
+        block[..., C["sm_clock_ratio"]] = (
+            np.minimum(np.round(clock * MAX_HZ / STEP_HZ) * STEP_HZ, MAX_HZ) / MAX_HZ
+        )
+        block[..., C["temperature_celsius"]] = np.round(temp)
+        block[..., C["memory_temperature_celsius"]] = np.round(temp + self.mem_offset)
+        block[..., C["power_watts"]] = np.minimum(power, 700.0)
+        block[..., C["power_limit_watts"]] = 700.0
+        block[..., C["sw_power_cap"]] = 0.0
+        for i, col in enumerate(("hw_slowdown", "hw_thermal", "power_brake", "sw_thermal")):
+            block[..., C[col]] = bits[..., i]
+        empty = np.zeros((0, 0), np.float32)
+        # Reports land anywhere in their 10-s slot, as the agents' timers are not aligned.
+        for i, name in enumerate(self.names):
+            self.frame.write(name, t + float(rng.uniform(0, INTERVAL - 0.01)), block[i], [], empty)
+
+
+def simulate(
+    sim: PoolSim, minutes: float, every: float = 30.0
+) -> list[tuple[float, dict[str, list[Finding]]]]:
+    """Write the pool slot by slot and run the detector every ``every`` seconds, as the pipeline does."""
+    detector = PeerDetector()
+    runs = []
+    t = 0.0
+    next_run = every
+    while t < minutes * 60:
+        sim.step(t)
+        t += INTERVAL
+        if t >= next_run:
+            runs.append((t, detector.run_pool(sim.frame, t)))
+            next_run += every
+    return runs
+
+
+def found(runs: list[tuple[float, dict[str, list[Finding]]]]) -> list[tuple[float, str, Finding]]:
+    return [(t, node, f) for t, out in runs for node, fs in out.items() for f in fs]
+
+
+def first(runs: list[tuple[float, dict[str, list[Finding]]]], node: str, key: str) -> tuple[float, Finding]:
+    for t, out in runs:
+        for f in out.get(node, []):
+            if f.key == key:
+                return t, f
+    raise AssertionError(f"{key} on {node} never found")
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_healthy_noisy_pool_of_64_nodes_stays_quiet_for_30_minutes(seed: int) -> None:
+    runs = simulate(PoolSim(nodes=64, seed=seed), minutes=30)
+    assert found(runs) == []
+    # It did look: every node is answered for (with nothing) once the frame has data.
+    assert len(runs[-1][1]) == 64
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+@pytest.mark.parametrize("slow", [0.08, 0.12, 0.20])
+def test_slow_gpu_is_found_within_minutes_with_its_evidence(seed: int, slow: float) -> None:
+    sim = PoolSim(nodes=64, seed=seed, faults=[Fault(node=7, gpu=5, start=300.0, slow=slow)])
+    runs = simulate(sim, minutes=15)
+    hits = found(runs)
+    # Only the bad GPU, never a neighbour or another node.
+    assert {(node, f.key) for _, node, f in hits if f.key.startswith("peer-sm-clock")} == {
+        ("node-007", "peer-sm-clock:gpu5")
+    }
+    assert all(node == "node-007" for _, node, _ in hits)
+    t, f = first(runs, "node-007", "peer-sm-clock:gpu5")
+    assert t - 300.0 <= (150.0 if slow >= 0.12 else 300.0)
+    assert f.detector == "peer" and not f.hard
+    assert f.evidence["gpu"] == 5 and f.evidence["feature"] == "sm-clock"
+    assert f.evidence["pool_median"] == pytest.approx(0.95, abs=0.01)
+    healthy_level = 0.95 + float(sim.clock_offset[7, 5])
+    assert f.evidence["value"] == pytest.approx(healthy_level * (1 - slow), abs=0.015)
+    assert f.summary.startswith("GPU 5 SM clock 0.")
+    assert "of max under load, pool median 0.95" in f.summary and "MADs low for" in f.summary
+    # A clear, persistent deviation becomes quarantine evidence within ~5 minutes of its start.
+    tq, fq = next((t, f) for t, node, f in hits if f.action == "quarantine")
+    assert tq - 300.0 <= 300.0
+    assert fq.severity == "critical" and fq.evidence["mads"] >= 4.0
+
+
+def test_mild_deviation_is_an_alert_not_a_quarantine() -> None:
+    sim = PoolSim(nodes=64, seed=5, faults=[Fault(node=3, gpu=2, start=0.0, slow=0.06)])
+    hits = [f for _, node, f in found(simulate(sim, minutes=12)) if node == "node-003"]
+    assert hits, "a GPU 6 % slow for 12 minutes is worth telling on-call"
+    assert {f.action for f in hits} == {"alert"}
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_thermally_throttling_gpu_is_found(seed: int) -> None:
+    sim = PoolSim(nodes=64, seed=seed, faults=[Fault(node=40, gpu=1, start=120.0, throttle=True)])
+    runs = simulate(sim, minutes=10)
+    hits = found(runs)
+    assert {node for _, node, _ in hits} == {"node-040"}
+    keys = {f.key for _, _, f in hits}
+    assert {"peer-temperature:gpu1", "peer-slowdown:gpu1", "peer-sm-clock:gpu1"} <= keys
+    t, f = first(runs, "node-040", "peer-temperature:gpu1")
+    assert t - 120.0 <= 180.0
+    assert f.evidence["value"] >= 85.0 and f.evidence["direction"] == "high"
+    assert any(f.action == "quarantine" for _, _, f in hits)
+
+
+def test_whole_pool_warming_together_produces_nothing() -> None:
+    # 2 C a minute for 30 minutes: 60 C of drift, far more than any GPU's deviation that is caught.
+    runs = simulate(PoolSim(nodes=64, seed=31, ambient_c_per_min=2.0), minutes=30)
+    assert found(runs) == []
+
+
+def test_idle_pool_produces_nothing() -> None:
+    runs = simulate(PoolSim(nodes=64, seed=41, idle=True), minutes=15)
+    assert found(runs) == []
+
+
+def test_small_pool_is_skipped_even_with_a_broken_gpu() -> None:
+    sim = PoolSim(nodes=3, seed=51, faults=[Fault(node=1, gpu=0, start=0.0, slow=0.3)])
+    # 24 loaded GPUs on 3 nodes would be enough peers; the detector needs 3 nodes *and* 8 GPUs, so
+    # one node idle leaves two nodes: nothing is said about them.
+    sim.idle_until[:] = 0
+    sim.busy_until[:] = 1e9
+    detector = PeerDetector()
+    t = 0.0
+    for _ in range(40):
+        sim.step(t)
+        t += INTERVAL
+    # With three loaded nodes it is a pool and the 30 % slow GPU shows.
+    assert any(f.key == "peer-sm-clock:gpu0" for f in detector.run_pool(sim.frame, t)["node-001"])
+    two = PoolSim(nodes=2, seed=52, faults=[Fault(node=1, gpu=0, start=0.0, slow=0.3)])
+    two.busy_until[:] = 1e9
+    t = 0.0
+    for _ in range(40):
+        two.step(t)
+        t += INTERVAL
+    assert detector.run_pool(two.frame, t) == {"node-000": [], "node-001": []}
+
+
+def test_finding_clears_once_the_gpu_recovers() -> None:
+    sim = PoolSim(nodes=32, seed=61, faults=[Fault(node=2, gpu=3, start=0.0, slow=0.2)])
+    detector = PeerDetector()
+    t = 0.0
+    for _ in range(40):
+        sim.step(t)
+        t += INTERVAL
+    assert detector.run_pool(sim.frame, t)["node-002"]
+    sim.faults.clear()
+    for _ in range(6):
+        sim.step(t)
+        t += INTERVAL
+    # The statistic has not drained yet, but the GPU has been in line for a minute: nothing to say.
+    assert detector.run_pool(sim.frame, t)["node-002"] == []
+
+
+def test_cusum_accumulates_only_beyond_the_allowance_and_holds_on_missing_slots() -> None:
+    z = np.array([[1.0], [5.0], [np.nan], [5.0], [0.0], [0.0], [0.0]])
+    r = cusum(z, 2.0)
+    # 0, 3, (held) 3, 6, 4, 2, 0
+    assert r.statistic.tolist() == [0.0] and r.run_start.tolist() == [-1]
+    r = cusum(z[:5], 2.0)
+    assert r.statistic.tolist() == [4.0]
+    assert r.run_start.tolist() == [1] and r.calm.tolist() == [1] and r.scored.tolist() == [3]
+
+
+def _report(node: str, t: float, clock: float, seq: int) -> Report:
+    gpus = [
+        Gpu(
+            index=i,
+            uuid=f"GPU-{node}-{i}",
+            model="NVIDIA H100 80GB HBM3",
+            utilization_ratio=0.97,
+            sm_clock_hz=int(clock if (node, i) == ("n05", 4) else MAX_HZ * 0.95),
+            sm_clock_max_hz=int(MAX_HZ),
+            temperature_celsius=65.0 + i % 3,
+            memory_temperature_celsius=70.0,
+            power_watts=600.0 + 10 * (i % 2),
+            power_limit_watts=700.0,
+            clock_event_reasons=0,
+        )
+        for i in range(GPUS)
+    ]
+    return Report(schema="gpuwarden/report/v1", node=node, time=t, seq=seq, boot_id="b", gpus=gpus, nics=[])
+
+
+def test_end_to_end_from_reports_through_the_fleet_frames() -> None:
+    config = FleetConfig(window_seconds=1800.0, interval_seconds=INTERVAL)
+    fleet, frames = Fleet(config), FleetFrames(config, frame_seconds=600.0)
+    placement = Placement("h100")
+    made = [make() for make in DETECTORS]
+    detector = next(d for d in made if d.name == "peer")
+    assert {d.name for d in made} == {"peer"}  # trend: built, not enabled yet (detect/__init__.py)
+    out: dict[str, list[Finding]] = {}
+    for k in range(30):
+        t = 1_000_000.0 + k * INTERVAL
+        for j in range(10):
+            view = fleet.add(_report(f"n{j:02d}", t + j * 0.5, MAX_HZ * 0.80, k))
+            frames.record(view, placement, at=t + j * 0.5)
+        out = dict(detector.run(frames, t + INTERVAL))
+    assert set(out) == {f"n{j:02d}" for j in range(10)}
+    assert [f.key for f in out["n05"]] == ["peer-sm-clock:gpu4"]
+    assert all(out[n] == [] for n in out if n != "n05")
