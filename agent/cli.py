@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import resource
@@ -117,8 +118,8 @@ def raise_open_file_limit() -> None:
 def run(args: argparse.Namespace) -> int:
     from agent.gpu import open_backend  # noqa: PLC0415 - pynvml is loaded only when asked for
 
-    if args.interval <= 0:
-        raise ConfigError("--interval must be positive")
+    if not (math.isfinite(args.interval) and args.interval > 0):
+        raise ConfigError(f"--interval must be a positive number of seconds, got {args.interval}")
     if args.aggregator and not args.token_file:
         raise ConfigError("--aggregator needs --token-file")
     raise_open_file_limit()

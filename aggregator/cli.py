@@ -101,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(pipeline, authenticator, config, clock, registry, metrics=metrics, readiness=readiness)
     try:
         asyncio.run(serve(app, host, port))
+    except OSError as exc:  # the address is taken or cannot be bound
+        raise ConfigError(f"cannot serve on {args.listen}: {exc}") from exc
     finally:
         decisions.close()
     return 0

@@ -46,6 +46,8 @@ class SilenceConfig(_Section, frozen=True):
     # this share silent, is one systemic problem, not many node problems.
     domain_min_nodes: Annotated[int, Meta(ge=2)] = 3
     pool_share: Ratio = 0.2
+    # A node silent this long (and not taken out) is forgotten: decommissioned or renamed.
+    forget_after_seconds: PositiveSeconds = 86400.0
 
 
 class AuthConfig(_Section, frozen=True):

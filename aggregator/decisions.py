@@ -72,6 +72,9 @@ class DecisionLog:
         self._recent: deque[Decision] = deque(maxlen=keep)
         self._lock = threading.Lock()
         self._file: IO[bytes] | None = None
+        # Records that could not be written (disk full, I/O error): kept in order and written
+        # before the next one, so the log stays complete and ordered once the disk recovers.
+        self._pending: list[bytes] = []
         if path is not None:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,14 +84,29 @@ class DecisionLog:
 
     @property
     def writable(self) -> bool:
-        return self.path is None or (self._file is not None and not self._file.closed)
+        """False while records are waiting because the file could not be written."""
+        if self.path is None:
+            return True
+        return self._file is not None and not self._file.closed and not self._pending
 
     def append(self, decision: Decision) -> None:
+        """Record a decision. A write failure is logged and retried with the next append; it
+        never loses the decision or raises into the pipeline (``writable`` says so)."""
         with self._lock:
             self._recent.append(decision)
-            if self._file is not None:
-                self._file.write(_ENCODER.encode(decision) + b"\n")
-                self._file.flush()
+            if self._file is None:
+                return
+            self._pending.append(_ENCODER.encode(decision) + b"\n")
+            try:
+                while self._pending:
+                    self._file.write(self._pending[0])
+                    self._file.flush()
+                    self._pending.pop(0)
+            except OSError as exc:
+                log.error(
+                    "decision log write failed; kept in memory",
+                    extra={"path": str(self.path), "error": str(exc), "pending": len(self._pending)},
+                )
 
     def extend(self, decisions: Iterable[Decision]) -> None:
         for d in decisions:

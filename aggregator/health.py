@@ -45,6 +45,7 @@ class NodeHealth:
     clear_since: float | None = None  # suspect: when the last evidence disappeared
     quarantines: deque[float] = field(default_factory=deque)
     lemon: bool = False
+    tainted: bool = False  # remediation has taken (or in dry-run would have taken) the node out
     reasons: list[Reason] = field(default_factory=list)  # why it is in its current state
 
     def active(self) -> list[_Tracked]:
@@ -60,11 +61,13 @@ def _reason(f: Finding, *, persisted_s: float | None = None) -> Reason:
     return Reason(detector=f.detector, rule=f.rule, severity=f.severity, summary=f.summary, evidence=evidence)
 
 
-def _action(previous: NodeState, state: NodeState) -> RemediationAction:
-    """What remediation does for a transition. Probation keeps the taint; healthy releases it."""
-    if state == "quarantined" and previous != "quarantined":
-        return "none" if previous == "probation" else "taint"
-    if state == "healthy" and previous in ("quarantined", "probation"):
+def _action(tainted: bool, state: NodeState) -> RemediationAction:
+    """What remediation does on entering ``state``: quarantined and probation keep the node out,
+    healthy and suspect let it back (whichever way it left probation)."""
+    out = state in ("quarantined", "probation")
+    if out and not tainted:
+        return "taint"
+    if tainted and not out:
         return "untaint"
     return "none"
 
@@ -128,6 +131,13 @@ class HealthMachine:
         state = h.state
         if state == "quarantined":
             if h.lemon or quarantine:
+                h.clear_since = None
+                return None
+            # The evidence must stay gone a while before probation starts: a flapping port or a
+            # finding that misses one report is still the same episode, not a recovery.
+            if h.clear_since is None:
+                h.clear_since = now
+            if now - h.clear_since < cfg.clear_for_seconds:
                 return None
             return self._move(
                 h,
@@ -194,7 +204,10 @@ class HealthMachine:
 
     def _quarantine(self, h: NodeHealth, now: float, why: list[Reason]) -> Decision:
         cfg = self.config
-        h.quarantines.append(now)
+        if h.state != "probation":
+            # A relapse during probation is the same episode; a lemon keeps coming back from
+            # healthy (or suspect) after being released.
+            h.quarantines.append(now)
         while h.quarantines and now - h.quarantines[0] > cfg.lemon_window_seconds:
             h.quarantines.popleft()
         if len(h.quarantines) >= cfg.lemon_count and not h.lemon:
@@ -217,17 +230,19 @@ class HealthMachine:
 
     def _move(self, h: NodeHealth, state: NodeState, now: float, why: list[Reason]) -> Decision:
         previous = h.state
+        action = _action(h.tainted, state)
         h.state = state
         h.since = now
         h.clear_since = None
         h.reasons = why
+        h.tainted = state in ("quarantined", "probation")
         return Decision(
             time=now,
             subject="node",
             node=h.node,
             state=state,
             previous=previous,
-            action=_action(previous, state),
+            action=action,
             reasons=why,
         )
 

@@ -24,10 +24,12 @@ from agent.report import Report
 from aggregator.config import Config
 from aggregator.decisions import Decision, DecisionLog
 from aggregator.detect import DETECTORS
+from aggregator.detect.links import LinkLocalizer, SwitchAlert
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import Placement, placement_of
 from aggregator.health import HealthMachine
+from aggregator.links import LinkHealth
 from aggregator.model import Finding, IngestOutcome
 from aggregator.rules.engine import RuleEngine
 from aggregator.rules.model import Rule
@@ -78,6 +80,14 @@ class Pipeline:
         self.detectors = [make() for make in DETECTORS]
         self._detector_due: dict[str, float] = {d.name: -math.inf for d in self.detectors}
         self.decisions = decisions
+        # Pair probes: a slow node, a degraded link, or a shared switch (aggregator/detect/links.py).
+        self.links = LinkLocalizer()
+        self.link_health = LinkHealth(
+            suspect_for_seconds=config.health.suspect_for_seconds,
+            clear_for_seconds=config.health.clear_for_seconds * 7.5,
+        )
+        self._links_due = -math.inf
+        self.switches: list[SwitchAlert] = []  # shared-switch problems the probes point at now
         self._k8s_labels = k8s_labels or (lambda _node: {})
         self._on_decision = on_decision
         self._on_systemic = on_systemic
@@ -107,22 +117,36 @@ class Pipeline:
         rec.last_report_time = max(rec.last_report_time, report.time)
         rec.recent.append(_summary(report, received))
 
-        view = self.fleet.add(report)
-        # The aggregator's clock places the sample: a node whose clock runs ahead must not move
-        # its pool's newest slot forward and clear everyone's data.
-        self.frames.record(view, placement, at=received)
-        findings = self.engine.evaluate(view)
-        if report.node in self._silent:
-            # The node is talking again: whatever silence said is over.
-            self._silent.discard(report.node)
-            self._emit(self.health.update(report.node, "silence", (), received))
-        self._emit(self.health.update(report.node, "rule", findings, received))
-        self.advance(received)
+        try:
+            view = self.fleet.add(report)
+            # The aggregator's clock places the sample: a node whose clock runs ahead must not move
+            # its pool's newest slot forward and clear everyone's data.
+            self.frames.record(view, placement, at=received)
+            if report.probes:
+                self.links.observe(report, placement, received)
+            findings = self.engine.evaluate(view)
+            if report.node in self._silent:
+                # The node is talking again: whatever silence said is over.
+                self._silent.discard(report.node)
+                self._emit(self.health.update(report.node, "silence", (), received))
+            self._emit(self.health.update(report.node, "rule", findings, received))
+            self.advance(received)
+        except BaseException:
+            # Not processed: a redelivery of this report must be processed, not called a duplicate.
+            rec.seen_set.discard(key)
+            raise
         return IngestOutcome.ACCEPTED
 
     # -- time-driven ------------------------------------------------------------------------------
 
     def advance(self, now: float) -> None:
+        if now < self._next_tick - 2 * TICK_SECONDS:
+            # The aggregator's clock stepped back (NTP, a VM restore). Without this, silence,
+            # probation and the detectors would wait until the clock caught up again.
+            log.warning("clock stepped back", extra={"now": now, "expected_at_least": self._next_tick})
+            self._next_tick = -math.inf
+            for rec in self._nodes.values():
+                rec.last_received = min(rec.last_received, now)
         if now < self._next_tick:
             return
         tick = math.floor(now / TICK_SECONDS) * TICK_SECONDS
@@ -149,13 +173,43 @@ class Pipeline:
         for node in self._silent - per_node.keys():
             self._emit(self.health.update(node, "silence", (), tick))
         self._silent = set(per_node)
+        self._forget_long_gone(tick)
         for det in self.detectors:
             if tick >= self._detector_due[det.name]:
                 self._detector_due[det.name] = tick + det.every_seconds
                 for node, found in det.run(self.frames, tick).items():
                     self._emit(self.health.update(node, det.name, found, tick))
+        if tick >= self._links_due:
+            self._links_due = tick + self.links.every_seconds
+            verdict = self.links.run(tick)
+            for node, found in verdict.nodes.items():
+                self._emit(self.health.update(node, "link", found, tick))
+            for d in self.link_health.update(verdict.links, tick):
+                self._emit(d)
+            self.switches = list(verdict.switches)
         for d in self.health.tick(tick):
             self._emit(d)
+
+    def _forget_long_gone(self, now: float) -> None:
+        """Drop nodes silent for ``silence.forget_after_seconds`` (decommissioned, renamed), so
+        state does not grow forever and a dead node does not count in every later outage. A node
+        still taken out (quarantined, probation) is kept: forgetting it would release it."""
+        limit = self.config.silence.forget_after_seconds
+        gone = [
+            n
+            for n, r in self._nodes.items()
+            if now - r.last_received > limit
+            and (h := self.health.get(n)) is not None
+            and h.state in ("healthy", "suspect")
+        ]
+        for node in gone:
+            log.info("forgetting a long-silent node", extra={"node": node, "silent_for_s": limit})
+            del self._nodes[node]
+            self._silent.discard(node)
+            self.health.forget(node)
+            self.engine.forget(node)
+            self.fleet.forget(node)
+            self.frames.forget(node)
 
     def set_findings(self, node: str, source: str, findings: list[Finding], now: float) -> None:
         """For detectors outside the per-report path (peers, trend, links): replace their findings."""
@@ -251,6 +305,18 @@ class Pipeline:
                 "summary": e.summary,
             }
             for e in self.systemic_log
+        ] + [
+            {
+                "time": None,
+                "state": "active",
+                "domain_kind": f"{sw.domain_kind} switch",
+                "domain": sw.domain,
+                "silent_nodes": [],
+                "nodes": list(sw.nodes),
+                "total_nodes": len(sw.nodes),
+                "summary": sw.summary,
+            }
+            for sw in self.switches
         ]
 
 

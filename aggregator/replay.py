@@ -11,6 +11,7 @@ import argparse
 import gzip
 import heapq
 import logging
+import math
 import statistics
 import sys
 from collections import Counter
@@ -28,7 +29,7 @@ from agent.report import Report, decode
 from aggregator.config import Config
 from aggregator.decisions import Decision, DecisionLog
 from aggregator.model import IngestOutcome
-from aggregator.pipeline import Pipeline
+from aggregator.pipeline import TICK_SECONDS, Pipeline
 from aggregator.rules.model import Rule
 from aggregator.service import plausibility_errors
 
@@ -191,6 +192,8 @@ def replay(
         produced.append(d)
         summary.decisions[d.state] += 1
 
+    if out is not None and out.exists() and trace.exists() and out.resolve() == trace.resolve():
+        raise TraceError(f"{trace}: --out is the trace itself; it would be overwritten")
     offsets = estimate_skew(trace)
     summary.skew = {f"{node} (boot {boot[:8]})": off for (node, boot), off in sorted(offsets.items())}
     decisions = DecisionLog(out, truncate=True)  # a replay's output is its own, not appended
@@ -198,6 +201,13 @@ def replay(
     try:
         last: float | None = None
         for at, report in _ordered(read_trace(trace, summary), offsets):
+            # Live, time-driven work runs every second whether reports arrive or not; here it
+            # runs for every tick between two reports, so a gap in the trace is judged as live.
+            if last is not None:
+                tick = math.floor(last / TICK_SECONDS) * TICK_SECONDS + TICK_SECONDS
+                while tick < at:
+                    pipeline.advance(tick)
+                    tick += TICK_SECONDS
             if pipeline.ingest(report, at) is IngestOutcome.DUPLICATE:
                 summary.duplicates += 1
             else:

@@ -270,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows: list[dict[str, Any]] = []
         os.sched_setaffinity(0, {core})
         try:
-            startup = [timed_replay(trace.one, tmp / "one.jsonl", core)[0] for _ in range(args.runs)]
+            startup = [timed_replay(trace.one, tmp / "one-out.jsonl", core)[0] for _ in range(args.runs)]
             rows.append(
                 {
                     "what": "`gpuwarden replay` of a 1-report trace (start-up only)",

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import secrets
 import shutil
 import sys
@@ -31,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from agent.clock import SystemClock
 from agent.collectors import build_collectors
 from agent.collectors.base import CollectorContext, Paths
+from agent.errors import ConfigError
 from agent.gpu.events import NvmlXidSource
 from agent.gpu.fake import FakeNvml
 from agent.gpu.session import NvmlSession
@@ -40,11 +42,14 @@ from agent.shipper import Shipper
 REPO = Path(__file__).resolve().parents[1]
 H100_TREE = REPO / "tests" / "fixtures" / "sysfs" / "h100" / "sys"
 
-DEMO_CONFIG = """
-# Shorter periods than production so the demo shows a whole life cycle in a minute.
-fleet: {interval_seconds: 2}
-health: {suspect_for_seconds: 20, clear_for_seconds: 10, probation_seconds: 30}
-silence: {silent_after_seconds: 8}
+
+def demo_config(interval: float) -> str:
+    """Shorter periods than production so the demo shows a whole life cycle in a minute or two;
+    silence waits four report intervals, as production's 60 s does for 10 s reports."""
+    return f"""
+fleet: {{interval_seconds: {interval}}}
+health: {{suspect_for_seconds: 20, clear_for_seconds: 10, probation_seconds: 30}}
+silence: {{silent_after_seconds: {max(8.0, 4 * interval)}}}
 """
 
 
@@ -109,7 +114,9 @@ def run(args: argparse.Namespace) -> int:
     tokens = {n: secrets.token_urlsafe(24) for n in names}
     (work / "tokens").write_text("".join(f"{n} {t}\n" for n, t in tokens.items()))
 
-    config = parse_config(DEMO_CONFIG, "demo config")
+    if not (math.isfinite(args.interval) and 0.5 <= args.interval <= 10):
+        raise ConfigError("--interval must be between 0.5 and 10 seconds for the demo")
+    config = parse_config(demo_config(args.interval), "demo config")
     registry = CollectorRegistry()
     metrics = Metrics(registry)
     decisions = DecisionLog(work / "decisions.jsonl")

@@ -181,3 +181,36 @@ def test_agent_to_aggregator_over_http_quarantines_a_lost_gpu(tmp_path: Path) ->
         server.terminate()
         server.wait(timeout=15)
     assert server.returncode == 0
+
+
+def test_an_interval_that_is_not_a_positive_number_is_refused() -> None:
+    for bad in ("nan", "inf", "0", "-1"):
+        out = _agent("--interval", bad, "--gpu-backend", "none")
+        assert out.returncode == 2 and "--interval" in out.stderr, (bad, out.stderr)
+
+
+def test_aggregator_on_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "tokens").write_text("node-1 3b8f0c2e9d7a4f61a5c0e2d4\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = subprocess.run(
+            [
+                *GPWD,
+                "aggregator",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--token-file",
+                str(tmp_path / "tokens"),
+                "--decisions",
+                str(tmp_path / "d.jsonl"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+            check=False,
+        )
+    assert out.returncode == 2, out.stderr
+    assert "cannot serve on" in out.stderr and "Traceback" not in out.stderr

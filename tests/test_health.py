@@ -101,33 +101,65 @@ def test_suspect_clears_after_evidence_gone_long_enough() -> None:
 def test_probation_then_release_and_relapse_during_probation() -> None:
     m = HealthMachine(CFG)
     m.update("n1", "rule", [hard()], 0.0)
-    d = m.update("n1", "rule", [], 100.0)  # evidence cleared (e.g. after a reboot)
-    assert d is not None and (d.state, d.action) == ("probation", "none")
-    assert m.tick(600.0) == []
-    [d] = m.tick(700.0)
+    # The evidence must stay gone for clear_for_seconds (60) before probation starts.
+    assert m.update("n1", "rule", [], 100.0) is None
+    assert m.tick(150.0) == []
+    [d] = m.tick(160.0)
+    assert (d.state, d.action) == ("probation", "none")  # still tainted
+    assert m.tick(700.0) == []
+    [d] = m.tick(760.0)
     assert (d.state, d.previous, d.action) == ("healthy", "probation", "untaint")
 
     m.update("n2", "rule", [hard()], 0.0)
     m.update("n2", "rule", [], 100.0)
+    m.tick(160.0)
     d = m.update("n2", "rule", [soft()], 200.0)  # any quarantine evidence in probation
     assert d is not None and (d.state, d.action) == ("quarantined", "none")  # still tainted
+
+
+def test_evidence_missing_from_one_report_does_not_start_probation() -> None:
+    m = HealthMachine(CFG)
+    m.update("n1", "rule", [soft()], 0.0)
+    d = m.update("n1", "rule", [soft()], 120.0)
+    assert d is not None and d.state == "quarantined"
+    for t in range(130, 2000, 10):  # a flapping finding: present every other report
+        d = m.update("n1", "rule", [soft()] if t % 20 else [], float(t))
+        assert d is None
+    h = m.get("n1")
+    assert h is not None and h.state == "quarantined" and not h.lemon
+
+
+def test_probation_ending_through_suspect_releases_the_taint() -> None:
+    m = HealthMachine(CFG)
+    m.update("n1", "rule", [hard()], 0.0)
+    m.update("n1", "rule", [], 10.0)
+    [d] = m.tick(70.0)
+    assert d.state == "probation"
+    m.update("n1", "silence", [alert("silence")], 600.0)  # e.g. the agent restarts meanwhile
+    [d] = m.tick(670.0)
+    assert (d.state, d.action) == ("suspect", "untaint")
+    m.update("n1", "silence", [], 680.0)
+    [d] = m.tick(740.0)
+    assert (d.state, d.action) == ("healthy", "none")  # released once, not twice
 
 
 def test_lemon_stays_out() -> None:
     m = HealthMachine(CFG)
     t = 0.0
-    for _ in range(3):
+    for _ in range(3):  # quarantined, released, and back: three times
         m.update("n1", "rule", [hard()], t)
         m.update("n1", "rule", [], t + 10)
-        m.tick(t + 700)
+        m.tick(t + 100)  # probation
+        m.tick(t + 800)  # healthy again
         t += 1000
     h = m.get("n1")
     assert h is not None and h.lemon and h.state == "quarantined"
     assert any(r.rule == "lemon" for r in h.reasons)
     assert m.update("n1", "rule", [], t + 10) is None
     assert m.tick(t + 10_000) == []
-    d = m.release_lemon("n1", t + 10_001)
-    assert d is not None and d.state == "probation"
+    assert m.release_lemon("n1", t + 10_001) is None  # evidence gone, the clear timer starts
+    [d] = m.tick(t + 10_100)
+    assert d.state == "probation"
 
 
 def test_sources_are_independent() -> None:

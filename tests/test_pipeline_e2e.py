@@ -388,7 +388,9 @@ def test_a_fault_cleared_by_a_reboot_goes_through_probation_then_healthy() -> No
     quarantined, probation, healthy = decisions
     assert quarantined.time == xid_at
     assert [r.rule for r in quarantined.reasons] == ["xid-79"]
-    assert probation.time == back_at
+    # Probation starts once the evidence has stayed gone for clear_for_seconds after the reboot.
+    clear_s = SHORT.health.clear_for_seconds
+    assert back_at + clear_s <= probation.time <= back_at + clear_s + TICK_SLACK_S
     assert probation.reasons[0].severity == "info"
     probation_s = SHORT.health.probation_seconds
-    assert back_at + probation_s <= healthy.time <= back_at + probation_s + TICK_SLACK_S
+    assert probation.time + probation_s <= healthy.time <= probation.time + probation_s + TICK_SLACK_S

@@ -315,8 +315,15 @@ async def test_replay_gives_the_same_decisions_as_live_ingestion(aiohttp_client:
     await server.start_server(**SERVER_KWARGS)
     client = await aiohttp_client(server)
     answers: Counter[tuple[int, str]] = Counter()
+    next_tick: float | None = None
     try:
         for received, report in generate(SCENARIO):
+            # The live service's periodic task: pipeline.advance once a second between reports.
+            if next_tick is None:
+                next_tick = float(int(received)) + 1.0
+            while next_tick < received:
+                pipeline.advance(next_tick)
+                next_tick += 1.0
             clock.now = received
             resp = await client.post(
                 REPORTS_PATH,
@@ -377,3 +384,11 @@ def test_a_node_with_a_skewed_clock_makes_no_decision_in_replay(tmp_path: Path) 
     decisions, summary = replay(trace, None, CONFIG, RULES)
     assert summary.reports_replayed == summary.reports_read > 0
     assert decisions == []
+
+
+def test_out_that_is_the_trace_itself_is_refused_and_the_trace_kept(work: Path, trace: Path) -> None:
+    before = trace.read_bytes()
+    proc = run_replay(trace, trace, work / "config.yaml")
+    assert proc.returncode == 2
+    assert "--out is the trace itself" in proc.stderr
+    assert trace.read_bytes() == before

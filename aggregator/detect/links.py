@@ -1,0 +1,413 @@
+"""Links: which end of a slow pair probe is to blame — a node, the path between two nodes, or a switch.
+
+A pair probe (``nccl_allreduce_pair``, ``tcp_pair``) measures two nodes and the network between
+them at once. One slow result says nothing about which; many results over a pool do. Per pool and
+probe kind, every pair's recent results are averaged in log space with exponential recency weights
+(``half_life_seconds``), normalized by the pool's expected bandwidth (the median over its pairs),
+and decomposed robustly (weighted median polish, so one bad node or pair cannot drag the others)::
+
+    log(bw_ij / expected) = mu + a_i + a_j + r_ij
+
+- a node whose effect ``a_i`` is clearly low (below ``log(node_ratio)``, ``z`` standard errors
+  below zero given the pool's spread, with ``min_partners`` partners and ``min_low_probes`` slow
+  probes) is the bad node: a ``link`` finding with action ``quarantine`` (not hard: the health
+  machine still wants it to persist);
+- a pair whose residual ``r_ij`` is clearly low while both ends are normal (each judged on at least
+  ``min_partners`` partners) is a degraded link: a link finding for ``aggregator.links.LinkHealth``,
+  nothing on either node;
+- ``switch_min_culprits`` or more culprits (bad nodes, degraded pairs) within one rack, else one
+  leaf, point at the switch they share: one ``SwitchAlert``, and on each node involved an
+  ``alert`` finding with the same key ``link-switch:<kind>:<name>`` (the node becomes suspect, no
+  taint). A pair's domain is the narrowest one holding both ends, a node's is its rack.
+
+A single probe never decides: every verdict needs ``min_low_probes`` slow results of its own.
+Probe times are moved to the aggregator's clock (``received - report.time``), so both ends' copies
+of one measurement are recognized as one even when a node's clock is off.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+from msgspec import UNSET
+
+from agent.report import Report
+from aggregator.fleet.pools import Placement
+from aggregator.model import Finding
+
+log = logging.getLogger(__name__)
+
+Float = npt.NDArray[np.float64]
+MAD_SCALE: Final = 1.4826
+PAIR_KINDS: Final = frozenset({"nccl_allreduce_pair", "tcp_pair"})
+
+Pair = tuple[str, str]  # sorted by name
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    every_seconds: float = 60.0  # how often the pipeline runs the localizer
+    half_life_seconds: float = 1800.0  # a probe this old weighs half a fresh one
+    max_age_seconds: float = 4 * 3600.0  # older probes are forgotten (weight under 1/256)
+    dedupe_seconds: float = 30.0  # both ends' copies of one probe land this close on our clock
+    max_samples_per_pair: int = 64
+    min_partners: int = 3  # a node is judged only on this many distinct partners
+    min_low_probes: int = 2  # a verdict needs this many slow results of its own
+    node_ratio: float = 0.85  # node effect below this share of the pool's bandwidth
+    pair_ratio: float = 0.85  # pair residual below this share
+    z: float = 3.0  # how many standard errors below normal an effect must be
+    spread_floor: float = 0.02  # lower bound of the robust spread of log bandwidth (2 %)
+    switch_min_culprits: int = 3  # culprits in one rack/leaf that make a switch alert
+    polish_iterations: int = 30
+
+
+@dataclass(frozen=True)
+class SwitchAlert:
+    domain_kind: str  # "rack" or "leaf"
+    domain: str
+    pool: str
+    nodes: tuple[str, ...]  # the nodes involved (bad nodes, ends of slow pairs)
+    pairs: tuple[Pair, ...]  # the slow pairs behind it
+    summary: str
+
+
+@dataclass
+class LinkVerdict:
+    """One run's answer: findings per node (every node judged; [] clears), slow pairs, switches."""
+
+    nodes: dict[str, list[Finding]] = field(default_factory=dict)
+    links: dict[Pair, Finding] = field(default_factory=dict)
+    switches: list[SwitchAlert] = field(default_factory=list)
+
+
+@dataclass
+class _Sample:
+    time: float  # on the aggregator's clock
+    log_bw: float
+
+
+@dataclass(frozen=True)
+class _Obs:
+    """One (pair, kind) of a pool: recency-weighted mean of its normalized log bandwidth."""
+
+    pair: Pair
+    kind: str
+    y: float
+    weight: float
+    ratios: tuple[float, ...]  # each retained probe's bandwidth over the pool's expected, newest last
+
+
+def _wmedian(values: Float, weights: Float) -> float:
+    order = np.argsort(values, kind="stable")
+    v, w = values[order], weights[order]
+    cum = np.cumsum(w)
+    half = cum[-1] / 2.0
+    i = int(np.searchsorted(cum, half))
+    # Exactly half the weight on each side: the midpoint, as the plain median does for even counts.
+    if i + 1 < len(v) and math.isclose(cum[i], half, rel_tol=1e-12):
+        return float((v[i] + v[i + 1]) / 2.0)
+    return float(v[i])
+
+
+class LinkLocalizer:
+    name: Final = "link"
+
+    def __init__(self, config: LinkConfig | None = None) -> None:
+        self.config = config or LinkConfig()
+        self.every_seconds = self.config.every_seconds
+        self._samples: dict[tuple[Pair, str], deque[_Sample]] = {}
+        self._placements: dict[str, Placement] = {}
+        self._judged: set[str] = set()  # nodes answered for last run, so a vanished one is cleared
+        self._switches: set[tuple[str, str, str]] = set()
+
+    # -- input ----------------------------------------------------------------------------------
+
+    def observe(self, report: Report, placement: Placement, received: float) -> int:
+        """Take the report's pair probes; returns how many were new (not the other end's copy)."""
+        self._placements[report.node] = placement
+        if report.probes is UNSET:
+            return 0
+        offset = received - report.time  # the node's clock to ours
+        added = 0
+        for p in report.probes:
+            if p.kind not in PAIR_KINDS or p.peer is None or p.peer == report.node:
+                continue
+            if not p.ok or p.busbw_bytes_per_second is None or not p.busbw_bytes_per_second > 0:
+                # A failed pair probe has no bandwidth to localize; the rules see the node's errors.
+                continue
+            pair: Pair = (min(report.node, p.peer), max(report.node, p.peer))
+            t = p.time + offset
+            samples = self._samples.setdefault((pair, p.kind), deque(maxlen=self.config.max_samples_per_pair))
+            if any(abs(s.time - t) <= self.config.dedupe_seconds for s in samples):
+                continue
+            samples.append(_Sample(t, math.log(p.busbw_bytes_per_second)))
+            added += 1
+        return added
+
+    # -- judgement ------------------------------------------------------------------------------
+
+    def run(self, now: float) -> LinkVerdict:
+        cfg = self.config
+        oldest = now - cfg.max_age_seconds
+        by_pool: dict[str, dict[str, list[tuple[Pair, list[_Sample]]]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        for key in list(self._samples):
+            (a, b), kind = key
+            dq = self._samples[key]
+            while dq and dq[0].time < oldest:
+                dq.popleft()
+            if not dq:
+                del self._samples[key]
+                continue
+            pa, pb = self._placements.get(a), self._placements.get(b)
+            if pa is None or pb is None or pa.pool != pb.pool:
+                continue  # different hardware has a different expected bandwidth
+            live = [s for s in dq if s.time <= now]
+            if live:
+                by_pool[pa.pool][kind].append(((a, b), live))
+        verdict = LinkVerdict()
+        for pool in sorted(by_pool):
+            self._run_pool(pool, by_pool[pool], now, verdict)
+        judged = set(verdict.nodes)
+        for node in self._judged - judged:
+            verdict.nodes[node] = []
+        self._judged = judged
+        self._log_switches(verdict.switches)
+        return verdict
+
+    def _run_pool(
+        self, pool: str, kinds: Mapping[str, list[tuple[Pair, list[_Sample]]]], now: float, out: LinkVerdict
+    ) -> None:
+        cfg = self.config
+        obs: list[_Obs] = []
+        for kind in sorted(kinds):
+            rows = kinds[kind]
+            means = []
+            for _, samples in rows:
+                t = np.array([s.time for s in samples])
+                w = np.power(0.5, (now - t) / cfg.half_life_seconds)
+                means.append((float(np.dot(w, [s.log_bw for s in samples]) / w.sum()), float(w.sum())))
+            expected = float(np.median([m for m, _ in means]))
+            for (pair, samples), (m, wsum) in zip(rows, means, strict=True):
+                ratios = tuple(math.exp(s.log_bw - expected) for s in samples)
+                obs.append(_Obs(pair, kind, m - expected, wsum, ratios))
+        nodes = sorted({n for o in obs for n in o.pair})
+        for n in nodes:
+            out.nodes.setdefault(n, [])
+        if len(obs) < 2:
+            return
+        idx = {n: i for i, n in enumerate(nodes)}
+        ii = np.array([idx[o.pair[0]] for o in obs])
+        jj = np.array([idx[o.pair[1]] for o in obs])
+        y = np.array([o.y for o in obs])
+        w = np.array([o.weight for o in obs])
+        mu, eff = self._polish(len(nodes), ii, jj, y, w)
+        resid = y - mu - eff[ii] - eff[jj]
+        spread = max(MAD_SCALE * _wmedian(np.abs(resid - _wmedian(resid, w)), w), cfg.spread_floor)
+
+        partners: dict[str, set[str]] = defaultdict(set)
+        involving: dict[str, list[_Obs]] = defaultdict(list)
+        for o in obs:
+            partners[o.pair[0]].add(o.pair[1])
+            partners[o.pair[1]].add(o.pair[0])
+            involving[o.pair[0]].append(o)
+            involving[o.pair[1]].append(o)
+        low_node, low_pair = math.log(cfg.node_ratio), math.log(cfg.pair_ratio)
+
+        bad_nodes: dict[str, Finding] = {}
+        for n in nodes:
+            k = idx[n]
+            npart = len(partners[n])
+            if npart < cfg.min_partners:
+                continue
+            effect = float(eff[k])
+            se = spread / math.sqrt(npart)
+            mine = involving[n]
+            slow = sum(1 for o in mine for r in o.ratios if r < cfg.node_ratio)
+            if effect < low_node and effect / se < -cfg.z and slow >= cfg.min_low_probes:
+                bad_nodes[n] = self._node_finding(
+                    pool, node=n, effect=effect, z=effect / se, mine=mine, slow=slow, now=now
+                )
+
+        bad_pairs: dict[Pair, Finding] = {}
+        by_pair: dict[Pair, list[int]] = defaultdict(list)
+        for q, o in enumerate(obs):
+            by_pair[o.pair].append(q)
+        for pair, qs in sorted(by_pair.items()):
+            a, b = pair
+            if a in bad_nodes or b in bad_nodes:
+                continue
+            if min(len(partners[a]), len(partners[b])) < cfg.min_partners:
+                continue  # with too few partners a slow pair and a slow end look the same
+            if min(float(eff[idx[a]]), float(eff[idx[b]])) < low_node:
+                continue
+            wq = w[qs]
+            r = float(np.dot(wq, resid[qs]) / wq.sum())
+            ends = float(eff[idx[a]] + eff[idx[b]] + mu)
+            slow = sum(1 for q in qs for x in obs[q].ratios if math.log(x) - ends < low_pair)
+            if r < low_pair and r < -cfg.z * spread and slow >= cfg.min_low_probes:
+                bad_pairs[pair] = self._pair_finding(
+                    pool, pair=pair, resid=r, mine=[obs[q] for q in qs], slow=slow, now=now
+                )
+
+        switched = self._switches_of(pool, bad_nodes, bad_pairs, now, out)
+        for n, f in bad_nodes.items():
+            if n not in switched:
+                out.nodes[n].append(f)
+        for pair, f in bad_pairs.items():
+            if pair not in switched:
+                out.links[pair] = f
+
+    def _polish(
+        self, n: int, ii: npt.NDArray[np.int_], jj: npt.NDArray[np.int_], y: Float, w: Float
+    ) -> tuple[float, Float]:
+        """Weighted median polish of y = mu + a_i + a_j; the node effects' median is zero."""
+        eff = np.zeros(n)
+        mu = _wmedian(y, w)
+        members = [np.flatnonzero((ii == k) | (jj == k)) for k in range(n)]
+        for _ in range(self.config.polish_iterations):
+            before = eff.copy()
+            for k in range(n):
+                q = members[k]
+                other = np.where(ii[q] == k, jj[q], ii[q])
+                eff[k] = _wmedian(y[q] - mu - eff[other], w[q])
+            centre = float(np.median(eff))
+            eff -= centre
+            mu += 2 * centre
+            if float(np.max(np.abs(eff - before))) < 1e-9:
+                break
+        return mu, eff
+
+    # -- verdicts -------------------------------------------------------------------------------
+
+    def _node_finding(
+        self, pool: str, *, node: str, effect: float, z: float, mine: list[_Obs], slow: int, now: float
+    ) -> Finding:
+        pairs = {
+            (o.pair[1] if o.pair[0] == node else o.pair[0]) + f" ({o.kind})": round(math.exp(o.y), 3)
+            for o in mine
+        }
+        pct = (1 - math.exp(effect)) * 100
+        return Finding(
+            detector="link",
+            key="link-node",
+            severity="critical",
+            action="quarantine",
+            summary=(
+                f"every pair probe with {node} is slow: {pct:.0f} % under pool {pool}'s expected bandwidth "
+                f"with {len(pairs)} partners ({slow} slow results): the node, not the links"
+            ),
+            since=now,
+            evidence={
+                "pool": pool,
+                "effect_ratio": round(math.exp(effect), 3),
+                "z": round(z, 1),
+                "partners": len({o.pair[1] if o.pair[0] == node else o.pair[0] for o in mine}),
+                "slow_probes": slow,
+                "pairs": pairs,
+            },
+        )
+
+    def _pair_finding(
+        self, pool: str, *, pair: Pair, resid: float, mine: list[_Obs], slow: int, now: float
+    ) -> Finding:
+        a, b = pair
+        pct = (1 - math.exp(resid)) * 100
+        return Finding(
+            detector="link",
+            key=f"link-pair:{a}|{b}",
+            severity="warning",
+            action="none",
+            summary=(
+                f"the path between {a} and {b} is {pct:.0f} % slow while both nodes are normal with "
+                f"their other partners ({slow} slow results): the link, not the nodes"
+            ),
+            since=now,
+            peer=b,
+            evidence={
+                "pool": pool,
+                "residual_ratio": round(math.exp(resid), 3),
+                "slow_probes": slow,
+                "ratios": {o.kind: [round(r, 3) for r in o.ratios] for o in mine},
+            },
+        )
+
+    def _switches_of(
+        self,
+        pool: str,
+        bad_nodes: Mapping[str, Finding],
+        bad_pairs: Mapping[Pair, Finding],
+        now: float,
+        out: LinkVerdict,
+    ) -> set[object]:
+        """Group culprits by the rack, then the leaf, they share; returns the culprits explained."""
+        cfg = self.config
+        place = self._placements
+
+        def domain(nodes: tuple[str, ...], kind: str) -> str | None:
+            values = {getattr(place[n], kind) for n in nodes}
+            return values.pop() if len(values) == 1 else None
+
+        culprits: dict[object, tuple[str, ...]] = {n: (n,) for n in bad_nodes}
+        culprits.update({p: p for p in bad_pairs})
+        explained: set[object] = set()
+        for kind in ("rack", "leaf"):
+            groups: dict[str, list[object]] = defaultdict(list)
+            for c, ends in culprits.items():
+                if c in explained:
+                    continue
+                d = domain(ends, kind)
+                if d is not None:
+                    groups[d].append(c)
+            for d, members in sorted(groups.items()):
+                if len(members) < cfg.switch_min_culprits:
+                    continue
+                nodes = tuple(sorted({n for c in members for n in culprits[c]}))
+                pairs = tuple(sorted(c for c in members if isinstance(c, tuple)))
+                loners = sorted(c for c in members if isinstance(c, str))
+                summary = (
+                    f"{kind} {d}: {len(members)} slow culprits ({len(loners)} nodes, {len(pairs)} pairs) "
+                    "behind one switch: the shared switch, not the nodes"
+                )
+                alert = SwitchAlert(kind, d, pool, nodes, pairs, summary)
+                out.switches.append(alert)
+                explained.update(members)
+                finding = Finding(
+                    detector="link",
+                    key=f"link-switch:{kind}:{d}",
+                    severity="warning",
+                    action="alert",
+                    summary=summary,
+                    since=now,
+                    evidence={
+                        "domain_kind": kind,
+                        "domain": d,
+                        "pool": pool,
+                        "nodes": list(nodes),
+                        "slow_nodes": loners,
+                        "slow_pairs": [f"{a}|{b}" for a, b in pairs],
+                    },
+                )
+                for n in nodes:
+                    out.nodes.setdefault(n, []).append(finding)
+        return explained
+
+    def _log_switches(self, alerts: list[SwitchAlert]) -> None:
+        now = {(a.pool, a.domain_kind, a.domain) for a in alerts}
+        for a in alerts:
+            if (a.pool, a.domain_kind, a.domain) not in self._switches:
+                log.warning(
+                    "switch suspected",
+                    extra={"domain": f"{a.domain_kind} {a.domain}", "pool": a.pool, "summary": a.summary},
+                )
+        for pool, kind, d in sorted(self._switches - now):
+            log.info("switch clear", extra={"domain": f"{kind} {d}", "pool": pool})
+        self._switches = now

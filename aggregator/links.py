@@ -1,0 +1,115 @@
+"""The link state machine: slow pairs in, link decision records out.
+
+Per unordered pair of nodes: ``healthy -> suspect -> degraded -> healthy``.
+
+- A pair the localizer (``aggregator.detect.links``) calls slow becomes ``suspect``.
+- It becomes ``degraded`` once it has been called slow continuously for ``suspect_for_seconds``;
+  evidence that comes and goes starts over, as for nodes.
+- A suspect or degraded pair returns to ``healthy`` only after ``clear_for_seconds`` without the
+  evidence: probes of one pair come minutes apart, and a link must not flap with each of them.
+
+A link decision never taints either end (``action`` is always ``none``): the nodes are fine, the
+path between them is not, and the scheduler's fix (avoid placing a ring over that pair, reseat a
+cable) is a human's or a topology-aware scheduler's. ``node`` and ``peer`` are the two ends sorted
+by name (shared/spec section 2).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from aggregator.decisions import Decision, Reason
+from aggregator.model import Finding, LinkState
+
+log = logging.getLogger(__name__)
+
+Pair = tuple[str, str]
+
+
+@dataclass
+class LinkStatus:
+    node: str
+    peer: str
+    state: LinkState = "healthy"
+    since: float = 0.0  # when the current state began
+    first_seen: float | None = None  # when the current run of evidence began
+    clear_since: float | None = None  # when the evidence last went away
+    finding: Finding | None = None  # the latest evidence
+
+
+@dataclass
+class LinkHealth:
+    suspect_for_seconds: float = 120.0
+    clear_for_seconds: float = 900.0
+    _links: dict[Pair, LinkStatus] = field(default_factory=dict)
+
+    def get(self, a: str, b: str) -> LinkStatus | None:
+        return self._links.get((min(a, b), max(a, b)))
+
+    def links(self) -> Mapping[Pair, LinkStatus]:
+        return self._links
+
+    def update(self, slow: Mapping[Pair, Finding], now: float) -> list[Decision]:
+        """The localizer's current slow pairs (every other pair is clear); the decisions they cause."""
+        out: list[Decision] = []
+        keys = {(min(a, b), max(a, b)): f for (a, b), f in slow.items() if a != b}
+        for pair in sorted(keys.keys() | self._links.keys()):
+            d = self._step(pair, keys.get(pair), now)
+            if d is not None:
+                out.append(d)
+        return out
+
+    def _step(self, pair: Pair, finding: Finding | None, now: float) -> Decision | None:
+        st = self._links.get(pair)
+        if st is None:
+            if finding is None:
+                return None
+            st = self._links[pair] = LinkStatus(pair[0], pair[1], since=now)
+        if finding is not None:
+            st.finding = finding
+            st.clear_since = None
+            if st.first_seen is None:
+                st.first_seen = now
+            if st.state == "healthy":
+                return self._move(st, "suspect", now, finding.summary)
+            if st.state == "suspect" and now - st.first_seen >= self.suspect_for_seconds:
+                return self._move(st, "degraded", now, finding.summary)
+            return None
+        st.first_seen = None
+        if st.clear_since is None:
+            st.clear_since = now
+        if now - st.clear_since < self.clear_for_seconds:
+            return None
+        gone = now - st.clear_since
+        del self._links[pair]  # healthy pairs are not kept: a fleet has far more pairs than links
+        return self._move(st, "healthy", now, f"no slow probes for {gone:.0f} s: healthy")
+
+    def _move(self, st: LinkStatus, state: LinkState, now: float, summary: str) -> Decision:
+        previous = st.state
+        st.state, st.since = state, now
+        f = st.finding
+        evidence = dict(f.evidence) if f is not None and state != "healthy" else {}
+        if state == "degraded" and st.first_seen is not None:
+            evidence.setdefault("persisted_seconds", round(now - st.first_seen, 1))
+        reason = Reason(
+            detector="link",
+            severity=(f.severity if f is not None else "warning") if state != "healthy" else "info",
+            summary=summary,
+            evidence=evidence,
+        )
+        log.info(
+            "link decision",
+            extra={"node": st.node, "peer": st.peer, "state": state, "previous": previous},
+        )
+        return Decision(
+            time=now,
+            subject="link",
+            node=st.node,
+            peer=st.peer,
+            state=state,
+            previous=previous,
+            action="none",
+            reasons=[reason],
+        )

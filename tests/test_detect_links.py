@@ -1,0 +1,178 @@
+"""LinkLocalizer: slow pair probes put on a node, a link, or the switch they share."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+
+import pytest
+
+from agent.report import SCHEMA_ID, Probe, Report
+from aggregator.detect.links import LinkConfig, LinkLocalizer, LinkVerdict
+from aggregator.fleet.pools import Placement
+
+T0 = 1_764_000_000.0
+BW = 380e9
+NODES = [f"gpu-{i:04d}" for i in range(16)]
+# 16 nodes, racks of 4, leaves of 8 (two racks each): the small scenario's topology.
+PLACE = {n: Placement("h100", rack=f"rack-{i // 4}", leaf=f"leaf-{i // 8}") for i, n in enumerate(NODES)}
+
+Factor = Callable[[str, str, float], float]
+
+
+def healthy(_a: str, _b: str, _t: float) -> float:
+    return 1.0
+
+
+def report(node: str, t: float, probes: list[Probe], *, skew: float = 0.0) -> Report:
+    return Report(
+        schema=SCHEMA_ID, node=node, time=t + skew, seq=int(t), boot_id="b", gpus=[], nics=[], probes=probes
+    )
+
+
+def feed(
+    loc: LinkLocalizer,
+    factor: Factor,
+    *,
+    rounds: int = 4,
+    start: float = T0,
+    every: float = 600.0,
+    seed: int = 0,
+    nodes: list[str] = NODES,
+    noise: float = 0.015,
+) -> float:
+    """Every pair within a leaf probed once a round, reported by both ends; returns the last time."""
+    rng = random.Random(seed)
+    t = start
+    for k in range(rounds):
+        t = start + k * every
+        for a, b in itertools.combinations(nodes, 2):
+            if PLACE[a].leaf != PLACE[b].leaf:
+                continue
+            bw = BW * factor(a, b, t) * rng.gauss(1.0, noise)
+            pt = t + rng.uniform(0, 60)
+            for me, peer in ((a, b), (b, a)):
+                p = Probe(kind="nccl_allreduce_pair", time=pt, ok=True, peer=peer, busbw_bytes_per_second=bw)
+                loc.observe(report(me, pt + 5, [p]), PLACE[me], received=pt + 5 + rng.uniform(0, 2))
+    return t + 120
+
+
+def quarantined(v: LinkVerdict) -> set[str]:
+    return {n for n, fs in v.nodes.items() if any(f.action == "quarantine" for f in fs)}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_healthy_fleet_with_noise_blames_nothing(seed: int) -> None:
+    loc = LinkLocalizer()
+    now = feed(loc, healthy, seed=seed, noise=0.03)
+    v = loc.run(now)
+    assert set(v.nodes) == set(NODES)
+    assert all(fs == [] for fs in v.nodes.values())
+    assert v.links == {} and v.switches == []
+
+
+def test_slow_node_is_the_node_not_its_links() -> None:
+    bad = "gpu-0005"
+    loc = LinkLocalizer()
+    now = feed(loc, lambda a, b, _t: 0.7 if bad in (a, b) else 1.0)
+    v = loc.run(now)
+    assert quarantined(v) == {bad}
+    (f,) = v.nodes[bad]
+    assert f.detector == "link" and not f.hard
+    assert f.evidence["effect_ratio"] == pytest.approx(0.7, abs=0.03)
+    assert f.evidence["partners"] == 7
+    assert len(f.evidence["pairs"]) == 7
+    assert v.links == {}
+    assert v.switches == []
+
+
+def test_degraded_pair_between_good_nodes_is_a_link() -> None:
+    loc = LinkLocalizer()
+    slow = {"gpu-0002", "gpu-0006"}
+    now = feed(loc, lambda a, b, _t: 0.65 if {a, b} == slow else 1.0)
+    v = loc.run(now)
+    assert quarantined(v) == set()
+    assert all(fs == [] for fs in v.nodes.values())
+    assert list(v.links) == [("gpu-0002", "gpu-0006")]
+    f = v.links[("gpu-0002", "gpu-0006")]
+    assert f.peer == "gpu-0006" and f.action == "none"
+    assert f.evidence["residual_ratio"] == pytest.approx(0.65, abs=0.03)
+
+
+def test_slow_pairs_through_one_leaf_are_one_switch_alert() -> None:
+    # Cross-rack pairs of leaf-1 (racks 2 and 3): no rack holds any of them alone.
+    slow = [{"gpu-0008", "gpu-0012"}, {"gpu-0009", "gpu-0013"}, {"gpu-0010", "gpu-0014"}]
+    loc = LinkLocalizer()
+    now = feed(loc, lambda a, b, _t: 0.6 if {a, b} in slow else 1.0)
+    v = loc.run(now)
+    assert quarantined(v) == set()
+    assert v.links == {}
+    (alert,) = v.switches
+    assert (alert.domain_kind, alert.domain) == ("leaf", "leaf-1")
+    assert set(alert.nodes) == set().union(*slow)
+    for n in alert.nodes:
+        (f,) = v.nodes[n]
+        assert f.action == "alert" and f.key == "link-switch:leaf:leaf-1"
+    assert all(v.nodes[n] == [] for n in NODES if n not in alert.nodes)
+
+
+def test_too_few_partners_judges_nobody() -> None:
+    # Three nodes: two partners each, a slow node and a slow link look the same.
+    few = ["gpu-0000", "gpu-0001", "gpu-0002"]
+    loc = LinkLocalizer()
+    now = feed(loc, lambda a, b, _t: 0.6 if "gpu-0000" in (a, b) else 1.0, nodes=few)
+    v = loc.run(now)
+    assert set(v.nodes) == set(few)
+    assert all(fs == [] for fs in v.nodes.values())
+    assert v.links == {}
+
+
+def test_a_single_slow_probe_never_decides() -> None:
+    slow = {"gpu-0002", "gpu-0006"}
+    loc = LinkLocalizer()
+    now = feed(loc, lambda a, b, _t: 0.6 if {a, b} == slow else 1.0, rounds=1)
+    assert loc.run(now).links == {}
+    # The second slow result of the same pair is what makes it a link.
+    now = feed(loc, lambda a, b, _t: 0.6 if {a, b} == slow else 1.0, rounds=1, start=now + 480, seed=1)
+    assert list(loc.run(now).links) == [("gpu-0002", "gpu-0006")]
+
+
+def test_old_slow_period_heals_under_recent_good_probes() -> None:
+    bad = "gpu-0005"
+    slow_until = T0 + 3 * 600
+    loc = LinkLocalizer(LinkConfig(half_life_seconds=1800.0))
+    factor: Factor = lambda a, b, t: 0.7 if bad in (a, b) and t < slow_until else 1.0  # noqa: E731
+    mid = feed(loc, factor, rounds=3)
+    assert quarantined(loc.run(mid)) == {bad}
+    end = feed(loc, factor, rounds=9, start=slow_until)
+    v = loc.run(end)
+    assert quarantined(v) == set()
+    assert v.nodes[bad] == []
+
+
+def test_both_ends_copies_count_once_even_with_a_skewed_clock() -> None:
+    loc = LinkLocalizer()
+    p = Probe(kind="nccl_allreduce_pair", time=T0, ok=True, peer="gpu-0001", busbw_bytes_per_second=BW)
+    q = Probe(kind="nccl_allreduce_pair", time=T0 + 45, ok=True, peer="gpu-0000", busbw_bytes_per_second=BW)
+    assert loc.observe(report("gpu-0000", T0 + 5, [p]), PLACE["gpu-0000"], received=T0 + 5) == 1
+    # gpu-0001's clock runs 45 s ahead: its report time and probe time both carry the skew.
+    assert loc.observe(report("gpu-0001", T0 + 6, [q], skew=45), PLACE["gpu-0001"], received=T0 + 6) == 0
+    # A redelivered report is the same probe again.
+    assert loc.observe(report("gpu-0000", T0 + 5, [p]), PLACE["gpu-0000"], received=T0 + 7) == 0
+    # A failed probe or one without a peer has no bandwidth to localize.
+    bad = [
+        Probe(kind="nccl_allreduce_pair", time=T0 + 600, ok=False, peer="gpu-0001", error="NCCL WARN"),
+        Probe(kind="nccl_allreduce_local", time=T0 + 600, ok=True, busbw_bytes_per_second=BW),
+    ]
+    assert loc.observe(report("gpu-0000", T0 + 605, bad), PLACE["gpu-0000"], received=T0 + 605) == 0
+
+
+def test_a_node_no_longer_probed_is_cleared() -> None:
+    bad = "gpu-0005"
+    loc = LinkLocalizer(LinkConfig(max_age_seconds=3600.0))
+    now = feed(loc, lambda a, b, _t: 0.7 if bad in (a, b) else 1.0)
+    assert quarantined(loc.run(now)) == {bad}
+    v = loc.run(now + 7200)  # every probe aged out
+    assert v.nodes[bad] == []
+    assert loc.run(now + 7300).nodes == {}

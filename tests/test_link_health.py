@@ -1,0 +1,97 @@
+"""LinkHealth: a slow pair becomes a degraded link with hysteresis, and never taints an end."""
+
+from __future__ import annotations
+
+import msgspec
+
+from aggregator.decisions import Decision
+from aggregator.links import LinkHealth
+from aggregator.model import Finding
+
+T0 = 1_764_000_000.0
+PAIR = ("gpu-0013", "gpu-0014")
+
+
+def slow(a: str = PAIR[0], b: str = PAIR[1]) -> Finding:
+    return Finding(
+        detector="link",
+        key=f"link-pair:{a}|{b}",
+        severity="warning",
+        action="none",
+        summary=f"the path between {a} and {b} is 35 % slow",
+        since=T0,
+        peer=b,
+        evidence={"residual_ratio": 0.65},
+    )
+
+
+def states(ds: list[Decision]) -> list[tuple[str, str, str | None, str]]:
+    return [(d.previous, d.node, d.peer, d.state) for d in ds]
+
+
+def test_persistent_slow_pair_goes_suspect_then_degraded_without_taint() -> None:
+    lh = LinkHealth(suspect_for_seconds=120.0, clear_for_seconds=900.0)
+    first = lh.update({PAIR: slow()}, T0)
+    assert states(first) == [("healthy", *PAIR, "suspect")]
+    assert lh.update({PAIR: slow()}, T0 + 60) == []
+    (d,) = lh.update({PAIR: slow()}, T0 + 120)
+    assert (d.subject, d.node, d.peer, d.state, d.previous, d.action) == (
+        "link",
+        *PAIR,
+        "degraded",
+        "suspect",
+        "none",
+    )
+    (r,) = d.reasons
+    assert r.detector == "link" and r.evidence["residual_ratio"] == 0.65
+    assert r.evidence["persisted_seconds"] == 120.0
+    # The record is the spec's: it encodes and reads back as a decision.
+    assert msgspec.json.decode(msgspec.json.encode(d), type=Decision) == d
+
+
+def test_ends_are_sorted_whichever_way_the_pair_is_given() -> None:
+    lh = LinkHealth()
+    (d,) = lh.update({(PAIR[1], PAIR[0]): slow()}, T0)
+    assert (d.node, d.peer) == PAIR
+    assert lh.get(PAIR[1], PAIR[0]) is lh.get(*PAIR)
+
+
+def test_evidence_that_comes_and_goes_never_degrades() -> None:
+    lh = LinkHealth(suspect_for_seconds=120.0, clear_for_seconds=900.0)
+    out: list[Decision] = []
+    for k in range(20):  # slow every other minute: never 120 s in a row
+        out += lh.update({PAIR: slow()} if k % 2 == 0 else {}, T0 + 60 * k)
+    assert [d.state for d in out] == ["suspect"]
+
+
+def test_degraded_heals_only_after_clear_for_seconds() -> None:
+    lh = LinkHealth(suspect_for_seconds=120.0, clear_for_seconds=900.0)
+    lh.update({PAIR: slow()}, T0)
+    lh.update({PAIR: slow()}, T0 + 120)
+    assert lh.update({}, T0 + 180) == []
+    assert lh.update({}, T0 + 180 + 899) == []
+    # Back within the hysteresis: stays degraded, and the clear clock starts over.
+    assert lh.update({PAIR: slow()}, T0 + 1100) == []
+    assert lh.update({}, T0 + 1200) == []
+    assert lh.update({}, T0 + 2000) == []
+    (d,) = lh.update({}, T0 + 2100)
+    assert (d.previous, d.state, d.action) == ("degraded", "healthy", "none")
+    assert d.reasons[0].severity == "info"
+    assert lh.links() == {}
+
+
+def test_suspect_that_clears_returns_to_healthy() -> None:
+    lh = LinkHealth(suspect_for_seconds=600.0, clear_for_seconds=300.0)
+    lh.update({PAIR: slow()}, T0)
+    assert lh.update({}, T0 + 60) == []
+    (d,) = lh.update({}, T0 + 360)
+    assert (d.previous, d.state) == ("suspect", "healthy")
+
+
+def test_pairs_are_independent() -> None:
+    lh = LinkHealth(suspect_for_seconds=120.0)
+    other = ("gpu-0001", "gpu-0002")
+    lh.update({PAIR: slow(), other: slow(*other)}, T0)
+    ds = lh.update({PAIR: slow()}, T0 + 120)
+    assert states(ds) == [("suspect", *PAIR, "degraded")]
+    assert lh.get(*other) is not None and lh.get(*other).state == "suspect"  # type: ignore[union-attr]
