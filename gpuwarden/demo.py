@@ -65,7 +65,7 @@ class Node:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=12, help="fleet size (default 12)")
     p.add_argument("--interval", type=float, default=2.0, help="report interval in seconds (default 2)")
-    p.add_argument("--seconds", type=float, default=90.0, help="how long to run (default 90)")
+    p.add_argument("--seconds", type=float, default=100.0, help="how long to run (default 100)")
 
 
 def _break_ib_port(sysfs: Path, device: str) -> None:
