@@ -1,0 +1,361 @@
+"""Forest: a GPU whose combination of features is unlike its pool's, though no single one is far off.
+
+The peer detector compares one feature at a time and needs each to stray several MADs for minutes.
+A GPU a little hot, a little slow, a little braked and drawing a little less power passes all of
+those checks, yet no healthy GPU of its pool looks like that. This detector looks at the whole
+vector at once.
+
+Per pool, every ``every_seconds`` (5 min), over the last ``window_seconds`` of complete slots:
+
+1. one vector per GPU from the slots where it was under load (utilization >= ``load_threshold``,
+   at least ``min_loaded_slots`` of them): the median SM clock ratio, temperature, memory
+   temperature, power / power limit and PCIe width ratio, the share of slots with a slowdown
+   reason, the mean error rates (corrected ECC, PCIe replay, NVLink CRC / replay / recovery);
+2. each feature standardized robustly over the pool: ``z = (x - median) / max(1.4826 * MAD,
+   floor)``; a feature no GPU of the pool reports, or that is the same on every GPU, is left out,
+   and a GPU missing one feature sits at the pool's median for it;
+3. scikit-learn's ``IsolationForest`` (seeded, refit on the pool's vectors at every run, fitted on
+   at most ``max_fit_samples`` of them) scores every GPU;
+4. a GPU is flagged when its anomaly score is a robust outlier of the pool's scores (beyond
+   ``median + score_mads * 1.4826 * MAD`` and at least ``min_score``) **and** its robust distance
+   ``sqrt(z' R^-1 z)`` (``R`` the pool's correlation of clipped z-scores, see ``robust_distance``)
+   is at least ``min_distance``: the forest ranks, the distance makes sure the explanation (the
+   GPU's largest signed z-scores) names a deviation worth reading, not one fact counted twice.
+
+A finding is always an ``alert`` (the node becomes ``suspect``): an isolation score is a
+suspicion, not a diagnosis. Quarantine needs evidence a human can state in one line, such as the
+peer detector's persistent deviation of one feature; the forest's finding sits beside it in the
+decision record as corroboration and tells on-call where to look when nothing else fires.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import numpy as np
+import numpy.typing as npt
+from sklearn.ensemble import IsolationForest  # type: ignore[import-untyped]  # no stubs shipped
+
+from aggregator.detect.peers import MAD_SCALE, nanmedian
+from aggregator.fleet.frame import GPU_COLUMN, FleetFrames, PoolFrame
+from aggregator.model import Finding
+
+log = logging.getLogger(__name__)
+
+Float = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class ForestFeature:
+    """One per-GPU summary over the window's loaded slots."""
+
+    key: str  # in evidence: "sm-clock"
+    label: str  # in summaries: "SM clock"
+    columns: tuple[str, ...]  # GPU_COLUMN names; "ratio": numerator, denominator; "any": the largest
+    combine: Literal["one", "ratio", "any"]
+    reduce: Literal["median", "mean"]
+    floor: float  # lower bound of the robust scale, in the feature's unit
+    unit: str
+    digits: int
+
+
+# Floors are the smallest difference between two GPUs' window summaries that means something
+# physically. They are below the peer detector's per-slot floors because a median over minutes has
+# shed the per-sample noise: what is left is each GPU's persistent offset from its pool.
+FEATURES: Final[tuple[ForestFeature, ...]] = (
+    ForestFeature("sm-clock", "SM clock", ("sm_clock_ratio",), "one", "median", 0.01, "of max", 3),
+    ForestFeature("temperature", "temperature", ("temperature_celsius",), "one", "median", 1.0, "C", 0),
+    ForestFeature(
+        "memory-temperature",
+        "memory temperature",
+        ("memory_temperature_celsius",),
+        "one",
+        "median",
+        1.0,
+        "C",
+        0,
+    ),
+    # Power over its own limit, so that a node capped lower on purpose compares like for like.
+    ForestFeature(
+        "power", "power", ("power_watts", "power_limit_watts"), "ratio", "median", 0.02, "of limit", 3
+    ),
+    # One slot in 20 with a slowdown reason is one unit: a stray bit over a 5-min window is < 1.
+    ForestFeature(
+        "slowdown",
+        "slowdown share",
+        ("hw_slowdown", "hw_thermal", "power_brake", "sw_thermal"),
+        "any",
+        "mean",
+        0.05,
+        "of the time",
+        2,
+    ),
+    # x16 to x14 is a lane lost; a downtrain to x8 is 4 units.
+    ForestFeature(
+        "pcie-width", "PCIe width", ("pcie_link_width_ratio",), "one", "median", 0.125, "of max", 2
+    ),
+    # Error counters sit at zero on healthy hardware: 0.1/s (one per 10-s report) is one unit.
+    ForestFeature("ecc-sbe", "corrected ECC", ("ecc_sbe_per_second",), "one", "mean", 0.1, "/s", 2),
+    ForestFeature("pcie-replay", "PCIe replay", ("pcie_replay_per_second",), "one", "mean", 0.1, "/s", 2),
+    ForestFeature("nvlink-crc", "NVLink CRC", ("nvlink_crc_per_second",), "one", "mean", 0.1, "/s", 2),
+    ForestFeature(
+        "nvlink-replay", "NVLink replay", ("nvlink_replay_per_second",), "one", "mean", 0.1, "/s", 2
+    ),
+    ForestFeature(
+        "nvlink-recovery", "NVLink recovery", ("nvlink_recovery_per_second",), "one", "mean", 0.1, "/s", 2
+    ),
+)
+
+
+@dataclass(frozen=True)
+class ForestConfig:
+    every_seconds: float = 300.0  # refit at most this often: the forest is the costliest detector
+    window_seconds: float = 300.0  # the complete slots each run looks at
+    load_threshold: float = 0.5  # utilization ratio at which a GPU counts as under load
+    min_loaded_slots: int = 6  # loaded slots in the window for a GPU to have a vector (1 min at 10 s)
+    min_gpus: int = 16  # GPUs with a vector for the pool to be modelled at all ...
+    min_nodes: int = 4  # ... on at least this many nodes
+    n_estimators: int = 100
+    max_fit_samples: int = 4096  # rows the forest is fitted on (a seeded sample of a bigger pool)
+    seed: int = 0
+    score_mads: float = 6.0  # the score must be this many MADs above the pool's median score ...
+    min_score: float = 0.6  # ... and at least this (0.5 is "as easy to isolate as any point")
+    min_distance: float = 5.0  # robust_distance for the explanation to be worth it
+    top_features: int = 3  # features named in the explanation
+
+
+@dataclass(frozen=True)
+class PoolVectors:
+    """A pool's per-GPU feature vectors: rows are (node index, GPU index) pairs."""
+
+    nodes: list[str]
+    rows: npt.NDArray[np.intp]  # (n, 2): node index, GPU index
+    features: tuple[ForestFeature, ...]
+    values: Float  # (n, features): the window summaries, NaN where a GPU lacks one
+    median: Float  # (features,)
+    scale: Float  # (features,)
+    z: Float  # (n, features): robust z, 0 where the value is missing
+    loaded_slots: npt.NDArray[np.intp]  # (n,)
+    window_start: float
+
+
+def pool_vectors(frame: PoolFrame, now: float, config: ForestConfig) -> PoolVectors:
+    """The per-GPU robust feature vectors of one pool over the window ending at the last complete slot."""
+    slots = max(1, round(config.window_seconds / frame.interval_s))
+    t0, t1 = now - slots * frame.interval_s, now - frame.interval_s
+    nodes, gpu = frame.snapshot(t0, t1)
+    starts = frame.slot_starts(t0, t1)
+    window_start = float(starts[0]) if starts.size else t0
+    util = gpu[..., GPU_COLUMN["utilization_ratio"]].astype(np.float64)
+    loaded = util >= config.load_threshold  # NaN compares False: not reported is not loaded
+    count = loaded.sum(axis=0)  # (nodes, gpus)
+    eligible = count >= config.min_loaded_slots
+    rows = np.argwhere(eligible)
+    usable = tuple(f for f in FEATURES if all(c in GPU_COLUMN for c in f.columns))
+    values = np.full((rows.shape[0], len(usable)), np.nan)
+    with warnings.catch_warnings():
+        # All-NaN lanes (a GPU that never reports a feature) are expected and stay NaN.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for j, f in enumerate(usable):
+            raw = gpu[..., [GPU_COLUMN[c] for c in f.columns]].astype(np.float64)
+            if f.combine == "ratio":
+                den = raw[..., 1]
+                x = np.where(den > 0, raw[..., 0] / np.where(den > 0, den, 1.0), np.nan)
+            elif f.combine == "any":
+                x = np.nanmax(raw, axis=-1)
+            else:
+                x = raw[..., 0]
+            x = np.where(loaded, x, np.nan)
+            summary = nanmedian(x, axis=0) if f.reduce == "median" else np.nanmean(x, axis=0)
+            values[:, j] = summary[eligible]
+    has = ~np.isnan(values)
+    median = nanmedian(values, axis=0) if values.shape[0] else np.full(len(usable), np.nan)
+    mad = nanmedian(np.abs(values - median), axis=0) if values.shape[0] else median
+    floors = np.array([f.floor for f in usable])
+    scale = np.maximum(MAD_SCALE * np.nan_to_num(mad), floors)
+    z = np.where(has, (values - median) / scale, 0.0)
+    # A feature nobody reports or that every GPU shares cannot tell GPUs apart: it only costs time.
+    keep = has.any(axis=0) & (np.abs(z) > 0).any(axis=0)
+    return PoolVectors(
+        nodes=nodes,
+        rows=rows,
+        features=tuple(f for f, k in zip(usable, keep, strict=True) if k),
+        values=values[:, keep],
+        median=median[keep],
+        scale=scale[keep],
+        z=z[:, keep],
+        loaded_slots=count[eligible].astype(np.intp),
+        window_start=window_start,
+    )
+
+
+def robust_distance(z: Float, clip: float = 3.0, shrink: float = 0.1) -> Float:
+    """``sqrt(z' R^-1 z)`` per row, ``R`` the pool's correlation of the z-scores clipped to +-``clip``.
+
+    A GPU hot in the middle of the chassis is hot in both temperature and memory temperature: one
+    fact, which a plain ``sqrt(sum z^2)`` would count twice. The correlation removes what the
+    pool's healthy GPUs share; clipping keeps the outliers being judged out of it, and shrinking
+    towards the identity keeps it invertible when a feature barely varies.
+    """
+    zc = np.clip(z, -clip, clip)
+    cov = zc.T @ zc / max(zc.shape[0], 1)
+    sd = np.sqrt(np.diag(cov))
+    live = sd > 1e-6
+    corr = np.eye(z.shape[1])
+    corr[np.ix_(live, live)] = np.clip(cov[np.ix_(live, live)] / np.outer(sd[live], sd[live]), -1.0, 1.0)
+    corr = (1.0 - shrink) * corr + shrink * np.eye(z.shape[1])
+    d2 = np.einsum("ij,jk,ik->i", z, np.linalg.inv(corr), z)
+    out: Float = np.sqrt(np.maximum(d2, 0.0))
+    return out
+
+
+def _fmt(value: float, digits: int) -> str:
+    return f"{value:.{digits}f}"
+
+
+class ForestDetector:
+    """Per pool IsolationForest over robust per-GPU feature vectors; findings are alerts only."""
+
+    name: Final = "forest"
+
+    def __init__(self, config: ForestConfig | None = None) -> None:
+        self.config = config if config is not None else ForestConfig()
+        c = self.config
+        if not (
+            c.every_seconds > 0
+            and c.window_seconds > 0
+            and c.min_loaded_slots >= 1
+            and c.min_gpus >= 2
+            and c.min_nodes >= 1
+            and c.n_estimators >= 1
+            and c.max_fit_samples >= 2
+            and c.top_features >= 1
+            and c.score_mads >= 0
+            and c.min_distance >= 0
+        ):
+            raise ValueError(f"forest detector needs positive periods, sizes and thresholds; got {c}")
+        self.every_seconds = c.every_seconds
+
+    def run(self, frames: FleetFrames, now: float) -> Mapping[str, list[Finding]]:
+        out: dict[str, list[Finding]] = {}
+        for pool in frames.pools():
+            frame = frames.frame(pool)
+            if frame is not None:
+                out.update(self.run_pool(frame, now))
+        return out
+
+    def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
+        """Findings for every node of one pool's frame (empty lists where nothing stands out)."""
+        c = self.config
+        v = pool_vectors(frame, now, c)
+        out: dict[str, list[Finding]] = {n: [] for n in v.nodes}
+        n = v.rows.shape[0]
+        pool_nodes = int(np.unique(v.rows[:, 0]).size) if n else 0
+        if n < c.min_gpus or pool_nodes < c.min_nodes or not v.features:
+            return out
+        scores = self._scores(v.z)
+        median = float(np.median(scores))
+        mad = float(np.median(np.abs(scores - median)))
+        threshold = max(c.min_score, median + c.score_mads * MAD_SCALE * mad)
+        distance = robust_distance(v.z)
+        flagged = np.nonzero((scores >= threshold) & (distance >= c.min_distance))[0]
+        for i in flagged:
+            node = v.nodes[int(v.rows[i, 0])]
+            out[node].append(
+                self._finding(
+                    v,
+                    i=int(i),
+                    score=float(scores[i]),
+                    threshold=threshold,
+                    distance=float(distance[i]),
+                    pool=frame.name,
+                    pool_nodes=pool_nodes,
+                )
+            )
+            log.info(
+                "forest outlier",
+                extra={
+                    "node": node,
+                    "gpu": int(v.rows[i, 1]),
+                    "pool": frame.name,
+                    "score": float(scores[i]),
+                    "threshold": threshold,
+                },
+            )
+        return out
+
+    def _scores(self, z: Float) -> Float:
+        """Anomaly scores in (0, 1] (higher is easier to isolate) from a forest fitted on the pool."""
+        c = self.config
+        rng = np.random.default_rng(c.seed)
+        fit = z
+        if z.shape[0] > c.max_fit_samples:
+            fit = z[np.sort(rng.choice(z.shape[0], c.max_fit_samples, replace=False))]
+        forest = IsolationForest(n_estimators=c.n_estimators, contamination="auto", random_state=c.seed)
+        forest.fit(fit)
+        scores: Float = -forest.score_samples(z)
+        return scores
+
+    def _finding(
+        self,
+        v: PoolVectors,
+        *,
+        i: int,
+        score: float,
+        threshold: float,
+        distance: float,
+        pool: str,
+        pool_nodes: int,
+    ) -> Finding:
+        c = self.config
+        gpu = int(v.rows[i, 1])
+        z = v.z[i]
+        # Largest |z| first; ties by feature order so the same input always reads the same.
+        order = sorted(range(len(v.features)), key=lambda j: (-abs(float(z[j])), j))[: c.top_features]
+        drivers = []
+        parts = []
+        for j in order:
+            f = v.features[j]
+            zz = float(z[j])
+            value, med = float(v.values[i, j]), float(v.median[j])
+            direction = "high" if zz > 0 else "low"
+            drivers.append(
+                {
+                    "feature": f.key,
+                    "value": None if np.isnan(value) else round(value, 4),
+                    "pool_median": round(med, 4),
+                    "mads": round(zz, 2),
+                    "direction": direction,
+                }
+            )
+            shown = "n/a" if np.isnan(value) else _fmt(value, f.digits)
+            parts.append(f"{f.label} {shown} {f.unit} ({zz:+.1f} MADs, pool {_fmt(med, f.digits)})")
+        summary = (
+            f"GPU {gpu} unlike the {v.rows.shape[0]} loaded GPUs of pool {pool} taken together "
+            f"(isolation score {score:.2f}, threshold {threshold:.2f}): " + "; ".join(parts)
+        )
+        return Finding(
+            detector="forest",
+            key=f"forest:gpu{gpu}",
+            severity="warning",
+            action="alert",
+            summary=summary,
+            since=v.window_start,
+            evidence={
+                "gpu": gpu,
+                "score": round(score, 4),
+                "threshold": round(threshold, 4),
+                "distance": round(distance, 2),
+                "features": drivers,
+                "all_mads": {f.key: round(float(z[j]), 2) for j, f in enumerate(v.features)},
+                "loaded_slots": int(v.loaded_slots[i]),
+                "pool": pool,
+                "peers": int(v.rows.shape[0]),
+                "peer_nodes": pool_nodes,
+                "seed": c.seed,
+            },
+        )
