@@ -18,8 +18,9 @@ from agent.errors import ConfigError
 from aggregator.auth import Authenticator, StaticTokens, TokenReviewAuthenticator
 from aggregator.config import Config
 from aggregator.configload import load_config
-from aggregator.decisions import DecisionLog
+from aggregator.decisions import Decision, DecisionLog
 from aggregator.metrics import Metrics
+from aggregator.notify import make_dispatcher
 from aggregator.pipeline import Pipeline
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.rules.model import Rule
@@ -84,12 +85,19 @@ def run(args: argparse.Namespace) -> int:
         )
 
     decisions = DecisionLog(args.decisions)
-    pipeline = Pipeline(
-        config,
-        rules,
-        decisions,
-        on_decision=lambda d: metrics.decision(d.reasons[0].detector if d.reasons else "none", d.state),
+    pipeline: Pipeline | None = None
+    notify = make_dispatcher(
+        config.notify,
+        registry,
+        clock=clock,
+        pool_of=lambda node: pipeline.pool_of(node) if pipeline is not None else None,
     )
+
+    def on_decision(d: Decision) -> None:
+        metrics.decision(d.reasons[0].detector if d.reasons else "none", d.state)
+        notify.on_decision(d)  # only queues: delivery never blocks detection
+
+    pipeline = Pipeline(config, rules, decisions, on_decision=on_decision, on_systemic=notify.on_systemic)
     log.info(
         "aggregator starting",
         extra={"rules": len(rules), "decisions": str(args.decisions), "dry_run": True},
@@ -99,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         return [] if decisions.writable else [f"decision log {args.decisions} is not writable"]
 
     app = create_app(pipeline, authenticator, config, clock, registry, metrics=metrics, readiness=readiness)
+    app.cleanup_ctx.append(notify.lifecycle)
     try:
         asyncio.run(serve(app, host, port))
     except OSError as exc:  # the address is taken or cannot be bound

@@ -5,7 +5,7 @@ Each part owns its section's type here so that a newcomer finds every knob in on
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -59,6 +59,33 @@ class AuthConfig(_Section, frozen=True):
     cache_seconds: Annotated[float, Meta(ge=0)] = 60.0
 
 
+PageKind = Literal["held", "lemon", "systemic", "quarantined", "link"]
+DEFAULT_RUNBOOK_BASE = "https://github.com/gpuwarden/gpuwarden/blob/main/docs/runbooks/"
+
+
+class NotifyConfig(_Section, frozen=True):
+    """The ``notify:`` section. Every notifier is off until its URL (or key) is set."""
+
+    # The aggregator's address as on-call reaches it: alerts link to <external_url>/api/v1/nodes/<node>.
+    external_url: str | None = None
+    runbook_base_url: str = DEFAULT_RUNBOOK_BASE
+    alertmanager_url: str | None = None  # e.g. http://alertmanager:9093 (POST /api/v2/alerts)
+    webhook_url: str | None = None  # any receiver of JSON
+    slack_webhook_url: str | None = None  # a Slack incoming webhook
+    pagerduty_routing_key: str | None = None  # an Events API v2 integration key
+    pagerduty_url: str = "https://events.pagerduty.com/v2/enqueue"
+    # What pages (PagerDuty, severity=page); routine quarantines and links do not unless listed.
+    page_on: tuple[PageKind, ...] = ("held", "lemon", "systemic")
+    # Alertmanager forgets an alert that is not re-sent before its endsAt: firing alerts are
+    # re-posted this often, with endsAt four periods ahead.
+    resend_seconds: Annotated[float, Meta(gt=0)] = 60.0
+    queue_size: Annotated[int, Meta(gt=0)] = 1000  # per notifier; the oldest entry goes first
+    timeout_seconds: Annotated[float, Meta(gt=0)] = 10.0  # one HTTP request
+    retry_initial_seconds: Annotated[float, Meta(gt=0)] = 1.0
+    retry_max_seconds: Annotated[float, Meta(gt=0)] = 60.0
+    slack_min_interval_seconds: Annotated[float, Meta(ge=0)] = 1.0  # Slack allows ~1 message/s
+
+
 class Config(_Section, frozen=True):
     rules_dir: str | None = None  # default: the rules/ directory shipped with gpuwarden
     ingest: IngestConfig = IngestConfig()
@@ -66,3 +93,4 @@ class Config(_Section, frozen=True):
     health: HealthConfig = HealthConfig()
     silence: SilenceConfig = SilenceConfig()
     auth: AuthConfig = AuthConfig()
+    notify: NotifyConfig = NotifyConfig()

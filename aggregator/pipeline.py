@@ -234,6 +234,10 @@ class Pipeline:
 
     # -- read API -------------------------------------------------------------------------------
 
+    def pool_of(self, node: str) -> str | None:
+        rec = self._nodes.get(node)
+        return rec.placement.pool if rec is not None else None
+
     def node_states(self) -> dict[str, int]:
         counts = {"healthy": 0, "suspect": 0, "quarantined": 0, "probation": 0}
         for h in self.health.nodes().values():

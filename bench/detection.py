@@ -1,0 +1,425 @@
+"""Detection quality: gpuwarden against a static-threshold baseline, over seeds and magnitudes.
+
+Run from the repository root (about 3 minutes on 2 cores; no network; traces live in a temporary
+directory)::
+
+    .venv/bin/python bench/detection.py [SCENARIO ...] [--seeds 5] [--jobs 2]
+        [--sweep slow_gpu.ratio=0.92,0.88,0.80] [--sweep-seeds 3] [--json FILE]
+
+What it does, for every scenario (default ``scenarios/fleet64.yaml``) and seed 1..``--seeds``:
+``sim.cli.write_trace`` writes the trace and the truth, ``aggregator.replay.replay`` runs the
+live pipeline over it with the default configuration and shipped rules, and ``sim.eval`` scores
+the decisions and the baseline (critical XIDs, DBE, remap failure, >= 85 C, IB port down) on the
+same trace. ``--sweep KIND.PARAM=V1,V2,...`` then reruns the first scenario on ``--sweep-seeds``
+seeds with that parameter of every fault of that kind set to each value (repeatable; ``--sweep
+none`` turns the default sweep off).
+
+Markdown goes to stdout, progress to stderr: per fault class recall and time to detect (pooled over
+seeds) for both systems, the issue's targets one by one, false quarantines by cause, link
+attribution, one row per fault kind (which seeds miss it, and its slowest detection), and the
+sweep. ``--json FILE`` writes every fault's outcome on every run. Not a test: nothing here fails
+a build; the published table is in docs/detection.md ("Results").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+from agent.errors import ConfigError
+from aggregator.config import Config
+from aggregator.replay import replay
+from aggregator.rules.model import default_rules_dir, load_rules
+from sim import eval as sim_eval
+from sim import scenario as scenario_mod
+from sim.cli import write_trace
+from sim.truth import Truth, TruthFault
+
+log = logging.getLogger("bench.detection")
+
+DEFAULT_SCENARIO: Final = Path("scenarios/fleet64.yaml")
+DEFAULT_SWEEP: Final = "slow_gpu.ratio=0.92,0.88,0.80"
+# The issue's targets (issue 4, "Targets").
+HARD_WITHIN_S: Final = 30.0
+SOFT_WITHIN_S: Final = 600.0
+SOFT_RECALL: Final = 0.85
+LINK_WITHIN_S: Final = 600.0
+MAX_FALSE_QUARANTINES: Final = 1
+CLASS_ORDER: Final = ("hard", "soft", "link", "silent")
+
+
+@dataclass(frozen=True)
+class Job:
+    scenario: str  # path
+    seed: int
+    sweep: tuple[str, str, float] | None  # (kind, parameter, value)
+
+
+def _label(job: Job) -> str:
+    base = f"{Path(job.scenario).stem} seed {job.seed}"
+    return base if job.sweep is None else f"{base} {job.sweep[0]}.{job.sweep[1]}={job.sweep[2]:g}"
+
+
+def _with_sweep(s: scenario_mod.Scenario, sweep: tuple[str, str, float] | None) -> scenario_mod.Scenario:
+    if sweep is None:
+        return s
+    kind, param, value = sweep
+    faults = tuple(replace(f, params={**f.params, param: value}) if f.kind == kind else f for f in s.faults)
+    s = replace(s, faults=faults)
+    s.validate()
+    return s
+
+
+def _fault_outcome(
+    f: TruthFault, mine: list[sim_eval.Decision], base: list[sim_eval.Decision]
+) -> dict[str, Any]:
+    # The evaluator's own matching rule, so the per-fault rows agree with its class totals.
+    at = sim_eval._catch_time(f, mine)
+    at_base = sim_eval._catch_time(f, base)
+    return {
+        "id": f.id,
+        "kind": f.kind,
+        "class": f.fault_class,
+        "node": f.node,
+        "peer": f.peer,
+        "start": f.start,
+        "first_seen": f.first_seen,
+        "caught_at": at,
+        "ttd_s": None if at is None else sim_eval._ttd(f, at),
+        "baseline_ttd_s": None if at_base is None else sim_eval._ttd(f, at_base),
+    }
+
+
+def _false_quarantines(truth: Truth, ds: list[sim_eval.Decision]) -> list[dict[str, Any]]:
+    out = []
+    for d in ds:
+        if d.subject != "node" or d.state != "quarantined":
+            continue
+        mine = [f for f in truth.faults if d.node in (f.node, f.peer)]
+        real = [f for f in mine if f.fault_class in sim_eval.NODE_CLASSES and f.node == d.node]
+        if any(f.start <= d.time for f in real):
+            continue
+        cause = sim_eval._false_cause(d.node, mine, real)
+        out.append(
+            {"node": d.node, "at_s": d.time - truth.start, "cause": cause, "detectors": sorted(d.detectors)}
+        )
+    return out
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    """Simulate, replay and score one (scenario, seed, sweep point); runs in a worker process."""
+    # The pipeline logs every decision and systemic event; the table is the output here.
+    logging.getLogger().setLevel(logging.ERROR)
+    started = time.perf_counter()
+    s = scenario_mod.load(Path(job.scenario)).with_overrides(seed=job.seed, nodes=None, minutes=None)
+    s = _with_sweep(s, job.sweep)
+    with tempfile.TemporaryDirectory(prefix="gpuwarden-detection-") as tmp:
+        trace = Path(tmp) / "trace.jsonl.gz"
+        decisions_path = Path(tmp) / "decisions.jsonl"
+        reports, truth = write_trace(s, trace)
+        config = Config()
+        rules = load_rules([Path(config.rules_dir) if config.rules_dir else default_rules_dir()])
+        replay(trace, decisions_path, config, rules)
+        mine = sorted(sim_eval.load_decisions(decisions_path), key=lambda d: d.time)
+        base = sorted(sim_eval.baseline(trace), key=lambda d: d.time)
+    return {
+        "scenario": job.scenario,
+        "seed": job.seed,
+        "sweep": None
+        if job.sweep is None
+        else {"kind": job.sweep[0], "param": job.sweep[1], "value": job.sweep[2]},
+        "reports": reports,
+        "seconds": round(time.perf_counter() - started, 1),
+        "gpuwarden": sim_eval.score(truth, mine),
+        "baseline": sim_eval.score(truth, base),
+        "faults": [_fault_outcome(f, mine, base) for f in truth.faults if f.fault_class != "lookalike"],
+        "false_quarantines": _false_quarantines(truth, mine),
+        "links_degraded": [
+            {"node": d.node, "peer": d.peer, "at_s": d.time - truth.start}
+            for d in mine
+            if d.subject == "link" and d.state == "degraded"
+        ],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables
+
+
+def _pct(n: int, d: int) -> str:
+    return f"{n}/{d} ({100 * n / d:.0f}%)" if d else "-"
+
+
+def _secs(values: list[float]) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    return f"{statistics.median(ordered):.0f} / {p90:.0f} s"
+
+
+def _class_rows(runs: list[dict[str, Any]]) -> list[str]:
+    rows = [
+        "| class | faults | gpuwarden recall | gpuwarden TTD median / p90 "
+        "| baseline recall | baseline TTD median / p90 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cls in CLASS_ORDER:
+        faults = [f for r in runs for f in r["faults"] if f["class"] == cls]
+        mine = [f["ttd_s"] for f in faults if f["ttd_s"] is not None]
+        base = [f["baseline_ttd_s"] for f in faults if f["baseline_ttd_s"] is not None]
+        rows.append(
+            f"| {cls} | {len(faults)} | {_pct(len(mine), len(faults))} | {_secs(mine)} | "
+            f"{_pct(len(base), len(faults))} | {_secs(base)} |"
+        )
+    return rows
+
+
+def _targets(runs: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets, judged per run and counted over runs."""
+    n = len(runs)
+    hard_ok = soft_ok = link_ok = fq_ok = 0
+    for r in runs:
+        hard = [f for f in r["faults"] if f["class"] == "hard"]
+        if all(f["ttd_s"] is not None and f["ttd_s"] <= HARD_WITHIN_S for f in hard):
+            hard_ok += 1
+        soft = [f for f in r["faults"] if f["class"] == "soft"]
+        in_time = sum(1 for f in soft if f["ttd_s"] is not None and f["ttd_s"] <= SOFT_WITHIN_S)
+        if not soft or in_time / len(soft) >= SOFT_RECALL:
+            soft_ok += 1
+        links = [f for f in r["faults"] if f["class"] == "link"]
+        attributed = r["gpuwarden"]["links"]["attributed"] == r["gpuwarden"]["links"]["faults"]
+        if attributed and all(f["ttd_s"] is not None and f["ttd_s"] <= LINK_WITHIN_S for f in links):
+            link_ok += 1
+        fq = r["false_quarantines"]
+        bad_cause = any(q["cause"] in ("lookalike", "silent_rack") for q in fq)
+        if len(fq) <= MAX_FALSE_QUARANTINES and not bad_cause:
+            fq_ok += 1
+    soft_all = [f for r in runs for f in r["faults"] if f["class"] == "soft"]
+    soft_in = sum(1 for f in soft_all if f["ttd_s"] is not None and f["ttd_s"] <= SOFT_WITHIN_S)
+    return [
+        "| target | runs meeting it |",
+        "|---|---|",
+        f"| every hard fault quarantined within {HARD_WITHIN_S:.0f} s of first showing | {hard_ok}/{n} |",
+        f"| >= {100 * SOFT_RECALL:.0f}% of soft faults quarantined within {SOFT_WITHIN_S / 60:.0f} min "
+        f"(pooled: {_pct(soft_in, len(soft_all))}) | {soft_ok}/{n} |",
+        f"| degraded link reported as a link within {LINK_WITHIN_S / 60:.0f} min, neither end quarantined "
+        f"| {link_ok}/{n} |",
+        f"| at most {MAX_FALSE_QUARANTINES} false quarantine, none from look-alikes or the silent rack "
+        f"| {fq_ok}/{n} |",
+    ]
+
+
+def _quarantine_rows(runs: list[dict[str, Any]]) -> list[str]:
+    rows = ["| | gpuwarden | baseline |", "|---|---|---|"]
+    for system_rows in ("true/total",):
+        cells = []
+        for system in ("gpuwarden", "baseline"):
+            q = [r[system]["quarantines"] for r in runs]
+            cells.append(f"{sum(x['true'] for x in q)}/{sum(x['total'] for x in q)}")
+        rows.append(f"| quarantines {system_rows} | " + " | ".join(cells) + " |")
+    for cause in sim_eval.FALSE_CAUSES:
+        cells = [
+            str(sum(r[s]["quarantines"]["false_by_cause"][cause] for r in runs))
+            for s in ("gpuwarden", "baseline")
+        ]
+        rows.append(f"| false: {cause} | " + " | ".join(cells) + " |")
+    lk = [r["gpuwarden"]["links"] for r in runs]
+    rows.append(
+        f"| link decisions true/total | {sum(x['true'] for x in lk)}/{sum(x['degraded'] for x in lk)} | 0/0 |"
+    )
+    rows.append(
+        f"| link attribution (link, no end blamed) | {sum(x['attributed'] for x in lk)}/"
+        f"{sum(x['faults'] for x in lk)} | 0/{sum(x['faults'] for x in lk)} |"
+    )
+    return rows
+
+
+def _kind_rows(runs: list[dict[str, Any]]) -> list[str]:
+    rows = [
+        "| kind | class | caught | missed on seeds | TTD median / max | baseline caught |",
+        "|---|---|---|---|---|---|",
+    ]
+    kinds: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for r in runs:
+        for f in r["faults"]:
+            kinds.setdefault(f["kind"], []).append((r["seed"], f))
+    for kind, entries in kinds.items():
+        caught = [f["ttd_s"] for _, f in entries if f["ttd_s"] is not None]
+        missed = sorted({seed for seed, f in entries if f["ttd_s"] is None})
+        ttd = f"{statistics.median(caught):.0f} / {max(caught):.0f} s" if caught else "-"
+        base = sum(1 for _, f in entries if f["baseline_ttd_s"] is not None)
+        rows.append(
+            f"| {kind} | {entries[0][1]['class']} | {len(caught)}/{len(entries)} | "
+            f"{', '.join(map(str, missed)) or '-'} | {ttd} | {base}/{len(entries)} |"
+        )
+    return rows
+
+
+def _sweep_rows(runs: list[dict[str, Any]]) -> list[str]:
+    rows = [
+        "| sweep point | faults of that kind caught | TTD median / max | false quarantines "
+        "| all soft caught |",
+        "|---|---|---|---|---|",
+    ]
+    points: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    for r in runs:
+        sw = r["sweep"]
+        points.setdefault((sw["kind"], sw["param"], sw["value"]), []).append(r)
+    for (kind, param, value), rs in points.items():
+        fs = [f for r in rs for f in r["faults"] if f["kind"] == kind]
+        caught = [f["ttd_s"] for f in fs if f["ttd_s"] is not None]
+        ttd = f"{statistics.median(caught):.0f} / {max(caught):.0f} s" if caught else "-"
+        fq = sum(len(r["false_quarantines"]) for r in rs)
+        soft = [f for r in rs for f in r["faults"] if f["class"] == "soft"]
+        soft_caught = sum(1 for f in soft if f["ttd_s"] is not None)
+        rows.append(
+            f"| {kind}.{param} = {value:g} ({len(rs)} seeds) | {_pct(len(caught), len(fs))} | {ttd} | {fq} | "
+            f"{_pct(soft_caught, len(soft))} |"
+        )
+    return rows
+
+
+def _detail(runs: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for r in runs:
+        missed = [f"{f['kind']} ({f['node']})" for f in r["faults"] if f["ttd_s"] is None]
+        slow = [
+            f"{f['kind']} {f['ttd_s']:.0f} s"
+            for f in r["faults"]
+            if f["ttd_s"] is not None
+            and f["ttd_s"]
+            > {"hard": HARD_WITHIN_S, "soft": SOFT_WITHIN_S, "link": LINK_WITHIN_S}.get(f["class"], 1e9)
+        ]
+        fq = [f"{q['node']} ({q['cause']}, {'+'.join(q['detectors'])})" for q in r["false_quarantines"]]
+        lines.append(
+            f"- seed {r['seed']}: missed {', '.join(missed) or 'none'}; "
+            f"over target {', '.join(slow) or 'none'}; false quarantines {', '.join(fq) or 'none'}"
+        )
+    return lines
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def render(main: list[dict[str, Any]], sweep: list[dict[str, Any]], command: str) -> str:
+    by_scenario: dict[str, list[dict[str, Any]]] = {}
+    for r in main:
+        by_scenario.setdefault(r["scenario"], []).append(r)
+    out = [
+        f"Command: `{command}`  ",
+        f"Date: {datetime.now(UTC):%Y-%m-%d}; machine: {machine()}.",
+        "",
+    ]
+    for scen, runs in by_scenario.items():
+        seeds = ", ".join(str(r["seed"]) for r in runs)
+        out += [f"### {scen}, seeds {seeds}", ""]
+        out += ["Per fault class, pooled over seeds (TTD from the first report that shows the fault):", ""]
+        out += [*_class_rows(runs), ""]
+        out += ["The issue's targets, per run:", ""]
+        out += [*_targets(runs), ""]
+        out += ["Quarantines and links, summed over seeds:", ""]
+        out += [*_quarantine_rows(runs), ""]
+        out += ["Per fault kind:", ""]
+        out += [*_kind_rows(runs), ""]
+        out += ["Per seed:", ""]
+        out += [*_detail(runs), ""]
+    if sweep:
+        out += [f"### Magnitude sweep ({Path(sweep[0]['scenario']).stem})", ""]
+        out += [*_sweep_rows(sweep), ""]
+    return "\n".join(out)
+
+
+def _parse_sweep(text: str) -> list[tuple[str, str, float]]:
+    try:
+        target, values = text.split("=", 1)
+        kind, param = target.split(".", 1)
+        points = [float(v) for v in values.split(",") if v.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"--sweep {text!r}: expected KIND.PARAM=V1,V2,...") from exc
+    if kind not in scenario_mod.FAULT_KINDS or param not in scenario_mod.FAULT_KINDS[kind][2]:
+        raise ConfigError(f"--sweep {text!r}: {kind}.{param} is not a fault parameter (docs/simulator.md)")
+    if not points:
+        raise ConfigError(f"--sweep {text!r}: no values")
+    return [(kind, param, v) for v in points]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else None)
+    p.add_argument("scenarios", nargs="*", type=Path, default=[DEFAULT_SCENARIO])
+    p.add_argument("--seeds", type=int, default=5, help="seeds 1..N for every scenario (5)")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
+    p.add_argument(
+        "--sweep", action="append", help=f"KIND.PARAM=V1,V2,... (default {DEFAULT_SWEEP}; 'none' for none)"
+    )
+    p.add_argument("--sweep-seeds", type=int, default=3, help="seeds 1..N for each sweep point (3)")
+    p.add_argument("--json", type=Path, help="write every run's outcome here")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.seeds < 1 or args.sweep_seeds < 1 or args.jobs < 1:
+        p.error("--seeds, --sweep-seeds and --jobs must be >= 1")
+    for path in args.scenarios:
+        scenario_mod.load(path)  # a bad scenario fails here, before any worker starts
+    sweeps = (
+        []
+        if args.sweep == ["none"]
+        else [pt for s in (args.sweep or [DEFAULT_SWEEP]) for pt in _parse_sweep(s)]
+    )
+    jobs = [Job(str(s), seed, None) for s in args.scenarios for seed in range(1, args.seeds + 1)]
+    jobs += [
+        Job(str(args.scenarios[0]), seed, pt) for pt in sweeps for seed in range(1, args.sweep_seeds + 1)
+    ]
+    started = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for job, result in zip(jobs, pool.map(run_job, jobs), strict=True):
+            log.info("%s: %d reports, %.1f s", _label(job), result["reports"], result["seconds"])
+            results.append(result)
+    main_runs = [r for r in results if r["sweep"] is None]
+    sweep_runs = [r for r in results if r["sweep"] is not None]
+    command = ".venv/bin/python bench/detection.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(render(main_runs, sweep_runs, command.strip()))
+    log.info("done in %.0f s", time.perf_counter() - started)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps(
+                {
+                    "command": command.strip(),
+                    "date": f"{datetime.now(UTC):%Y-%m-%d}",
+                    "machine": machine(),
+                    "runs": results,
+                },
+                indent=1,
+            )
+            + "\n",
+            "utf-8",
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,881 @@
+"""gpuwarden's Grafana dashboards, as code: ``python grafana/generate.py`` writes grafana/dashboards/.
+
+Plain dicts in Grafana's dashboard JSON model (no SDK dependency), pinned to one schemaVersion so
+that Grafana does not migrate them on load. The committed JSON is this script's output;
+tests/test_grafana.py fails when they differ, so edit this file and regenerate, never the JSON.
+
+Every query reads a metric the agent or the aggregator exports, or a recording rule of
+rules/prometheus/gpuwarden-recording.yml (the test checks this). Where the metric a panel needs does
+not exist yet, the panel is a text panel that says so, rather than a query that shows "No data".
+
+Queries use ``$__rate_interval`` (Grafana's recommended window for rate(), at least four scrape
+intervals) and the template variables ``$datasource``, ``$node`` and ``$aggregator_url``;
+``expand`` substitutes them for running a query outside Grafana (the end-to-end test does).
+
+Usage: ``python grafana/generate.py`` (write), ``python grafana/generate.py --check`` (exit 1 when
+the committed files are stale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+# Grafana 10.4 and 11.x write schemaVersion 39; a dashboard at the version Grafana writes is loaded
+# as is, without migration.
+SCHEMA_VERSION = 39
+GRAFANA_MIN_VERSION = "10.4.0"
+DASHBOARDS_DIR = Path(__file__).resolve().parent / "dashboards"
+TAGS = ["gpuwarden"]
+
+# What ``expand`` puts for Grafana's built-in variables: the rules' 5m windows assume a scrape
+# interval of 75 s or less, and $__rate_interval is at least four scrape intervals.
+BUILTIN_DEFAULTS: Mapping[str, str] = {
+    "__rate_interval": "5m",
+    "__interval": "1m",
+    "__range": "1h",
+}
+
+Json = dict[str, Any]
+
+_DS: Json = {"type": "prometheus", "uid": "${datasource}"}
+_NODE = 'node="$node"'
+_NODES = 'node=~"$node"'
+_RI = "$__rate_interval"
+_GPU_LEGEND = "GPU {{gpu}}"
+
+
+# --- template variables ---------------------------------------------------------------------------
+
+
+def _datasource_var() -> Json:
+    return {
+        "name": "datasource",
+        "label": "Data source",
+        "type": "datasource",
+        "query": "prometheus",
+        "current": {},
+        "hide": 0,
+        "refresh": 1,
+        "regex": "",
+        "options": [],
+    }
+
+
+def _query_var(name: str, label: str, query: str, *, multi: bool = False) -> Json:
+    var: Json = {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": _DS,
+        "definition": query,
+        "query": {"query": query, "refId": f"{name}-variable"},
+        "current": {},
+        "hide": 0,
+        "refresh": 2,  # on time range change: nodes come and go
+        "regex": "",
+        "sort": 1,
+        "multi": multi,
+        "includeAll": multi,
+        "options": [],
+    }
+    if multi:
+        var["allValue"] = ".+"
+    return var
+
+
+def _aggregator_url_var() -> Json:
+    # A browser opens the link, so the default is where `kubectl port-forward` puts the Service;
+    # sites with an ingress set their URL here or in the provisioned copy.
+    return {
+        "name": "aggregator_url",
+        "label": "Aggregator URL",
+        "type": "textbox",
+        "query": "http://localhost:8080",
+        "current": {"text": "http://localhost:8080", "value": "http://localhost:8080"},
+        "hide": 0,
+        "options": [],
+    }
+
+
+# --- panels ---------------------------------------------------------------------------------------
+
+
+def _target(expr: str, legend: str = "", *, instant: bool = False, fmt: str = "time_series") -> Json:
+    return {
+        "datasource": _DS,
+        "expr": expr,
+        "legendFormat": legend or "__auto",
+        "range": not instant,
+        "instant": instant,
+        "format": fmt,
+    }
+
+
+def _timeseries(
+    title: str,
+    targets: Sequence[Json],
+    *,
+    unit: str = "short",
+    description: str = "",
+    stack: bool = False,
+    w: int = 12,
+    h: int = 8,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> Json:
+    defaults: Json = {
+        "unit": unit,
+        "custom": {
+            "drawStyle": "line",
+            "lineWidth": 1,
+            "fillOpacity": 20 if stack else 0,
+            "showPoints": "never",
+            "spanNulls": False,
+            "stacking": {"mode": "normal" if stack else "none", "group": "A"},
+        },
+    }
+    if minimum is not None:
+        defaults["min"] = minimum
+    if maximum is not None:
+        defaults["max"] = maximum
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": _DS,
+        "targets": list(targets),
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {
+            "legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+        "_size": (w, h),
+    }
+
+
+def _stat(
+    title: str, targets: Sequence[Json], *, unit: str = "short", description: str = "", w: int = 6
+) -> Json:
+    return {
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "datasource": _DS,
+        "targets": list(targets),
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "value",
+            "graphMode": "area",
+            "textMode": "value_and_name",
+        },
+        "_size": (w, 4),
+    }
+
+
+def _heatmap(title: str, expr: str, *, description: str = "", w: int = 12, h: int = 8) -> Json:
+    return {
+        "type": "heatmap",
+        "title": title,
+        "description": description,
+        "datasource": _DS,
+        "targets": [_target(expr, "{{le}}", fmt="heatmap")],
+        "options": {
+            "calculate": False,
+            "yAxis": {"unit": "s"},
+            "cellGap": 1,
+            "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+        },
+        "fieldConfig": {"defaults": {}, "overrides": []},
+        "_size": (w, h),
+    }
+
+
+def _table(title: str, targets: Sequence[Json], *, description: str = "", w: int = 12, h: int = 8) -> Json:
+    return {
+        "type": "table",
+        "title": title,
+        "description": description,
+        "datasource": _DS,
+        "targets": list(targets),
+        "fieldConfig": {"defaults": {}, "overrides": []},
+        "options": {"showHeader": True},
+        "transformations": [{"id": "merge", "options": {}}],
+        "_size": (w, h),
+    }
+
+
+def _text(title: str, markdown: str, *, w: int = 12, h: int = 4, links: Sequence[Json] = ()) -> Json:
+    panel: Json = {
+        "type": "text",
+        "title": title,
+        "options": {"mode": "markdown", "content": markdown.strip() + "\n"},
+        "_size": (w, h),
+    }
+    if links:
+        panel["links"] = list(links)
+    return panel
+
+
+def _not_exported(title: str, what: str, *, w: int = 12) -> Json:
+    return _text(
+        title,
+        f"**Not available yet.** {what}\n\n"
+        "gpuwarden does not export this metric yet, so this panel has no query; it gets one when the "
+        "metric exists (grafana/generate.py).",
+        w=w,
+    )
+
+
+def _row(title: str) -> Json:
+    return {"type": "row", "title": title, "collapsed": False, "panels": [], "_size": (24, 1)}
+
+
+def _layout(panels: Sequence[Json]) -> list[Json]:
+    """Give each panel an id and a gridPos, left to right, wrapping at Grafana's 24 columns."""
+    out: list[Json] = []
+    x = y = row_h = 0
+    for pid, panel in enumerate(panels, start=1):
+        p = dict(panel)
+        w, h = p.pop("_size")
+        if x + w > 24 or p["type"] == "row":
+            x, y, row_h = 0, y + row_h, 0
+        p["id"] = pid
+        p["gridPos"] = {"h": h, "w": w, "x": x, "y": y}
+        out.append(p)
+        x += w
+        row_h = max(row_h, h)
+        if p["type"] == "row":
+            x, y, row_h = 0, y + h, 0
+    return out
+
+
+def _dashboard(
+    uid: str,
+    title: str,
+    description: str,
+    variables: Sequence[Json],
+    panels: Sequence[Json],
+    *,
+    links: Sequence[Json] = (),
+) -> Json:
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": TAGS,
+        "schemaVersion": SCHEMA_VERSION,
+        "version": 1,
+        "editable": True,
+        "graphTooltip": 1,  # shared crosshair: line up a clock drop with an XID on the same node
+        "timezone": "browser",
+        "time": {"from": "now-6h", "to": "now"},
+        "refresh": "1m",
+        "fiscalYearStartMonth": 0,
+        "liveNow": False,
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "links": [
+            {
+                "title": "gpuwarden dashboards",
+                "type": "dashboards",
+                "tags": TAGS,
+                "asDropdown": True,
+                "includeVars": True,
+                "keepTime": True,
+            },
+            *links,
+        ],
+        "templating": {"list": [_datasource_var(), *variables]},
+        "panels": _layout(panels),
+    }
+
+
+# --- the dashboards -------------------------------------------------------------------------------
+
+
+def fleet_overview() -> Json:
+    decisions15m = "job_detector_state:gpuwarden_aggregator_decisions:increase15m"
+    panels = [
+        _row("Nodes"),
+        _stat(
+            "Nodes by state",
+            [_target("sum by (state) (gpuwarden_aggregator_nodes)", "{{state}}", instant=True)],
+            description="Nodes every aggregator replica knows, summed over the replicas, by health state.",
+            w=8,
+        ),
+        _stat(
+            "Agents reporting to Prometheus",
+            [_target("count(gpuwarden_agent_info)", "agents", instant=True)],
+            description="Agents Prometheus scrapes now (gpuwarden_agent_info is 1 on each).",
+            w=8,
+        ),
+        _stat(
+            "Scrape targets up",
+            [_target("job:up:avg", "{{job}}", instant=True)],
+            unit="percentunit",
+            description="Share of gpuwarden's scrape targets that answer, per job.",
+            w=8,
+        ),
+        _timeseries(
+            "Nodes by state",
+            [_target("sum by (state) (gpuwarden_aggregator_nodes)", "{{state}}")],
+            stack=True,
+            minimum=0,
+        ),
+        _timeseries(
+            "Quarantines and releases (last 15 minutes)",
+            [
+                _target(
+                    f'sum by (detector) ({decisions15m}{{state="quarantined"}})',
+                    "quarantined by {{detector}}",
+                ),
+                _target(
+                    f'sum by (state) ({decisions15m}{{state=~"probation|healthy"}})',
+                    "entered {{state}}",
+                ),
+            ],
+            description="Decisions in the 15 minutes before each point: nodes quarantined, by the "
+            "detector that caused it; nodes let out on probation and back to healthy. A node's "
+            "decisions with their evidence are in the aggregator's API (node drill-down dashboard).",
+            minimum=0,
+        ),
+        _not_exported(
+            "Circuit breaker",
+            "The breaker (it holds quarantines when too many nodes would be taken out at once) has no "
+            "metric yet. Held decisions are in the aggregator's log and API "
+            "(`GET /api/v1/decisions`).",
+        ),
+        _not_exported(
+            "Probe coverage",
+            "Share of nodes whose active probes ran recently (per pool) has no metric yet.",
+        ),
+        _row("Ingest health"),
+        _timeseries(
+            "Reports per second",
+            [
+                _target(f"sum(rate(gpuwarden_aggregator_reports_accepted_total[{_RI}]))", "accepted"),
+                _target(f"sum(rate(gpuwarden_aggregator_reports_duplicate_total[{_RI}]))", "duplicate"),
+                _target(
+                    f"sum by (reason) (rate(gpuwarden_aggregator_reports_rejected_total[{_RI}]))",
+                    "rejected: {{reason}}",
+                ),
+            ],
+            unit="reqps",
+            description="Reports the aggregator answered: accepted, duplicates (a retry of a report "
+            "already processed) and rejections by reason code (see aggregator/service.py).",
+            minimum=0,
+        ),
+        _timeseries(
+            "Rejected share of reports",
+            [
+                _target("job:gpuwarden_aggregator_reports_rejected:ratio_rate5m", "all reasons"),
+                _target("job_reason:gpuwarden_aggregator_reports_rejected:ratio_rate5m", "{{reason}}"),
+            ],
+            unit="percentunit",
+            minimum=0,
+        ),
+        _heatmap(
+            "Ingest latency",
+            f"sum by (le) (rate(gpuwarden_aggregator_ingest_seconds_bucket[{_RI}]))",
+            description="Time to process one report once its body arrived. Sub-millisecond when healthy.",
+        ),
+        _timeseries(
+            "Ingest latency quantiles",
+            [
+                _target(
+                    "instance:gpuwarden_aggregator_ingest_seconds:quantile_rate5m",
+                    "{{instance}} p{{quantile}}",
+                )
+            ],
+            unit="s",
+            minimum=0,
+        ),
+        _timeseries(
+            "Detection cycle duration",
+            [
+                _target(
+                    "instance:gpuwarden_aggregator_detection_cycle_seconds:quantile_rate5m",
+                    "{{instance}} p{{quantile}}",
+                )
+            ],
+            unit="s",
+            description="One periodic detection cycle (silence and fleet-wide detectors) runs every "
+            "second: near 1 s means detection is falling behind.",
+            minimum=0,
+        ),
+        _timeseries(
+            "Detection cycle failures",
+            [_target("instance:gpuwarden_aggregator_detection_cycle_failures:ratio_rate5m", "{{instance}}")],
+            unit="percentunit",
+            minimum=0,
+        ),
+        _row("Agents"),
+        _timeseries(
+            "Shipper",
+            [
+                _target(f"sum(rate(gpuwarden_shipper_failed_attempts_total[{_RI}]))", "failed attempts/s"),
+                _target(f"sum(rate(gpuwarden_shipper_reports_dropped_total[{_RI}]))", "dropped/s"),
+                _target("max(gpuwarden_shipper_spool_depth)", "largest spool"),
+            ],
+            description="Deliveries from the agents that failed (and are retried), reports dropped "
+            "from a full spool, and the deepest spool in the fleet.",
+            minimum=0,
+        ),
+        _timeseries(
+            "Nodes with a failing collector",
+            [
+                _target(
+                    "sum by (collector) (gpuwarden_collector_supported - gpuwarden_collector_success)",
+                    "{{collector}}",
+                )
+            ],
+            description="Nodes where the collector is supported but failed in the agent's last cycle.",
+            minimum=0,
+        ),
+    ]
+    return _dashboard(
+        "gpuwarden-fleet",
+        "gpuwarden / Fleet overview",
+        "Health states of the fleet, the aggregator's decisions and the health of report ingestion.",
+        [],
+        panels,
+    )
+
+
+def node_drilldown() -> Json:
+    panels = [
+        _row("Node"),
+        _stat("GPUs", [_target(f"count(gpuwarden_gpu_info{{{_NODE}}})", "GPUs", instant=True)], w=6),
+        _stat(
+            "Last report",
+            [
+                _target(
+                    f"time() - gpuwarden_agent_last_report_timestamp_seconds{{{_NODE}}}", "age", instant=True
+                )
+            ],
+            unit="s",
+            w=6,
+        ),
+        _stat(
+            "Collector errors",
+            [_target(f"gpuwarden_agent_errors{{{_NODE}}}", "errors", instant=True)],
+            description="Collector errors in the agent's last report.",
+            w=6,
+        ),
+        _stat(
+            "GPUs throttled",
+            [_target(f"node:gpuwarden_gpu_throttled:avg5m{{{_NODE}}}", "share", instant=True)],
+            unit="percentunit",
+            description="Share of the last 5 minutes the node's GPUs were throttled (power, thermal or "
+            "hardware slowdown), averaged over the GPUs.",
+            w=6,
+        ),
+        _text(
+            "Decisions",
+            "The aggregator keeps this node's state, its reasons with the evidence (GPU UUID, XID, "
+            "counters) and its recent decisions; Prometheus only counts them. Open "
+            "[${aggregator_url}/api/v1/nodes/${node}](${aggregator_url}/api/v1/nodes/${node}) "
+            "(set the *Aggregator URL* variable to an address your browser reaches, e.g. after "
+            "`kubectl -n gpuwarden port-forward svc/gpuwarden-aggregator 8080`).",
+            w=24,
+            h=3,
+            links=[
+                {
+                    "title": "Node in the aggregator API",
+                    "url": "${aggregator_url}/api/v1/nodes/${node}",
+                    "targetBlank": True,
+                }
+            ],
+        ),
+        _row("Clocks, temperature, power"),
+        _timeseries(
+            "SM clock / max SM clock",
+            [
+                _target(
+                    f"gpuwarden_gpu_sm_clock_hertz{{{_NODE}}} / gpuwarden_gpu_sm_clock_max_hertz{{{_NODE}}}",
+                    _GPU_LEGEND,
+                )
+            ],
+            unit="percentunit",
+            description="Each GPU's SM clock as a share of its maximum: a GPU well below its peers "
+            "under the same load is throttled or degraded.",
+            minimum=0,
+        ),
+        _timeseries(
+            "SM clock",
+            [
+                _target(f"gpuwarden_gpu_sm_clock_hertz{{{_NODE}}}", _GPU_LEGEND),
+                _target(f"max(gpuwarden_gpu_sm_clock_max_hertz{{{_NODE}}})", "max"),
+            ],
+            unit="hertz",
+            minimum=0,
+        ),
+        _timeseries(
+            "GPU temperature",
+            [_target(f"gpuwarden_gpu_temperature_celsius{{{_NODE}}}", _GPU_LEGEND)],
+            unit="celsius",
+        ),
+        _timeseries(
+            "Memory (HBM) temperature",
+            [_target(f"gpuwarden_gpu_memory_temperature_celsius{{{_NODE}}}", _GPU_LEGEND)],
+            unit="celsius",
+        ),
+        _timeseries(
+            "Power vs limit",
+            [
+                _target(f"gpuwarden_gpu_power_watts{{{_NODE}}}", _GPU_LEGEND),
+                _target(f"gpuwarden_gpu_power_limit_watts{{{_NODE}}}", "GPU {{gpu}} limit"),
+            ],
+            unit="watt",
+            minimum=0,
+        ),
+        _timeseries(
+            "Clock event reasons (share of last 5 minutes)",
+            [
+                _target(
+                    f"gpu_reason:gpuwarden_gpu_clock_event_reason_active:avg5m{{{_NODE}}}",
+                    "GPU {{gpu}} {{reason}}",
+                )
+            ],
+            unit="percentunit",
+            description="Throttle reasons that lower the clocks under load (power cap, thermal and "
+            "hardware slowdown, power brake), as the share of samples they were active.",
+            minimum=0,
+            maximum=1,
+        ),
+        _row("Memory errors"),
+        _timeseries(
+            "ECC errors (volatile) per second",
+            [_target(f"gpu:gpuwarden_gpu_ecc_errors:rate5m{{{_NODE}}}", "GPU {{gpu}} {{type}}")],
+            description="sbe: corrected single-bit; dbe: uncorrected double-bit. Since the driver loaded.",
+            minimum=0,
+        ),
+        _timeseries(
+            "Remapped rows and retired pages",
+            [
+                _target(f"gpuwarden_gpu_remapped_rows{{{_NODE}}}", "GPU {{gpu}} remapped {{type}}"),
+                _target(f"gpuwarden_gpu_remapped_rows_pending{{{_NODE}}}", "GPU {{gpu}} remap pending"),
+                _target(f"gpuwarden_gpu_remapped_rows_failure{{{_NODE}}}", "GPU {{gpu}} remap failed"),
+                _target(f"gpuwarden_gpu_retired_pages{{{_NODE}}}", "GPU {{gpu}} retired {{cause}}"),
+            ],
+            description="Row remapping (A100 and later) or page retirement (earlier GPUs): a pending "
+            "remap needs a GPU reset, a failed one means no spare row is left.",
+            minimum=0,
+        ),
+        _row("XIDs and interconnect"),
+        _timeseries(
+            "XID events",
+            [
+                _target(
+                    f"sum by (gpu, code) (increase(gpuwarden_gpu_xid_events_total{{{_NODE}}}[{_RI}]))",
+                    "GPU {{gpu}} XID {{code}}",
+                )
+            ],
+            description="XID errors the driver logged, by GPU and code. The series appears with the "
+            "node's first XID.",
+            minimum=0,
+        ),
+        _table(
+            "XIDs in the last hour",
+            [
+                _target(
+                    f"node_code:gpuwarden_gpu_xid_events:increase1h{{{_NODE}}}",
+                    "XID {{code}}",
+                    instant=True,
+                    fmt="table",
+                )
+            ],
+        ),
+        _timeseries(
+            "NVLink errors per second",
+            [_target(f"gpu:gpuwarden_gpu_nvlink_errors:rate5m{{{_NODE}}}", "GPU {{gpu}} {{type}}")],
+            description="CRC flit/data, replay and recovery errors, summed over each GPU's links.",
+            minimum=0,
+        ),
+        _timeseries(
+            "NVLink links down",
+            [_target(f"sum by (gpu) (1 - gpuwarden_gpu_nvlink_active{{{_NODE}}})", _GPU_LEGEND)],
+            minimum=0,
+        ),
+        _timeseries(
+            "PCIe replays per second",
+            [_target(f"gpu:gpuwarden_gpu_pcie_replay:rate5m{{{_NODE}}}", _GPU_LEGEND)],
+            minimum=0,
+        ),
+        _timeseries(
+            "InfiniBand errors per second, per port",
+            [
+                _target(
+                    f"port:gpuwarden_infiniband_errors:rate5m{{{_NODE}}}",
+                    "{{device}}/{{port}} {{error}}",
+                )
+            ],
+            minimum=0,
+        ),
+        _timeseries(
+            "NIC link state",
+            [
+                _target(f"gpuwarden_nic_up{{{_NODE}}}", "{{device}}/{{port}} up"),
+                _target(f"gpuwarden_nic_physical_link_up{{{_NODE}}}", "{{device}}/{{port}} physical"),
+            ],
+            minimum=0,
+            maximum=1,
+        ),
+    ]
+    return _dashboard(
+        "gpuwarden-node",
+        "gpuwarden / Node",
+        "One node's GPUs and NICs as its agent reports them, and where to find its decisions.",
+        [
+            _query_var("node", "Node", "label_values(gpuwarden_agent_info, node)"),
+            _aggregator_url_var(),
+        ],
+        panels,
+        links=[
+            {
+                "title": "Node in the aggregator API",
+                "type": "link",
+                "url": "${aggregator_url}/api/v1/nodes/${node}",
+                "targetBlank": True,
+                "icon": "external link",
+            }
+        ],
+    )
+
+
+def network() -> Json:
+    panels = [
+        _row("Degraded links"),
+        _timeseries(
+            "Link decisions (last 15 minutes)",
+            [
+                _target(
+                    "sum by (state) "
+                    '(job_detector_state:gpuwarden_aggregator_decisions:increase15m{detector="link"})',
+                    "{{state}}",
+                )
+            ],
+            description="Decisions of the link detector (a port or link degraded, or recovered) in the "
+            "15 minutes before each point. Which links: the aggregator's API (GET /api/v1/decisions).",
+            minimum=0,
+        ),
+        _stat(
+            "Ports down",
+            [_target(f"sum(1 - gpuwarden_nic_up{{{_NODES}}})", "ports", instant=True)],
+            description="NIC ports whose state is not active/up on the selected nodes.",
+            w=6,
+        ),
+        _stat(
+            "Ports physically down",
+            [_target(f"sum(1 - gpuwarden_nic_physical_link_up{{{_NODES}}})", "ports", instant=True)],
+            w=6,
+        ),
+        _row("InfiniBand"),
+        _timeseries(
+            "InfiniBand errors per second, per port",
+            [
+                _target(
+                    f"port:gpuwarden_infiniband_errors:rate5m{{{_NODES}}}",
+                    "{{node}} {{device}}/{{port}} {{error}}",
+                )
+            ],
+            description="Link error counters only (symbol errors, link downed and recovery, receive "
+            "errors, integrity, buffer overruns, transmit discards); congestion is not an error.",
+            minimum=0,
+        ),
+        _table(
+            "Worst ports now",
+            [
+                _target(
+                    "topk(20, sum by (node, device, port) "
+                    f"(port:gpuwarden_infiniband_errors:rate5m{{{_NODES}}}))",
+                    "",
+                    instant=True,
+                    fmt="table",
+                )
+            ],
+            description="The 20 ports with the highest error rate over the last 5 minutes.",
+        ),
+        _timeseries(
+            "NIC link state",
+            [_target(f"gpuwarden_nic_up{{{_NODES}}}", "{{node}} {{device}}/{{port}}")],
+            minimum=0,
+            maximum=1,
+        ),
+        _timeseries(
+            "Link speed",
+            [_target(f"gpuwarden_nic_link_speed_bytes{{{_NODES}}}", "{{node}} {{device}}/{{port}}")],
+            unit="Bps",
+            description="A port that trained at a lower speed than its peers is degraded.",
+            minimum=0,
+        ),
+        _timeseries(
+            "Receive and transmit",
+            [
+                _target(
+                    f"sum by (node) (port:gpuwarden_nic_receive_bytes:rate5m{{{_NODES}}})", "{{node}} rx"
+                ),
+                _target(
+                    f"sum by (node) (port:gpuwarden_nic_transmit_bytes:rate5m{{{_NODES}}})", "{{node}} tx"
+                ),
+            ],
+            unit="Bps",
+            minimum=0,
+        ),
+        _timeseries(
+            "Transmit wait (congestion) per second",
+            [
+                _target(
+                    f"rate(gpuwarden_infiniband_port_transmit_wait_total{{{_NODES}}}[{_RI}])",
+                    "{{node}} {{device}}/{{port}}",
+                )
+            ],
+            description="Ticks data waited for flow-control credits: congestion, not a broken link.",
+            minimum=0,
+        ),
+        _row("Pair probes"),
+        _not_exported(
+            "Pair-probe bandwidth matrix",
+            "A heatmap per pool of the bandwidth measured between node pairs needs the pair-probe "
+            "metrics, which the aggregator does not export yet.",
+            w=24,
+        ),
+        _row("NVLink"),
+        _timeseries(
+            "NVLink errors per second",
+            [
+                _target(
+                    f"sum by (node, gpu) (gpu:gpuwarden_gpu_nvlink_errors:rate5m{{{_NODES}}})",
+                    "{{node}} GPU {{gpu}}",
+                )
+            ],
+            minimum=0,
+            w=24,
+        ),
+    ]
+    return _dashboard(
+        "gpuwarden-network",
+        "gpuwarden / Network",
+        "InfiniBand and NIC ports across the fleet, NVLink errors, and the link detector's decisions.",
+        [_query_var("node", "Node", "label_values(gpuwarden_nic_info, node)", multi=True)],
+        panels,
+    )
+
+
+def dashboards() -> dict[str, Json]:
+    """File name under grafana/dashboards/ -> dashboard."""
+    return {
+        "fleet-overview.json": fleet_overview(),
+        "node.json": node_drilldown(),
+        "network.json": network(),
+    }
+
+
+def render(dashboard: Json) -> str:
+    """The committed text of a dashboard: stable key order, two-space indent, final newline."""
+    return json.dumps(dashboard, indent=2, ensure_ascii=False) + "\n"
+
+
+# --- for tests and the end-to-end run ----------------------------------------------------------------
+
+
+def _panels(panels: Sequence[Json]) -> Iterator[Json]:
+    for panel in panels:
+        yield panel
+        # A collapsed row keeps its panels inside it.
+        yield from _panels(panel.get("panels", ()))
+
+
+def panel_queries(dashboard: Json) -> list[tuple[str, str]]:
+    """(panel title, PromQL expression) for every query of every panel, in dashboard order."""
+    return [
+        (str(panel.get("title", "")), str(target["expr"]))
+        for panel in _panels(dashboard.get("panels", ()))
+        for target in panel.get("targets", ())
+        if "expr" in target
+    ]
+
+
+def variable_queries(dashboard: Json) -> list[tuple[str, str]]:
+    """(variable name, query) of every query variable, e.g. ``label_values(metric, label)``."""
+    return [
+        (str(var["name"]), str(var["definition"]))
+        for var in dashboard.get("templating", {}).get("list", ())
+        if var.get("type") == "query"
+    ]
+
+
+_VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
+
+
+def expand(expr: str, values: Mapping[str, str]) -> str:
+    """``expr`` with Grafana's variables replaced: ``values`` first, then ``BUILTIN_DEFAULTS``.
+
+    Raises ``KeyError`` naming a variable that has no value, so a query is never sent half-expanded.
+    """
+
+    def sub(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        if name in values:
+            return values[name]
+        if name in BUILTIN_DEFAULTS:
+            return BUILTIN_DEFAULTS[name]
+        raise KeyError(f"no value for Grafana variable ${name} in {expr!r}")
+
+    return _VARIABLE.sub(sub, expr)
+
+
+def write(directory: Path = DASHBOARDS_DIR) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, dashboard in dashboards().items():
+        path = directory / name
+        path.write_text(render(dashboard), encoding="utf-8")
+        written.append(path)
+    return written
+
+
+def stale(directory: Path = DASHBOARDS_DIR) -> list[str]:
+    """Names of committed dashboards that differ from what this script generates (or are missing)."""
+    out = []
+    for name, dashboard in dashboards().items():
+        path = directory / name
+        if not path.is_file() or path.read_text(encoding="utf-8") != render(dashboard):
+            out.append(name)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--check", action="store_true", help="exit 1 if grafana/dashboards/ is stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        names = stale()
+        for name in names:
+            print(f"grafana/dashboards/{name} is stale: run python grafana/generate.py", file=sys.stderr)
+        return 1 if names else 0
+    for path in write():
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
