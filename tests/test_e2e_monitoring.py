@@ -1,0 +1,643 @@
+"""End to end with the real servers: agents, the aggregator, Prometheus and Alertmanager as processes.
+
+Three agents (fake GPUs on the recorded H100 sysfs tree) ship to one aggregator; Prometheus
+(Debian's ``prometheus``) scrapes them all every second with rules/prometheus/*.yml loaded; the
+aggregator notifies a real Alertmanager (``prometheus-alertmanager``), which routes to a webhook
+receiver in this process. One node starts with a lost GPU (a hard fault): it must be quarantined
+at once, alerted in Alertmanager and at the receiver with its labels and runbook, and, once
+"repaired" (its agent restarted with healthy GPUs after a reboot, i.e. a new boot_id), released
+through probation with the alert resolved. Then every Grafana panel's query must return data from
+that Prometheus, and the dcgm-exporter compatibility series must carry dcgm-exporter's units.
+
+Without the binaries the test skips locally and fails in CI (CI=true), where scripts/setup
+installs them. Everything listens on 127.0.0.1 on free ports and lives in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import ModuleType
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from tests.conftest import FIXTURES, REPO
+
+GPWD = [sys.executable, "-m", "gpuwarden"]
+RULE_FILES = sorted((REPO / "rules" / "prometheus").glob("*.yml"))
+SYSFS = FIXTURES / "sysfs" / "h100" / "sys"
+HEALTHY = FIXTURES / "gpus" / "h100x8.json"
+GPU_LOST = FIXTURES / "gpus" / "gpu_lost.json"
+# Two A10s: page retirement where H100s remap rows, so the panels of both kinds have a node to show.
+A10 = FIXTURES / "gpus" / "old_driver_pcie_card.json"
+KMSG_STAT = FIXTURES / "kmsg" / "proc" / "stat"
+
+BROKEN = "gpu-b"  # starts with GPU 5 of 8 lost to NVML
+GPUS = {"gpu-a": HEALTHY, BROKEN: GPU_LOST, "gpu-c": A10}  # a mixed fleet, as real ones are
+GPU_COUNT = 8 + 8 + 2  # once gpu-b is repaired
+NODES = tuple(GPUS)
+POOL = "pool-e2e"
+EXTERNAL_URL = "https://gpuwarden.example"
+
+# Health periods short enough for a test, long enough that each state is seen by a 1 s scrape.
+CLEAR_FOR_S = 2.0
+PROBATION_S = 4.0
+
+# Panels whose series only appear after events this test does not cause; every other panel query
+# must return data. (dashboard, panel title): why.
+NO_DATA_EXPECTED: dict[tuple[str, str], str] = {
+    ("node.json", "XID events"): "gpuwarden_gpu_xid_events_total{gpu,code} is created by the first XID",
+    ("node.json", "XIDs in the last hour"): "recorded from gpuwarden_gpu_xid_events_total: no XID here",
+    ("network.json", "Link decisions (last 15 minutes)"): "link decisions need pair probes (none here)",
+}
+# The metrics those panels need, exported only after their event: a panel may lack data only for
+# these, never for a metric name that nothing exports.
+EVENT_SERIES = {"gpuwarden_gpu_xid_events_total", "node_code:gpuwarden_gpu_xid_events:increase1h"}
+# Recording rules allowed to record nothing here, with the same reason.
+RECORDING_WITHOUT_DATA = {"node_code:gpuwarden_gpu_xid_events:increase1h": "no XID here"}
+
+T = TypeVar("T")
+
+
+# --- binaries, ports, processes -------------------------------------------------------------------
+
+
+def _binary(*names: str) -> str:
+    for name in names:
+        path = shutil.which(name)
+        if path:
+            return path
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{names[0]} is not installed (scripts/setup installs it)")
+    pytest.skip(f"{names[0]} is not installed (apt-get install {names[0]})")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+@dataclass
+class Processes:
+    """Every process the test starts, so that teardown stops them all, whatever failed."""
+
+    workdir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str]) -> Proc:
+        log = self.workdir / f"{name}.log"
+        with log.open("ab") as out:
+            popen = subprocess.Popen(
+                argv,
+                cwd=REPO,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def stop(proc: Proc) -> None:
+        if proc.popen.poll() is None:
+            proc.popen.terminate()
+            try:
+                proc.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            self.stop(proc)
+
+    def dead(self) -> str:
+        """What the processes that should be running said before they died ("" if none died)."""
+        return "\n".join(
+            f"--- {p.name} exited with {p.popen.returncode}:\n{p.tail()}"
+            for p in self.procs
+            if p.popen.poll() is not None and p.popen.returncode not in (0, -15)
+        )
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(tmp_path)
+    try:
+        yield procs
+    finally:
+        procs.stop_all()
+
+
+def _until(what: str, probe: Callable[[], T | None], procs: Processes, timeout: float = 20.0) -> T:
+    """``probe()``'s first truthy answer, polled until ``timeout``; a clear failure otherwise."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = probe()
+        except OSError as exc:  # not listening yet, or a reset connection
+            last = exc
+        else:
+            if last:
+                found: T = last
+                return found
+        dead = procs.dead()
+        assert not dead, f"while waiting for {what}, a process died:\n{dead}"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f} s; last saw {last!r}")
+        time.sleep(0.2)
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def _ready(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as r:
+        return bool(r.status == 200)
+
+
+# --- the webhook receiver -------------------------------------------------------------------------
+
+
+class Receiver:
+    """Alertmanager's webhook receiver: records every notification POSTed to it."""
+
+    def __init__(self) -> None:
+        self.notifications: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        received = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                with received._lock:
+                    received.notifications.append(json.loads(body))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # keep the test output to what failed
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def alerts(self, status: str) -> list[dict[str, Any]]:
+        """Every alert of that status in any notification so far."""
+        with self._lock:
+            return [a for n in self.notifications for a in n["alerts"] if a["status"] == status]
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    r.thread.start()
+    try:
+        yield r
+    finally:
+        r.server.shutdown()
+        r.server.server_close()
+
+
+# --- the stack ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    procs: Processes
+    workdir: Path
+    aggregator: str
+    alertmanager: str
+    prometheus: str
+    decisions: Path
+    agent_ports: dict[str, int]
+    agents: dict[str, Proc]
+
+    def decision_log(self) -> list[dict[str, Any]]:
+        if not self.decisions.is_file():
+            return []
+        return [json.loads(line) for line in self.decisions.read_text().splitlines() if line.strip()]
+
+    def am_alerts(self) -> list[dict[str, Any]]:
+        alerts: list[dict[str, Any]] = _get_json(f"{self.alertmanager}/api/v2/alerts")
+        return alerts
+
+    def query(self, expr: str) -> dict[str, Any]:
+        url = f"{self.prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        try:
+            body: dict[str, Any] = _get_json(url)
+        except urllib.error.HTTPError as exc:  # 400: a query Prometheus cannot parse or run
+            body = json.loads(exc.read())
+        return body
+
+    def query_rules(self) -> list[dict[str, Any]]:
+        groups: list[dict[str, Any]] = _get_json(f"{self.prometheus}/api/v1/rules")["data"]["groups"]
+        return groups
+
+    def query_names(self) -> list[str]:
+        names: list[str] = _get_json(f"{self.prometheus}/api/v1/label/__name__/values")["data"]
+        return names
+
+    def start_agent(self, node: str, gpus: Path, boot_id: str) -> Proc:
+        procfs = self.workdir / node / "proc"
+        (procfs / "sys" / "kernel" / "random").mkdir(parents=True, exist_ok=True)
+        (procfs / "sys" / "kernel" / "random" / "boot_id").write_text(boot_id + "\n")
+        shutil.copy(KMSG_STAT, procfs / "stat")
+        kmsg = self.workdir / node / "kmsg"
+        kmsg.touch()
+        token = self.workdir / f"{node}.token"
+        token.write_text(f"token-of-{node}-0123456789abcdef\n")
+        proc = self.procs.start(
+            f"agent-{node}-{boot_id[:8]}",
+            [
+                *GPWD,
+                "agent",
+                "--node",
+                node,
+                "--label",
+                f"pool={POOL}",
+                "--interval",
+                "1",
+                "--listen",
+                f"127.0.0.1:{self.agent_ports[node]}",
+                "--aggregator",
+                self.aggregator,
+                "--token-file",
+                str(token),
+                "--gpu-backend",
+                f"fake:{gpus}",
+                "--sysfs-root",
+                str(SYSFS),
+                "--procfs-root",
+                str(procfs),
+                "--kmsg-path",
+                str(kmsg),
+            ],
+        )
+        self.agents[node] = proc
+        return proc
+
+
+def _write_yaml(path: Path, data: Any) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def stack(tmp_path: Path, processes: Processes, receiver: Receiver) -> Stack:
+    prometheus_bin = _binary("prometheus")
+    alertmanager_bin = _binary("prometheus-alertmanager", "alertmanager")
+    agg_port, am_port, prom_port = _free_port(), _free_port(), _free_port()
+    s = Stack(
+        procs=processes,
+        workdir=tmp_path,
+        aggregator=f"http://127.0.0.1:{agg_port}",
+        alertmanager=f"http://127.0.0.1:{am_port}",
+        prometheus=f"http://127.0.0.1:{prom_port}",
+        decisions=tmp_path / "decisions.jsonl",
+        agent_ports={node: _free_port() for node in NODES},
+        agents={},
+    )
+
+    am_config = _write_yaml(
+        tmp_path / "alertmanager.yml",
+        {
+            "route": {
+                "receiver": "hook",
+                "group_by": ["alertname", "node"],
+                "group_wait": "1s",
+                "group_interval": "1s",
+                "repeat_interval": "1h",
+            },
+            "receivers": [
+                {"name": "hook", "webhook_configs": [{"url": receiver.url, "send_resolved": True}]}
+            ],
+        },
+    )
+    (tmp_path / "am-data").mkdir()
+    processes.start(
+        "alertmanager",
+        [
+            alertmanager_bin,
+            f"--config.file={am_config}",
+            f"--storage.path={tmp_path / 'am-data'}",
+            f"--web.listen-address=127.0.0.1:{am_port}",
+            "--cluster.listen-address=",  # no gossip port: a lone test instance
+            "--log.level=warn",
+        ],
+    )
+
+    (tmp_path / "tokens").write_text("".join(f"{node} token-of-{node}-0123456789abcdef\n" for node in NODES))
+    agg_config = _write_yaml(
+        tmp_path / "aggregator.yml",
+        {
+            "fleet": {"interval_seconds": 1},
+            "health": {
+                "suspect_for_seconds": 10,
+                "clear_for_seconds": CLEAR_FOR_S,
+                "probation_seconds": PROBATION_S,
+            },
+            "notify": {
+                "alertmanager_url": s.alertmanager,
+                "external_url": EXTERNAL_URL,
+                "resend_seconds": 2,
+                "retry_initial_seconds": 0.2,
+                "retry_max_seconds": 1,
+            },
+        },
+    )
+    processes.start(
+        "aggregator",
+        [
+            *GPWD,
+            "aggregator",
+            "--listen",
+            f"127.0.0.1:{agg_port}",
+            "--token-file",
+            str(tmp_path / "tokens"),
+            "--decisions",
+            str(s.decisions),
+            "--config",
+            str(agg_config),
+        ],
+    )
+
+    prom_config = _write_yaml(
+        tmp_path / "prometheus.yml",
+        {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(p) for p in RULE_FILES],
+            "scrape_configs": [
+                {
+                    "job_name": "gpuwarden-agent",
+                    "static_configs": [
+                        {"targets": [f"127.0.0.1:{port}"], "labels": {"node": node}}
+                        for node, port in s.agent_ports.items()
+                    ],
+                },
+                {
+                    "job_name": "gpuwarden-aggregator",
+                    "static_configs": [{"targets": [f"127.0.0.1:{agg_port}"]}],
+                },
+            ],
+        },
+    )
+    processes.start(
+        "prometheus",
+        [
+            prometheus_bin,
+            f"--config.file={prom_config}",
+            f"--storage.tsdb.path={tmp_path / 'prom-data'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+            "--log.level=warn",
+        ],
+    )
+
+    _until("aggregator ready", lambda: _ready(f"{s.aggregator}/readyz"), processes, timeout=30)
+    for node in NODES:
+        s.start_agent(node, GPUS[node], f"{node}-boot-1".ljust(36, "0"))
+    _until("alertmanager ready", lambda: _ready(f"{s.alertmanager}/-/ready"), processes, timeout=30)
+    _until("prometheus ready", lambda: _ready(f"{s.prometheus}/-/ready"), processes, timeout=30)
+    return s
+
+
+# --- the dashboards -------------------------------------------------------------------------------
+
+
+def _load_generate() -> ModuleType:
+    path = REPO / "grafana" / "generate.py"
+    spec = importlib.util.spec_from_file_location("gpuwarden_grafana_generate", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and typing resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def _series_names(expr: str, known: set[str]) -> set[str]:
+    """The metric names an expression reads: its identifiers that name gpuwarden series."""
+    idents = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", re.sub(r'"[^"]*"', '""', expr)))
+    return {i for i in idents if "gpuwarden" in i or i in known}
+
+
+# --- the test -------------------------------------------------------------------------------------
+
+
+def _quarantine_alerts(alerts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        a
+        for a in alerts
+        if a["labels"].get("alertname") == "GpuwardenNodeQuarantined" and a["labels"].get("node") == BROKEN
+    ]
+
+
+def test_hard_fault_is_quarantined_alerted_released_and_every_panel_has_data(
+    stack: Stack, receiver: Receiver
+) -> None:
+    procs = stack.procs
+
+    # 1. The lost GPU quarantines its node at once (a hard finding), and only that node.
+    first = _until("the quarantine decision", stack.decision_log, procs)
+    [q] = first
+    assert (q["subject"], q["node"], q["state"], q["action"]) == ("node", BROKEN, "quarantined", "taint")
+    assert [r["rule"] for r in q["reasons"]][:1] == ["gpu-lost"], q["reasons"]
+
+    # 2. Alertmanager has the alert, with the labels on-call routes on and a runbook.
+    [alert] = _until("the alert in Alertmanager", lambda: _quarantine_alerts(stack.am_alerts()), procs)
+    assert alert["labels"] == {
+        "alertname": "GpuwardenNodeQuarantined",
+        "severity": "warning",  # routine quarantines do not page by default
+        "node": BROKEN,
+        "pool": POOL,
+        "reason": "gpu-lost",
+    }
+    assert alert["status"]["state"] == "active"
+    ann = alert["annotations"]
+    assert ann["runbook_url"].startswith("https://") and ann["runbook_url"].endswith(
+        "/docs/runbooks/GpuwardenNodeQuarantined.md"
+    )
+    assert "GPU 5" in ann["summary"] and "lost" in ann["summary"], ann
+    assert ann["node_url"] == f"{EXTERNAL_URL}/api/v1/nodes/{BROKEN}"
+    # The link works: the aggregator answers that path with the node's state.
+    node = _get_json(f"{stack.aggregator}/api/v1/nodes/{BROKEN}")
+    assert node["state"] == "quarantined"
+
+    # 3. ... and routed it to the receiver.
+    [hooked, *_] = _until(
+        "the alert at the receiver", lambda: _quarantine_alerts(receiver.alerts("firing")), procs
+    )
+    assert hooked["labels"] == alert["labels"]
+    assert hooked["annotations"]["runbook_url"] == ann["runbook_url"]
+
+    # 4. Repair: the node reboots (a new boot_id) with all its GPUs back. It goes through
+    # probation to healthy, and the alert resolves.
+    Processes.stop(stack.agents[BROKEN])
+    stack.start_agent(BROKEN, HEALTHY, f"{BROKEN}-boot-2".ljust(36, "0"))
+    log = _until(
+        "the release",
+        lambda: (d := stack.decision_log()) and d[-1]["state"] == "healthy" and d,
+        procs,
+        timeout=CLEAR_FOR_S + PROBATION_S + 20,
+    )
+    assert [(d["node"], d["state"]) for d in log] == [
+        (BROKEN, "quarantined"),
+        (BROKEN, "probation"),
+        (BROKEN, "healthy"),
+    ]
+    assert log[1]["action"] == "none" and log[2]["action"] == "untaint", log
+    assert log[2]["time"] - log[1]["time"] >= PROBATION_S
+    _until("the alert gone from Alertmanager", lambda: not _quarantine_alerts(stack.am_alerts()), procs)
+    [resolved, *_] = _until(
+        "the resolved notification", lambda: _quarantine_alerts(receiver.alerts("resolved")), procs
+    )
+    assert resolved["labels"] == alert["labels"]
+
+    # 5. Prometheus: every rule evaluates without error, ...
+    def rules_evaluated() -> list[dict[str, Any]] | None:
+        groups = stack.query_rules()
+        rules = [r for g in groups for r in g["rules"]]
+        return rules if rules and all(r.get("lastEvaluation", "").startswith("2") for r in rules) else None
+
+    rules = _until("every rule evaluated", rules_evaluated, procs)
+    assert {g["file"] for g in stack.query_rules()} == {str(p) for p in RULE_FILES}
+    broken_rules = {r["name"]: r["lastError"] for r in rules if r["health"] != "ok"}
+    assert not broken_rules, broken_rules
+
+    # ... the targets are up with the node label the rules expect, ...
+    up = stack.query('up{job=~"gpuwarden-agent|gpuwarden-aggregator"} == 1')["data"]["result"]
+    assert sorted(r["metric"].get("node", "-") for r in up) == sorted(["-", *NODES]), up
+
+    # ... every recording rule records (one over a rate needs two samples of its counter), ...
+    recorded = {r["name"] for r in rules if r["type"] == "recording"}
+    deadline = time.monotonic() + 15
+    while True:
+        empty = {n for n in recorded if not stack.query(f"count({n})")["data"]["result"]}
+        if empty <= set(RECORDING_WITHOUT_DATA) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert empty == set(RECORDING_WITHOUT_DATA), f"recording rules without data: {sorted(empty)}"
+
+    # ... the dcgm-exporter names are in dcgm-exporter's units and labels, ...
+    _check_dcgm_compat(stack)
+
+    # ... and every dashboard panel's query runs and returns data.
+    _check_dashboards(stack, recorded)
+
+
+def _by_gpu(stack: Stack, expr: str) -> dict[tuple[str, str], float]:
+    body = stack.query(expr)
+    assert body["status"] == "success", (expr, body)
+    return {
+        (r["metric"].get("instance", ""), r["metric"]["gpu"]): float(r["value"][1])
+        for r in body["data"]["result"]
+    }
+
+
+def _check_dcgm_compat(stack: Stack) -> None:
+    # The fake GPUs report constant values, so the recorded and the raw series compare exactly.
+    pairs = {
+        "DCGM_FI_DEV_SM_CLOCK": ("gpuwarden_gpu_sm_clock_hertz", 1e-6),  # MHz
+        "DCGM_FI_DEV_MAX_SM_CLOCK": ("gpuwarden_gpu_sm_clock_max_hertz", 1e-6),  # MHz
+        "DCGM_FI_DEV_POWER_USAGE": ("gpuwarden_gpu_power_watts", 1.0),  # W
+        "DCGM_FI_DEV_FB_USED": ("gpuwarden_gpu_memory_used_bytes", 1 / 2**20),  # MiB
+        "DCGM_FI_DEV_FB_TOTAL": ("gpuwarden_gpu_memory_total_bytes", 1 / 2**20),  # MiB
+        "DCGM_FI_DEV_GPU_UTIL": ("gpuwarden_gpu_utilization_ratio", 100.0),  # %
+        "DCGM_FI_DEV_GPU_TEMP": ("gpuwarden_gpu_temperature_celsius", 1.0),  # C
+    }
+    for dcgm, (ours, factor) in pairs.items():
+        got = _by_gpu(stack, dcgm)
+        want = {k: v * factor for k, v in _by_gpu(stack, ours).items()}
+        assert len(want) == GPU_COUNT, (ours, len(want))
+        assert got.keys() == want.keys(), dcgm
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-9), (dcgm, key, got[key], value)
+    # Sanity of the units themselves, not only of the conversion: an H100 clocks in the GHz range.
+    sm = _by_gpu(stack, "DCGM_FI_DEV_MAX_SM_CLOCK")
+    assert all(500 < v < 3000 for v in sm.values()), sm
+
+    [sample] = stack.query('DCGM_FI_DEV_GPU_TEMP{Hostname="gpu-a", gpu="0"}')["data"]["result"]
+    labels = sample["metric"]
+    assert labels["device"] == "nvidia0" and labels["job"] == "gpuwarden-agent", labels
+    assert labels["UUID"].startswith("GPU-") and labels["modelName"], labels
+    assert re.fullmatch(r"[0-9A-Fa-f]{8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]", labels["pci_bus_id"]), labels
+    assert "uuid" not in labels  # dcgm-exporter's name is UUID
+
+
+def _check_dashboards(stack: Stack, recorded: set[str]) -> None:
+    generate = _load_generate()
+    known = set(stack.query_names()) | recorded
+    seen_allowed: set[tuple[str, str]] = set()
+    problems: list[str] = []
+    for file, dashboard in generate.dashboards().items():
+        variables = {v["name"] for v in dashboard.get("templating", {}).get("list", ())}
+        for name, query in generate.variable_queries(dashboard):
+            match = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", query)
+            assert match, (file, name, query)
+            metric, label = match.groups()
+            url = f"{stack.prometheus}/api/v1/series?" + urllib.parse.urlencode({"match[]": metric})
+            series = _get_json(url)
+            assert {s.get(label) for s in series["data"]} == set(NODES), (file, name, query)
+
+        for title, expr in generate.panel_queries(dashboard):
+            # A panel has data when it shows some for one node: the H100s have no retired pages
+            # (they remap rows), the A10s no NVLink.
+            results = []
+            for node in NODES if "$node" in expr else NODES[:1]:
+                values = {"datasource": "prometheus", "node": node, "aggregator_url": stack.aggregator}
+                assert variables <= values.keys(), (file, variables)
+                promql = generate.expand(expr, values)
+                unknown = _series_names(promql, known) - known - EVENT_SERIES
+                if unknown:
+                    problems.append(f"{file} {title!r}: {promql} reads {sorted(unknown)}: never exported")
+                    break
+                body = stack.query(promql)
+                if body["status"] != "success":
+                    problems.append(f"{file} {title!r}: {promql}: {body.get('error')}")
+                    break
+                results += body["data"]["result"]
+                if results:
+                    break
+            else:
+                if (file, title) in NO_DATA_EXPECTED:
+                    seen_allowed.add((file, title))
+                else:
+                    problems.append(f"{file} {title!r}: {expr} returned no data for any node")
+    assert not problems, "\n".join(problems)
+    # The allow-list stays minimal: an entry that now has data must go.
+    assert seen_allowed == set(NO_DATA_EXPECTED), set(NO_DATA_EXPECTED) - seen_allowed
