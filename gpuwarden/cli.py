@@ -21,6 +21,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "replay": ("aggregator.replay", "run the detection pipeline over a recorded trace"),
     "sim": ("sim.cli", "simulate a GPU fleet: a trace and its ground truth"),
     "eval": ("sim.eval", "score a decision log against ground truth and a static baseline"),
+    "demo-sim": (
+        "gpuwarden.simdemo",
+        "a simulated fleet of a few hundred nodes against a live aggregator, decisions as they happen",
+    ),
     "demo": ("gpuwarden.demo", "run the demo: a small fleet, the aggregator, decisions as they happen"),
 }
 

@@ -190,7 +190,9 @@ def _describe(f: scenario_mod.FaultSpec) -> str:
 
 def _describe_decision(s: scenario_mod.Scenario, d: Mapping[str, Any]) -> str:
     who = f"{d['node']} <-> {d['peer']} (link)" if d.get("subject") == "link" else str(d["node"])
-    why = "; ".join(str(r.get("summary", "")) for r in d.get("reasons") or []) or "-"
+    reasons = [str(r.get("summary", "")) for r in d.get("reasons") or []]
+    # A node-wide fault gives one reason per GPU: two say what it is, the count says how wide.
+    why = "; ".join(reasons[:2]) + (f"; and {len(reasons) - 2} more" if len(reasons) > 2 else "") or "-"
     return f"[{_offset(s, float(d['time']))}] {who} {d['previous']} -> {d['state']} ({d['action']}): {why}"
 
 

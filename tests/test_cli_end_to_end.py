@@ -214,3 +214,18 @@ def test_aggregator_on_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
         )
     assert out.returncode == 2, out.stderr
     assert "cannot serve on" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_the_simulated_fleet_demo_runs_and_scores_itself() -> None:
+    out = subprocess.run(
+        [*GPWD, "--log-level", "ERROR", "demo-sim", "--nodes", "64", "--minutes", "4", "--speed", "400"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "healthy -> quarantined (taint)" in out.stdout  # the XID 79 two minutes in
+    assert "app_xid" in out.stdout and "not quarantined (right)" in out.stdout
+    assert "0 false" in out.stdout and "(0 refused)" in out.stdout
