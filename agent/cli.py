@@ -1,7 +1,11 @@
 """``gpuwarden agent``: the node agent's command line.
 
 gpuwarden agent --once --print [--gpu-backend nvml|fake:FILE|none] [--sysfs-root DIR] [--node NAME]
-gpuwarden agent --listen HOST:PORT --aggregator URL --token-file FILE
+gpuwarden agent --listen HOST:PORT --aggregator URL [--aggregator URL2 ...] --token-file FILE
+    [--probes auto --probe-listen HOST:PORT --probe-key-file FILE]
+
+``--aggregator`` repeats for aggregator replicas: every report goes to every one of them (one spool
+each), and probe assignments are polled from all (only the leader hands any out).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from agent.clock import SystemClock
 from agent.collectors import build_collectors
@@ -26,6 +31,11 @@ from agent.errors import ConfigError
 from agent.report import encode
 from agent.runner import Agent, read_boot_id
 from agent.state import CycleResult
+
+if TYPE_CHECKING:
+    from agent.gpu.session import NvmlSession
+    from agent.probes.poller import ProbePoller
+    from agent.shipper import Shipper, ShipperFanout
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +71,81 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--interval", type=float, default=10.0, help="seconds between reports (default 10)")
     p.add_argument("--listen", metavar="HOST:PORT", help="serve Prometheus /metrics on this address")
-    p.add_argument("--aggregator", metavar="URL", help="aggregator base URL (reports go to URL/v1/reports)")
+    p.add_argument(
+        "--aggregator",
+        action=_AppendAggregator,
+        metavar="URL",
+        help="aggregator base URL (reports go to URL/v1/reports); repeat for every replica",
+    )
     p.add_argument("--token-file", type=Path, help="bearer token file (a projected service-account token)")
     p.add_argument(
         "--ca-file", type=Path, help="CA bundle to verify an https aggregator (default: system CAs)"
     )
     p.add_argument("--spool-max-reports", type=int, default=360, help="reports kept while undeliverable")
+    p.add_argument(
+        "--probes",
+        choices=("off", "auto"),
+        default="off",
+        help="active probes: off, or auto (run the assigned kinds this node supports; docs/probes.md)",
+    )
+    p.add_argument("--probe-listen", metavar="HOST:PORT", help="serve the tcp_pair probe endpoint here")
+    p.add_argument(
+        "--probe-advertise",
+        metavar="HOST:PORT",
+        help="the probe address peers connect to (default: the listen address, or $POD_IP:PORT)",
+    )
+    p.add_argument("--probe-key-file", type=Path, help="the probe signing key shared with the aggregator")
+    p.add_argument("--nccl-tests-path", type=Path, help="nccl-tests' all_reduce_perf (default: from PATH)")
+
+
+class _AppendAggregator(argparse.Action):
+    """``--aggregator`` may repeat: ``aggregators`` gets every URL; ``aggregator`` stays the first."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        urls = [*(getattr(namespace, "aggregators", None) or []), str(values)]
+        namespace.aggregators = urls
+        namespace.aggregator = urls[0]
+
+
+def aggregator_urls(args: argparse.Namespace) -> list[str]:
+    urls: list[str] = list(getattr(args, "aggregators", None) or [])
+    if not urls and args.aggregator:
+        urls = [args.aggregator]
+    if len(set(urls)) != len(urls):
+        raise ConfigError("the same --aggregator URL is given twice")
+    return urls
+
+
+def read_probe_key(path: Path) -> bytes:
+    try:
+        key = path.read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --probe-key-file {path}: {exc.strerror or exc}") from exc
+    if len(key) < 16:
+        raise ConfigError(f"--probe-key-file {path}: the key must be at least 16 bytes, got {len(key)}")
+    return key
+
+
+def probe_advertise(explicit: str | None, listen: tuple[str, int]) -> str:
+    """Where peers reach this node's probe endpoint: explicit, the listen address, or $POD_IP."""
+    if explicit:
+        host, port = parse_listen(explicit)
+        if host in ("0.0.0.0", "::") or port == 0:
+            raise ConfigError(f"--probe-advertise {explicit!r}: peers need a concrete address and port")
+        return explicit
+    host, port = listen
+    if host not in ("0.0.0.0", "::", ""):
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    pod_ip = os.environ.get("POD_IP", "").strip()
+    if not pod_ip:
+        raise ConfigError("--probe-listen is a wildcard address: give --probe-advertise or set $POD_IP")
+    return f"[{pod_ip}]:{port}" if ":" in pod_ip else f"{pod_ip}:{port}"
 
 
 def node_name(explicit: str | None) -> str:
@@ -115,13 +194,71 @@ def raise_open_file_limit() -> None:
         log.warning("could not raise the open file limit", extra={"error": str(exc)})
 
 
+def _build_poller(
+    args: argparse.Namespace,
+    *,
+    clock: SystemClock,
+    node: str,
+    session: NvmlSession | None,
+    key: bytes,
+    urls: list[str],
+) -> ProbePoller:
+    from agent.probes import ProbeContext, build_probes, find_backends  # noqa: PLC0415
+    from agent.probes.client import AggregatorClient  # noqa: PLC0415
+    from agent.probes.idle import IdleGuard  # noqa: PLC0415
+    from agent.probes.poller import ProbePoller, ProbeResults  # noqa: PLC0415
+    from agent.probes.tcp import TcpProbeServer  # noqa: PLC0415
+
+    listen = parse_listen(args.probe_listen)
+    advertise = probe_advertise(args.probe_advertise, listen)
+    guard = IdleGuard(session)
+    nccl_tests, cupy = find_backends(clock, args.nccl_tests_path)
+    if args.nccl_tests_path is not None and nccl_tests is None:
+        raise ConfigError(f"--nccl-tests-path {args.nccl_tests_path}: not an executable file")
+    results = ProbeResults()
+    try:
+        server = TcpProbeServer(
+            node=node,
+            key=key,
+            clock=clock,
+            host=listen[0],
+            port=listen[1],
+            on_result=results.add,
+            busy=guard.busy,
+        )
+    except OSError as exc:
+        raise ConfigError(f"--probe-listen {args.probe_listen}: {exc.strerror or exc}") from exc
+    ctx = ProbeContext(node=node, clock=clock, guard=guard, nccl_tests=nccl_tests, cupy=cupy)
+    return ProbePoller(
+        node=node,
+        key=key,
+        clock=clock,
+        runners=build_probes(ctx),
+        guard=guard,
+        results=results,
+        clients=[AggregatorClient(url, args.token_file, ca_file=args.ca_file) for url in urls],
+        advertise=advertise,
+        server=server,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from agent.gpu import open_backend  # noqa: PLC0415 - pynvml is loaded only when asked for
 
     if not (math.isfinite(args.interval) and args.interval > 0):
         raise ConfigError(f"--interval must be a positive number of seconds, got {args.interval}")
-    if args.aggregator and not args.token_file:
+    urls = aggregator_urls(args)
+    if urls and not args.token_file:
         raise ConfigError("--aggregator needs --token-file")
+    probes_on = args.probes == "auto" and not args.once
+    if args.probes == "auto":
+        if not urls:
+            raise ConfigError("--probes auto needs --aggregator (assignments come from it)")
+        if args.probe_key_file is None:
+            raise ConfigError("--probes auto needs --probe-key-file")
+        if not args.probe_listen:
+            raise ConfigError("--probes auto needs --probe-listen")
+    probe_key = read_probe_key(args.probe_key_file) if args.probes == "auto" else b""
     raise_open_file_limit()
     clock = SystemClock()
     node = node_name(args.node)
@@ -142,6 +279,9 @@ def run(args: argparse.Namespace) -> int:
         xid_source=xid_source,
         netdev_include=tuple(args.netdev_include),
     )
+    poller = None
+    if probes_on:
+        poller = _build_poller(args, clock=clock, node=node, session=session, key=probe_key, urls=urls)
     agent = Agent(
         node=node,
         collectors=build_collectors(ctx),
@@ -149,20 +289,24 @@ def run(args: argparse.Namespace) -> int:
         boot_id=read_boot_id(paths.procfs),
         interval_seconds=args.interval,
         labels=labels,
+        probes=poller.results if poller is not None else None,
     )
 
-    shipper = None
-    if args.aggregator:
-        from agent.shipper import Shipper  # noqa: PLC0415
+    shipper: Shipper | ShipperFanout | None = None
+    if urls:
+        from agent.shipper import Shipper, ShipperFanout  # noqa: PLC0415
 
-        shipper = Shipper(
-            args.aggregator,
-            args.token_file,
-            clock,
-            max_spool_reports=args.spool_max_reports,
-            ca_file=args.ca_file,
-        )
+        shippers = [
+            Shipper(
+                url, args.token_file, clock, max_spool_reports=args.spool_max_reports, ca_file=args.ca_file
+            )
+            for url in urls
+        ]
+        # One replica keeps exactly the single-aggregator shipper; several get one spool each.
+        shipper = shippers[0] if len(shippers) == 1 else ShipperFanout(shippers)
         shipper.start()
+    if poller is not None:
+        poller.start()
 
     server = None
     metrics = None
@@ -187,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
             if shipper is not None:
                 shipper.submit(result.report)
                 if not shipper.flush(timeout_s=30.0):
-                    log.error("report not delivered", extra={"aggregator": args.aggregator})
+                    log.error("report not delivered", extra={"aggregator": urls})
                     return 1
             return 0
 
@@ -210,6 +354,8 @@ def run(args: argparse.Namespace) -> int:
         agent.run(shipper, stop, on_cycle=_on_cycle)
         return 0
     finally:
+        if poller is not None:
+            poller.close()
         if shipper is not None:
             shipper.close(timeout_s=5.0)
         if server is not None:

@@ -3,6 +3,10 @@
 A collector that raises loses only its own part of the report: the failure goes into the
 report's ``errors`` and into the collector's status (exported as ``gpuwarden_collector_success``),
 and the other collectors' data still goes out.
+
+Finished active probes (``agent.probes``) ride along: each cycle takes what the probe loop has
+finished since the last one, at most 256 (the schema's bound); older ones beyond that are dropped
+and counted in ``errors`` (collector ``probes``).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from msgspec import UNSET
 from agent import __version__
 from agent.clock import Clock
 from agent.collectors.base import Collector
-from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Nic, Report
+from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Nic, Probe, Report
 from agent.state import CollectorStatus, CycleResult
 
 log = logging.getLogger(__name__)
@@ -29,10 +33,17 @@ log = logging.getLogger(__name__)
 MAX_EVENTS: Final = 1024  # the schema's bound on events per report
 MAX_ERRORS: Final = 64  # the schema's bound on errors per report
 MAX_MESSAGE: Final = 1024
+MAX_PROBES: Final = 256  # the schema's bound on probes per report
 
 
 class ReportSink(Protocol):
     def submit(self, report: Report) -> None: ...
+
+
+class ProbeSource(Protocol):
+    def drain(self, limit: int) -> tuple[list[Probe], int]:
+        """Up to ``limit`` finished probes, and how many older ones were dropped."""
+        ...
 
 
 def read_boot_id(procfs: Path) -> str:
@@ -67,8 +78,10 @@ class Agent:
         boot_id: str,
         interval_seconds: float = 10.0,
         labels: Mapping[str, str] | None = None,
+        probes: ProbeSource | None = None,
     ) -> None:
         self.node = node
+        self.probes = probes
         self.collectors = list(collectors)
         self.clock = clock
         self.boot_id = boot_id
@@ -116,6 +129,15 @@ class Agent:
             dropped = len(events) - MAX_EVENTS
             events = sorted(events, key=lambda e: e.time)[-MAX_EVENTS:]
             errors.append(CollectorError(collector="agent", message=f"{dropped} oldest events dropped"))
+        probes: list[Probe] = []
+        if self.probes is not None:
+            probes, dropped_probes = self.probes.drain(MAX_PROBES)
+            if dropped_probes:
+                errors.append(
+                    CollectorError(
+                        collector="probes", message=f"{dropped_probes} oldest probe results dropped"
+                    )
+                )
         if len(errors) > MAX_ERRORS:
             extra = len(errors) - (MAX_ERRORS - 1)
             errors = [
@@ -135,6 +157,7 @@ class Agent:
             nics=nics,
             labels=dict(self.labels) if self.labels else UNSET,
             events=events if events else UNSET,
+            probes=probes if probes else UNSET,
             errors=errors if errors else UNSET,
         )
         self._seq += 1

@@ -18,6 +18,10 @@ What an answer means for the report at the head:
 - anything else (1xx, 3xx: a wrong URL, most likely): kept and retried, so a configuration mistake
   fixed by an operator loses nothing.
 
+With several aggregator replicas (``--aggregator`` repeated) ``ShipperFanout`` gives each its
+own ``Shipper``: its own spool and sender thread, so a replica that is down or slow never delays
+the reports to the others, and each replica sees the same reports in the same order.
+
 Backoff is exponential with full jitter, capped. Delivery is at least once: a request that timed
 out may have reached the aggregator, which tells duplicates apart by ``(node, boot_id, seq)``.
 """
@@ -36,7 +40,7 @@ import threading
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC
 from enum import Enum
@@ -547,3 +551,57 @@ class Shipper:
             return resp.status, resp.getheader("Retry-After"), reason
         finally:
             conn.close()
+
+
+class ShipperFanout:
+    """Every report to every aggregator replica: one ``Shipper`` (one spool, one thread) per URL.
+
+    ``stats()`` sums the counters over the replicas (a report delivered to two replicas counts
+    twice), reports the deepest spool, and the oldest of the replicas' last successes: an alert on
+    delivery staleness then fires when any replica stops taking reports.
+    """
+
+    def __init__(self, shippers: Sequence[Shipper]) -> None:
+        if not shippers:
+            raise ConfigError("a fan-out needs at least one aggregator")
+        self.shippers = list(shippers)
+
+    def start(self) -> None:
+        for shipper in self.shippers:
+            shipper.start()
+
+    def submit(self, report: Report) -> None:
+        for shipper in self.shippers:
+            shipper.submit(report)
+
+    def flush(self, timeout_s: float) -> bool:
+        """True when every replica has its spool delivered within ``timeout_s`` (shared)."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        ok = True
+        for shipper in self.shippers:
+            ok = shipper.flush(max(0.0, deadline - time.monotonic())) and ok
+        return ok
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        # Closing one by one would give the last replica what the first left of the timeout.
+        threads = [
+            threading.Thread(target=shipper.close, args=(timeout_s,), daemon=True)
+            for shipper in self.shippers
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def stats(self) -> ShipperStats:
+        all_stats = [shipper.stats() for shipper in self.shippers]
+        successes = [s.last_success_time for s in all_stats]
+        return ShipperStats(
+            sent_total=sum(s.sent_total for s in all_stats),
+            rejected_total=sum(s.rejected_total for s in all_stats),
+            failed_attempts_total=sum(s.failed_attempts_total for s in all_stats),
+            spooled_total=sum(s.spooled_total for s in all_stats),
+            dropped_total=sum(s.dropped_total for s in all_stats),
+            spool_depth=max(s.spool_depth for s in all_stats),
+            last_success_time=None if None in successes else min(t for t in successes if t is not None),
+        )

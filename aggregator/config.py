@@ -86,6 +86,69 @@ class NotifyConfig(_Section, frozen=True):
     slack_min_interval_seconds: Annotated[float, Meta(ge=0)] = 1.0  # Slack allows ~1 message/s
 
 
+TaintEffect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
+
+
+class LimitsConfig(_Section, frozen=True):
+    """Safety limits, checked before every new quarantine (docs/remediation.md). Past one, the
+    decision is recorded with action ``held``, nothing is tainted, and the breaker stays open until
+    a human resets it."""
+
+    max_pool_share: Ratio = 0.10  # of a pool's nodes out (quarantined or probation) at once
+    min_pool_allowance: Annotated[int, Meta(ge=0)] = 1  # a small pool may still lose this many
+    max_per_domain: Annotated[int, Meta(ge=1)] = 3  # nodes out in one rack, and in one leaf
+    max_per_hour: Annotated[int, Meta(ge=1)] = 20  # new quarantines fleet-wide in any hour
+
+
+class PreflightConfig(_Section, frozen=True):
+    """Nodes join with the preflight taint (kubelet --register-with-taints) and lose it once they
+    have passed; a failure turns it into a quarantine with the evidence."""
+
+    enabled: bool = True
+    taint_key: str = "gpuwarden.io/preflight"
+    healthy_reports: Annotated[int, Meta(ge=1)] = 3  # clean reports in a row, at least
+    min_seconds: Annotated[float, Meta(ge=0)] = 60.0  # spanning at least this long
+    require_probes: bool = False  # also a passing local probe and pair probe (docs/probes.md)
+    timeout_seconds: PositiveSeconds = 3600.0  # no verdict by then: an event, and the taint stays
+
+
+class LeaderConfig(_Section, frozen=True):
+    """coordination.k8s.io Lease election, with client-go's defaults."""
+
+    lease_name: str = "gpuwarden-aggregator"
+    namespace: str = "gpuwarden"
+    lease_duration_seconds: PositiveSeconds = 15.0
+    renew_deadline_seconds: PositiveSeconds = 10.0
+    retry_period_seconds: PositiveSeconds = 2.0
+
+
+class RemediationConfig(_Section, frozen=True):
+    # off: no Kubernetes at all; dry-run: read the cluster, elect, log every write it would make,
+    # write nothing to nodes; enforce: taint, untaint, conditions, events, annotations.
+    mode: Literal["off", "dry-run", "enforce"] = "off"
+    taint_key: str = "gpuwarden.io/unhealthy"
+    condition_type: str = "GPUHealthy"
+    managed_label: str = "gpuwarden.io/managed"  # "false" on a node: never touched
+    annotation_prefix: str = "gpuwarden.io/"
+    suspect_effect: Literal["PreferNoSchedule"] | None = None  # off by default
+    allow_no_execute: bool = False  # rules asking for NoExecute get NoSchedule unless this is on
+    max_no_execute_per_hour: Annotated[int, Meta(ge=0)] = 2  # eviction is rate-limited on its own
+    override_cooldown_seconds: PositiveSeconds = 86400.0  # a human removed our taint: not again
+    events_namespace: str = "default"  # where Node events go, as the kubelet's do
+    qps: PositiveSeconds = 20.0  # API writes per second, all workers together
+    burst: Annotated[int, Meta(ge=1)] = 40
+    workers: Annotated[int, Meta(ge=1, le=64)] = 4
+    queue_size: Annotated[int, Meta(ge=1)] = 20000  # nodes waiting for a write (one entry per node)
+    resync_seconds: PositiveSeconds = 300.0  # full compare of wanted and actual state
+    restore_grace_seconds: PositiveSeconds = 600.0  # restored evidence holds while detectors warm up
+    limits: LimitsConfig = LimitsConfig()
+    preflight: PreflightConfig = PreflightConfig()
+    leader: LeaderConfig = LeaderConfig()
+
+
+from aggregator.probes.config import ProbesConfig  # noqa: E402 - it builds on _Section above
+
+
 class Config(_Section, frozen=True):
     rules_dir: str | None = None  # default: the rules/ directory shipped with gpuwarden
     ingest: IngestConfig = IngestConfig()
@@ -94,3 +157,5 @@ class Config(_Section, frozen=True):
     silence: SilenceConfig = SilenceConfig()
     auth: AuthConfig = AuthConfig()
     notify: NotifyConfig = NotifyConfig()
+    remediation: RemediationConfig = RemediationConfig()
+    probes: ProbesConfig = ProbesConfig()

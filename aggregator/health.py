@@ -13,6 +13,12 @@ Per node: ``healthy -> suspect -> quarantined -> probation -> healthy``.
 - A node quarantined ``lemon_count`` times within ``lemon_window_seconds`` is a lemon: it stays
   quarantined whatever later reports say, and the decision says a human must look at it.
 
+- Before a decision adds our taint, the ``gate`` (the safety limits, aggregator.remediate.limits)
+  may refuse: the node is quarantined all the same, but the decision's action is ``held``, the
+  node is not counted as tainted, and a later relapse or a breaker reset tries again.
+- ``snapshot`` and ``restore`` carry a node's health across an aggregator restart (through an
+  annotation on the Node): state, probation clock, lemon count, and the evidence behind it.
+
 Timing uses the aggregator's own time (receive time live, trace time in replay), never the
 node's report clock, so a node with a skewed clock is judged like any other. Each finding's
 persistence is measured from when this machine first saw its key.
@@ -21,13 +27,16 @@ persistence is measured from when this machine first saw its key.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from aggregator.config import HealthConfig
 from aggregator.decisions import Decision, Reason
 from aggregator.model import Finding, NodeState, RemediationAction
+from aggregator.remediate.model import MAX_SNAPSHOT_FINDINGS, HealthSnapshot, SnapshotFinding
+
+RESTORED: Final = "restored"  # the findings group rebuilt from a snapshot after a restart
 
 
 @dataclass
@@ -46,6 +55,8 @@ class NodeHealth:
     quarantines: deque[float] = field(default_factory=deque)
     lemon: bool = False
     tainted: bool = False  # remediation has taken (or in dry-run would have taken) the node out
+    held: bool = False  # quarantined, but a safety limit kept the taint off
+    restored_until: float | None = None  # the restored findings give way to live ones then
     reasons: list[Reason] = field(default_factory=list)  # why it is in its current state
 
     def active(self) -> list[_Tracked]:
@@ -61,22 +72,28 @@ def _reason(f: Finding, *, persisted_s: float | None = None) -> Reason:
     return Reason(detector=f.detector, rule=f.rule, severity=f.severity, summary=f.summary, evidence=evidence)
 
 
-def _action(tainted: bool, state: NodeState) -> RemediationAction:
+def _action(h: NodeHealth, state: NodeState) -> RemediationAction:
     """What remediation does on entering ``state``: quarantined and probation keep the node out,
-    healthy and suspect let it back (whichever way it left probation)."""
+    healthy and suspect let it back (whichever way it left probation). A held quarantine whose
+    evidence went away moves on to probation without ever being tainted."""
     out = state in ("quarantined", "probation")
-    if out and not tainted:
-        return "taint"
-    if tainted and not out:
+    if out and not h.tainted:
+        return "none" if state == "probation" and h.held else "taint"
+    if h.tainted and not out:
         return "untaint"
     return "none"
+
+
+# The gate: None lets the taint through; otherwise why it is held (one line).
+Gate = Callable[[NodeHealth, float], str | None]
 
 
 class HealthMachine:
     """Holds every node's health; ``update`` and ``tick`` return the decisions they caused."""
 
-    def __init__(self, config: HealthConfig) -> None:
+    def __init__(self, config: HealthConfig, *, gate: Gate | None = None) -> None:
         self.config = config
+        self.gate = gate
         self._nodes: dict[str, NodeHealth] = {}
 
     def get(self, node: str) -> NodeHealth | None:
@@ -230,12 +247,28 @@ class HealthMachine:
 
     def _move(self, h: NodeHealth, state: NodeState, now: float, why: list[Reason]) -> Decision:
         previous = h.state
-        action = _action(h.tainted, state)
+        action = _action(h, state)
+        if action == "taint" and self.gate is not None:
+            hold = self.gate(h, now)
+            if hold is not None:
+                action = "held"
+                why = [
+                    *why,
+                    Reason(
+                        detector=why[0].detector if why else "rule",
+                        rule="safety-limit",
+                        severity="critical",
+                        summary=f"not tainted: {hold}",
+                        evidence={"held": True},
+                    ),
+                ]
+        out = state in ("quarantined", "probation")
+        h.tainted = action == "taint" or (h.tainted and out)
+        h.held = out and (action == "held" or (h.held and action == "none"))
         h.state = state
         h.since = now
         h.clear_since = None
         h.reasons = why
-        h.tainted = state in ("quarantined", "probation")
         return Decision(
             time=now,
             subject="node",
@@ -246,6 +279,103 @@ class HealthMachine:
             reasons=why,
         )
 
+    def retry_held(self, node: str, now: float) -> Decision | None:
+        """Try the taint of a held quarantine again (after a breaker reset): a decision with
+        action ``taint`` (state unchanged) if the gate lets it through now, else None."""
+        h = self._nodes.get(node)
+        if h is None or not h.held or h.state != "quarantined":
+            return None
+        hold = self.gate(h, now) if self.gate is not None else None
+        if hold is not None:
+            return None
+        h.held = False
+        h.tainted = True
+        why = [r for r in h.reasons if r.rule != "safety-limit"]
+        h.reasons = why
+        return Decision(
+            time=now,
+            subject="node",
+            node=h.node,
+            state=h.state,
+            previous=h.state,
+            action="taint",
+            reasons=[
+                *why,
+                Reason(
+                    detector=why[0].detector if why else "rule",
+                    rule="safety-limit",
+                    severity="info",
+                    summary="safety breaker reset: the held quarantine is applied now",
+                ),
+            ],
+        )
+
+    # -- restart ------------------------------------------------------------------------------
+
+    def snapshot(self, node: str, boot_id: str | None) -> HealthSnapshot | None:
+        h = self._nodes.get(node)
+        if h is None:
+            return None
+        tracked = sorted(
+            h.active(), key=lambda t: (t.finding.action != "quarantine", not t.finding.hard, t.finding.key)
+        )
+        return HealthSnapshot(
+            state=h.state,
+            since=h.since,
+            tainted=h.tainted,
+            held=h.held,
+            lemon=h.lemon,
+            quarantines=list(h.quarantines),
+            boot_id=boot_id,
+            findings=[
+                SnapshotFinding(
+                    detector=t.finding.detector,
+                    key=t.finding.key,
+                    severity=t.finding.severity,
+                    action=t.finding.action,
+                    summary=t.finding.summary,
+                    since=t.finding.since,
+                    rule=t.finding.rule,
+                    hard=t.finding.hard,
+                    clears=t.finding.clears,
+                    evidence={k: v for k, v in t.finding.evidence.items() if _small(v)},
+                )
+                for t in tracked[:MAX_SNAPSHOT_FINDINGS]
+            ],
+        )
+
+    def restore(self, node: str, snap: HealthSnapshot, now: float, *, grace_seconds: float) -> bool:
+        """Rebuild a node from its snapshot, unless we already know it (False). Its findings
+        come back as one ``restored`` group that holds the state for ``grace_seconds`` while the
+        detectors warm up again; reboot-cleared ones are re-latched by the rule engine instead
+        (the caller does that), so they stay until the node reboots."""
+        if node in self._nodes:
+            return False
+        h = self._nodes[node] = NodeHealth(node=node, state=snap.state, since=snap.since)
+        h.tainted = snap.tainted
+        h.held = snap.held
+        h.lemon = snap.lemon
+        h.quarantines = deque(snap.quarantines)
+        findings = [_from_snapshot(f) for f in snap.findings if f.clears != "reboot"]
+        if findings:
+            h.groups[RESTORED] = {f.key: _Tracked(f, min(f.since, now)) for f in findings}
+            h.restored_until = now + grace_seconds
+        h.reasons = [_reason(f) for f in findings] or [
+            Reason(detector="rule", severity="info", summary=f"restored from the cluster: {snap.state}")
+        ]
+        return True
+
+    def expire_restored(self, now: float) -> list[Decision]:
+        """Drop restored findings past their grace time; live detectors have taken over."""
+        out = []
+        for h in self._nodes.values():
+            if h.restored_until is not None and now >= h.restored_until:
+                h.restored_until = None
+                d = self.update(h.node, RESTORED, (), now)
+                if d is not None:
+                    out.append(d)
+        return out
+
     def release_lemon(self, node: str, now: float) -> Decision | None:
         """A human cleared a lemon: it may go through probation like any other node."""
         h = self._nodes.get(node)
@@ -254,3 +384,26 @@ class HealthMachine:
         h.lemon = False
         h.quarantines.clear()
         return self._evaluate(h, now)
+
+
+def _small(value: Any) -> bool:
+    return (
+        value is None
+        or isinstance(value, bool | int | float)
+        or (isinstance(value, str) and len(value) <= 256)
+    )
+
+
+def _from_snapshot(f: SnapshotFinding) -> Finding:
+    return Finding(
+        detector=f.detector,  # type: ignore[arg-type]  # written by snapshot() from a Finding
+        key=f.key,
+        severity=f.severity,  # type: ignore[arg-type]
+        action=f.action,  # type: ignore[arg-type]
+        summary=f.summary,
+        since=f.since,
+        rule=f.rule,
+        hard=f.hard,
+        clears=f.clears,
+        evidence=dict(f.evidence),
+    )

@@ -40,6 +40,8 @@ class Finding:
     evidence: Mapping[str, Any] = field(default_factory=dict)
     runbook_url: str | None = None
     peer: str | None = None  # the other end, for a link finding
+    shadow: bool = False  # from a rule on trial: shown and counted, never changes the node's state
+    taint_effect: Literal["NoSchedule", "NoExecute"] = "NoSchedule"
 
 
 class IngestOutcome(enum.Enum):

@@ -16,7 +16,7 @@ import time as _time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -27,10 +27,13 @@ from aggregator.detect import DETECTORS
 from aggregator.detect.links import LinkLocalizer, SwitchAlert
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
-from aggregator.fleet.pools import Placement, placement_of
-from aggregator.health import HealthMachine
+from aggregator.fleet.pools import UNKNOWN_POOL, Placement, placement_of
+from aggregator.health import HealthMachine, NodeHealth
 from aggregator.links import LinkHealth
 from aggregator.model import Finding, IngestOutcome
+from aggregator.probes.scheduler import ProbeScheduler, report_is_idle
+from aggregator.remediate.limits import BreakerState, SafetyLimits
+from aggregator.remediate.model import HealthSnapshot, NodeIntent, SnapshotFinding
 from aggregator.rules.engine import RuleEngine
 from aggregator.rules.model import Rule
 from aggregator.silence import SilenceDetector, SystemicEvent
@@ -49,6 +52,11 @@ class _NodeRecord:
     seen: deque[tuple[str, int, float]] = field(default_factory=deque)
     seen_set: set[tuple[str, int, float]] = field(default_factory=set)
     recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_HISTORY_KEEP))
+    first_received: float = 0.0
+    boot_id: str | None = None
+    clean_reports: int = 0  # reports in a row with the node healthy and no finding at all
+    clean_since: float | None = None
+    preflight_passed: bool = False
 
 
 class Pipeline:
@@ -74,7 +82,20 @@ class Pipeline:
         self.fleet.registry.track_nvlink_counters(*sorted(series.nvlink_counters))
         self.fleet.registry.track_nic_counters(*sorted(series.nic_counters))
         self.fleet.registry.track_gpu_gauges(*sorted(series.gpu_gauges))
-        self.health = HealthMachine(config.health)
+        self.limits = SafetyLimits(config.remediation.limits)
+        # The safety limits decide "held" only where remediation would act (dry-run shows what it
+        # would do); with remediation off, decisions say what detection found, nothing more.
+        self.health = HealthMachine(
+            config.health, gate=self._gate if config.remediation.mode != "off" else None
+        )
+        # Nodes known only from the cluster (restored after a restart, not yet reporting).
+        self._restored_placement: dict[str, Placement] = {}
+        self.shadow_findings: dict[str, list[Finding]] = {}  # node -> findings of rules on trial
+        self._cluster_pool_size: Callable[[str], int] = lambda _pool: 0
+        # Active probes (aggregator/probes): set by the service when probes are on, never in replay.
+        self.probes: ProbeScheduler | None = None
+        # Whether the node carries the preflight taint (the remediation actuator's node cache).
+        self.has_preflight_taint: Callable[[str], bool] = lambda _node: False
         self.silence = SilenceDetector(config.silence)
         # Fleet-wide detectors (peers, trend) run on the pool frames every few seconds.
         self.detectors = [make() for make in DETECTORS]
@@ -107,7 +128,9 @@ class Pipeline:
             return IngestOutcome.DUPLICATE
         placement = placement_of(report, self._k8s_labels(report.node))
         if rec is None:
-            rec = self._nodes[report.node] = _NodeRecord(placement, received, report.time)
+            rec = self._nodes[report.node] = _NodeRecord(
+                placement, received, report.time, first_received=received
+            )
         rec.placement = placement
         rec.seen.append(key)
         rec.seen_set.add(key)
@@ -116,6 +139,8 @@ class Pipeline:
         rec.last_received = max(rec.last_received, received)
         rec.last_report_time = max(rec.last_report_time, report.time)
         rec.recent.append(_summary(report, received))
+        rec.boot_id = report.boot_id
+        self._restored_placement.pop(report.node, None)
 
         try:
             view = self.fleet.add(report)
@@ -124,12 +149,29 @@ class Pipeline:
             self.frames.record(view, placement, at=received)
             if report.probes:
                 self.links.observe(report, placement, received)
+            if self.probes is not None:
+                self.probes.observe(
+                    report.node,
+                    placement,
+                    idle=report_is_idle(report, self.config.probes),
+                    now=received,
+                    preflight=self.has_preflight_taint(report.node),
+                )
+                for probe in report.probes or ():
+                    self.probes.result(report.node, probe, placement, received)
+                self._preflight_probes(report.node, received)
             findings = self.engine.evaluate(view)
             if report.node in self._silent:
                 # The node is talking again: whatever silence said is over.
                 self._silent.discard(report.node)
                 self._emit(self.health.update(report.node, "silence", (), received))
+            if any(f.shadow for f in findings):
+                self.shadow_findings[report.node] = [f for f in findings if f.shadow]
+                findings = [f for f in findings if not f.shadow]
+            else:
+                self.shadow_findings.pop(report.node, None)
             self._emit(self.health.update(report.node, "rule", findings, received))
+            self._note_clean(report.node, rec, received)
             self.advance(received)
         except BaseException:
             # Not processed: a redelivery of this report must be processed, not called a duplicate.
@@ -187,6 +229,10 @@ class Pipeline:
             for d in self.link_health.update(verdict.links, tick):
                 self._emit(d)
             self.switches = list(verdict.switches)
+        if self.probes is not None:
+            self.probes.tick(tick)
+        for d in self.health.expire_restored(tick):
+            self._emit(d)
         for d in self.health.tick(tick):
             self._emit(d)
 
@@ -210,6 +256,230 @@ class Pipeline:
             self.engine.forget(node)
             self.fleet.forget(node)
             self.frames.forget(node)
+
+    # -- remediation ------------------------------------------------------------------------------
+
+    def placement(self, node: str) -> Placement | None:
+        rec = self._nodes.get(node)
+        return rec.placement if rec is not None else self._restored_placement.get(node)
+
+    def set_cluster_pool_size(self, size_of: Callable[[str], int]) -> None:
+        """How many nodes the cluster has in a pool (the actuator's node cache): the pool-share
+        limit then counts nodes that are down or not reporting yet, as it should after a restart."""
+        self._cluster_pool_size = size_of
+
+    def _gate(self, h: NodeHealth, now: float) -> str | None:
+        placement = self.placement(h.node) or Placement(UNKNOWN_POOL)
+        out = [
+            p
+            for n, other in self.health.nodes().items()
+            if other.tainted and n != h.node and (p := self.placement(n)) is not None
+        ]
+        known = sum(1 for r in self._nodes.values() if r.placement.pool == placement.pool) + sum(
+            1 for p in self._restored_placement.values() if p.pool == placement.pool
+        )
+        pool_size = max(known, self._cluster_pool_size(placement.pool))
+        hold = self.limits.check(h.node, placement, out, pool_size, now)
+        return hold.reason if hold is not None else None
+
+    def reset_breaker(self, by: str, now: float) -> BreakerState:
+        """A human closed the safety breaker: held quarantines are tried again, oldest first."""
+        state = self.limits.reset(by, now)
+        self._retry_held(now)
+        return state
+
+    def adopt_breaker(self, state: BreakerState, now: float) -> None:
+        """The breaker as another replica (or our previous life) left it in the Lease."""
+        was_open = self.limits.open
+        if self.limits.adopt(state) and was_open:
+            self._retry_held(now)
+
+    def _retry_held(self, now: float) -> None:
+        held = sorted((h.since, n) for n, h in self.health.nodes().items() if h.held)
+        for _since, node in held:
+            if self.limits.open:
+                break  # the backlog itself is past a limit: the rest stay held
+            self._emit(self.health.retry_held(node, now))
+
+    def _preflight_probes(self, node: str, now: float) -> None:
+        """A node in preflight whose probes failed is quarantined with the probes' evidence
+        (``remediation.preflight.require_probes``). The finding lasts until the node reboots
+        (repaired), then the usual probation follows."""
+        h = self.health.get(node)
+        rec = self._nodes.get(node)
+        if h is not None and "preflight" in h.groups and rec is not None:
+            first = next(iter(h.groups["preflight"].values())).finding
+            if first.evidence.get("boot_id") != rec.boot_id:
+                self._emit(self.health.update(node, "preflight", (), now))
+            return
+        if (
+            self.probes is None
+            or not self.config.remediation.preflight.require_probes
+            or not self.has_preflight_taint(node)
+        ):
+            return
+        verdict, evidence = self.probes.preflight_status(node)
+        if verdict != "failed":
+            return
+        finding = Finding(
+            detector="probe",
+            key="preflight-probes",
+            severity="critical",
+            action="quarantine",
+            summary=f"failed its preflight probes: {evidence.get('note') or evidence}",
+            since=now,
+            rule="preflight",
+            hard=True,
+            evidence={
+                **{k: v for k, v in evidence.items() if k != "note"},
+                "boot_id": rec.boot_id if rec else None,
+            },
+        )
+        self._emit(self.health.update(node, "preflight", [finding], now))
+
+    def _note_clean(self, node: str, rec: _NodeRecord, received: float) -> None:
+        """Count the clean reports in a row that preflight wants to see."""
+        h = self.health.get(node)
+        if h is None or (h.state == "healthy" and not h.groups):
+            rec.clean_reports += 1
+            if rec.clean_since is None:
+                rec.clean_since = received
+        else:
+            rec.clean_reports = 0
+            rec.clean_since = None
+
+    def intent_nodes(self) -> list[str]:
+        return sorted(self.health.nodes().keys() | self._nodes.keys())
+
+    def intent(self, node: str) -> NodeIntent | None:
+        h = self.health.get(node)
+        rec = self._nodes.get(node)
+        if h is None and rec is None:
+            return None
+        cfg = self.config.remediation
+        state = h.state if h is not None else "healthy"
+        active = h.active() if h is not None else []
+        quarantine = sorted(
+            (t for t in active if t.finding.action == "quarantine"),
+            key=lambda t: (not t.finding.hard, t.first_seen, t.finding.key),
+        )
+        effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+        if h is not None and h.tainted:
+            effect = (
+                "NoExecute"
+                if any(t.finding.taint_effect == "NoExecute" for t in quarantine)
+                else "NoSchedule"
+            )
+        elif state == "suspect" and cfg.suspect_effect is not None:
+            effect = cfg.suspect_effect
+        reasons = h.reasons if h is not None else []
+        lead = quarantine[0].finding if quarantine else None
+        if lead is not None:
+            code = lead.rule or lead.key.partition(":")[0] or lead.detector
+        elif reasons and reasons[0].rule:
+            code = reasons[0].rule
+        else:
+            code = reasons[0].detector if reasons else state
+        message = reasons[0].summary if reasons else state
+        if len(reasons) > 1:
+            message += f" (+{len(reasons) - 1} more)"
+        placement = self.placement(node)
+        snap = self.health.snapshot(node, rec.boot_id if rec is not None else None)
+        if snap is None:
+            snap = HealthSnapshot(state="healthy", since=0.0)
+        snap = msgspec.structs.replace(
+            snap,
+            reason_code=code,
+            pool=placement.pool if placement else None,
+            rack=placement.rack if placement else None,
+            leaf=placement.leaf if placement else None,
+        )
+        return NodeIntent(
+            node=node,
+            state=state,
+            since=h.since if h is not None else (rec.first_received if rec is not None else 0.0),
+            effect=effect,
+            reason_code=code,
+            message=message[:1024],
+            evidence_key=",".join(sorted(t.finding.key for t in quarantine)) or code,
+            held=h.held if h is not None else False,
+            snapshot=snap,
+            preflight=self._preflight(node, h, rec),
+        )
+
+    def _preflight(
+        self, node: str, h: NodeHealth | None, rec: _NodeRecord | None
+    ) -> Literal["pending", "passed", "failed"]:
+        if h is not None and h.state == "quarantined":
+            return "failed"
+        if rec is None:
+            return "pending"
+        if rec.preflight_passed:
+            return "passed"
+        cfg = self.config.remediation.preflight
+        if rec.clean_reports < cfg.healthy_reports or rec.clean_since is None:
+            return "pending"
+        if rec.last_received - rec.clean_since < cfg.min_seconds:
+            return "pending"
+        if cfg.require_probes and self.probes is not None:
+            verdict, _evidence = self.probes.preflight_status(node)
+            if verdict != "passed":
+                return verdict
+        rec.preflight_passed = True
+        return "passed"
+
+    def restore(
+        self, node: str, snapshot: HealthSnapshot | None, taint_value: str | None, now: float
+    ) -> None:
+        """Rebuild a node from what we left on it in the cluster (IntentSource.restore)."""
+        if node in self._nodes or self.health.get(node) is not None:
+            return
+        if snapshot is None:
+            if taint_value is None:
+                return
+            # Our taint without a readable snapshot (hand-edited, another version): it stays out,
+            # and the live detectors decide from here on, through probation as usual.
+            snapshot = HealthSnapshot(
+                state="quarantined",
+                since=now,
+                tainted=True,
+                reason_code=taint_value,
+                findings=[
+                    SnapshotFinding(
+                        detector="rule",
+                        key=f"restored:{taint_value}",
+                        severity="critical",
+                        action="quarantine",
+                        summary=f"tainted {taint_value} before the aggregator restarted",
+                        since=now,
+                        rule=taint_value,
+                    )
+                ],
+            )
+        elif taint_value is None and snapshot.tainted:
+            # Our taint is gone but the snapshot says we applied it: a human removed it while we
+            # were down. Restore the evidence; the actuator sees the override and respects it.
+            pass
+        if not self.health.restore(
+            node, snapshot, now, grace_seconds=self.config.remediation.restore_grace_seconds
+        ):
+            return
+        if snapshot.pool is not None:
+            self._restored_placement[node] = Placement(snapshot.pool, rack=snapshot.rack, leaf=snapshot.leaf)
+        latched = [f for f in snapshot.findings if f.clears == "reboot"]
+        if latched and snapshot.boot_id is not None:
+            self.engine.restore_latched(node, snapshot.boot_id, [_finding_of(f) for f in latched], now)
+            # Held by the engine until the node reboots; on the node at once.
+            self._emit(self.health.update(node, "rule", [_finding_of(f) for f in latched], now))
+        log.info(
+            "node restored from the cluster",
+            extra={
+                "node": node,
+                "state": snapshot.state,
+                "tainted": snapshot.tainted,
+                "findings": len(snapshot.findings),
+            },
+        )
 
     def set_findings(self, node: str, source: str, findings: list[Finding], now: float) -> None:
         """For detectors outside the per-report path (peers, trend, links): replace their findings."""
@@ -322,6 +592,21 @@ class Pipeline:
             }
             for sw in self.switches
         ]
+
+
+def _finding_of(f: SnapshotFinding) -> Finding:
+    return Finding(
+        detector=f.detector,  # type: ignore[arg-type]  # written from a Finding by the snapshot
+        key=f.key,
+        severity=f.severity,  # type: ignore[arg-type]
+        action=f.action,  # type: ignore[arg-type]
+        summary=f.summary,
+        since=f.since,
+        rule=f.rule,
+        hard=f.hard,
+        clears=f.clears,
+        evidence=dict(f.evidence),
+    )
 
 
 def _summary(report: Report, received: float) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from agent.logs import configure as configure_logging
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("agent.cli", "run the node agent (collect, expose /metrics, send reports)"),
     "aggregator": ("aggregator.cli", "run the aggregator (ingest reports, detect, decide)"),
+    "breaker": ("aggregator.breakercli", "show or reset the remediation safety breaker (audited)"),
     "replay": ("aggregator.replay", "run the detection pipeline over a recorded trace"),
     "sim": ("sim.cli", "simulate a GPU fleet: a trace and its ground truth"),
     "eval": ("sim.eval", "score a decision log against ground truth and a static baseline"),

@@ -8,10 +8,13 @@ operator's kinds are not in those schemas; they are checked against the fields o
 monitoring.coreos.com/v1 definitions that gpuwarden uses, and against the objects they point at.
 
 Beyond the schemas, the properties the deployment promises: the agent tolerates every taint,
-runs at system-node-critical, takes no GPU, mounts the host read-only and sends the token the
-aggregator's TokenReview expects; the aggregator's RBAC is exactly the least-privilege set; the
-network policies let in agents and Prometheus and nobody else; the containers' arguments parse
-with the real command line and point at what the manifests mount.
+runs at system-node-critical, takes no GPU, mounts the host read-only, sends the token the
+aggregator's TokenReview expects and sends every report to every aggregator replica by the names
+the StatefulSet and its headless Service give them; both share the probe key from one Secret;
+the aggregator's RBAC is exactly the least-privilege set and covers the Lease it elects with;
+remediation runs dry in the base and enforces in production, with the breaker's admin tokens; the
+network policies let in agents, agents' probes and Prometheus and nobody else; the containers'
+arguments parse with the real command line and point at what the manifests mount.
 
 No Docker engine runs here, so the Dockerfile is never built in the tests: it is read
 statically (base image, user, entrypoint, what it copies against what ``pip install .`` reads and
@@ -48,6 +51,10 @@ COMPONENTS = DEPLOY / "components"
 NAMESPACE = "gpuwarden"
 AGENT = "gpuwarden-agent"
 AGGREGATOR = "gpuwarden-aggregator"
+# The headless Service that names each aggregator pod: where the agents send their reports.
+AGGREGATOR_PODS = "gpuwarden-aggregator-pods"
+PROBE_KEY_SECRET = "gpuwarden-probe-key"
+ADMIN_TOKEN_SECRET = "gpuwarden-admin-token"
 # The oldest Kubernetes gpuwarden supports: pod-bound service-account tokens carry
 # authentication.kubernetes.io/node-name from 1.30 on (aggregator/auth.py relies on it).
 K8S_MIN = "1.30"
@@ -65,18 +72,40 @@ class Expect:
     monitoring: bool  # ServiceMonitor and PodMonitor present
     runtime_class: str | None
     image: str
+    remediation: str  # the mode the aggregator runs in
+    breaker_admin: bool  # --admin-token-file from the Secret (components/breaker-admin)
 
 
 PROJECT_VERSION: str = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 
 # Every overlay directory must be listed here (test_every_overlay_is_checked).
 OVERLAYS: dict[str, Expect] = {
-    "dev": Expect(1, kernel_log=False, monitoring=False, runtime_class=None, image="gpuwarden:dev"),
+    "dev": Expect(
+        1,
+        kernel_log=False,
+        monitoring=False,
+        runtime_class=None,
+        image="gpuwarden:dev",
+        remediation="dry-run",
+        breaker_admin=False,
+    ),
     "production": Expect(
-        2, kernel_log=True, monitoring=True, runtime_class=None, image=f"gpuwarden:{PROJECT_VERSION}"
+        2,
+        kernel_log=True,
+        monitoring=True,
+        runtime_class=None,
+        image=f"gpuwarden:{PROJECT_VERSION}",
+        remediation="enforce",
+        breaker_admin=True,
     ),
     "production-nvidia-runtime": Expect(
-        2, kernel_log=True, monitoring=True, runtime_class="nvidia", image=f"gpuwarden:{PROJECT_VERSION}"
+        2,
+        kernel_log=True,
+        monitoring=True,
+        runtime_class="nvidia",
+        image=f"gpuwarden:{PROJECT_VERSION}",
+        remediation="enforce",
+        breaker_admin=True,
     ),
 }
 RENDERED = ["base", *OVERLAYS]
@@ -202,12 +231,12 @@ def container_port(ctr: Obj, name: str) -> int:
 
 
 def aggregator_config(objs: list[Obj]) -> tuple[str, str]:
-    """(the aggregator.yaml text the Deployment mounts, the path it is mounted at)."""
-    dep = find(objs, "Deployment", AGGREGATOR)
-    ctr = container(dep, "aggregator")
+    """(the aggregator.yaml text the StatefulSet mounts, the path it is mounted at)."""
+    sts = find(objs, "StatefulSet", AGGREGATOR)
+    ctr = container(sts, "aggregator")
     args = parse_cli(expand_args(ctr))
     mount = mount_for(ctr, args.config)
-    cm_name = volume(dep, mount["name"])["configMap"]["name"]
+    cm_name = volume(sts, mount["name"])["configMap"]["name"]
     key = str(PurePosixPath(args.config).relative_to(mount["mountPath"]))
     cm = find(objs, "ConfigMap", cm_name)
     assert key in cm["data"], f"ConfigMap {cm_name} has no key {key!r}"
@@ -536,9 +565,9 @@ def test_monitoring_schema_catches_a_misspelt_field() -> None:
 def test_overlay_shape(name: str) -> None:
     expect = OVERLAYS[name]
     objs = rendered(name)
-    dep = find(objs, "Deployment", AGGREGATOR)
+    sts = find(objs, "StatefulSet", AGGREGATOR)
     ds = find(objs, "DaemonSet", AGENT)
-    assert dep["spec"]["replicas"] == expect.aggregator_replicas
+    assert sts["spec"]["replicas"] == expect.aggregator_replicas
     monitors = {o["kind"] for o in objs if o["apiVersion"].startswith(MONITORING_GROUP + "/")}
     assert ({"ServiceMonitor", "PodMonitor"} <= monitors) == expect.monitoring
     assert bool(monitors) == expect.monitoring
@@ -596,7 +625,7 @@ def test_the_host_is_mounted_read_only(name: str) -> None:
                 )
                 assert "mountPropagation" not in m
                 host_paths[vol["hostPath"]["path"]] = vol["hostPath"]["type"]
-            if "projected" in vol or "configMap" in vol:
+            if "projected" in vol or "configMap" in vol or "secret" in vol:
                 assert m.get("readOnly") is True
     if name != "base" or host_paths:
         assert host_paths == {"/sys": "Directory", "/dev/kmsg": "CharDevice"}
@@ -620,19 +649,165 @@ def test_agent_arguments_match_the_mounts(name: str) -> None:
     assert args.procfs_root == Path("/proc")
     # The node comes from the downward API; a --node would override it with a constant.
     assert args.node is None
-    node_env = [e for e in ctr["env"] if e["name"] == "NODE_NAME"]
-    assert node_env == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    assert downward_env(ctr, "NODE_NAME") == "spec.nodeName"
 
-    # Reports go to the aggregator's Service, on the port that leads to its listener.
-    url = urllib.parse.urlsplit(args.aggregator)
-    svc_name = url.hostname.split(".")[0] if url.hostname else ""
-    svc = find(objs, "Service", svc_name, ds["metadata"]["namespace"])
-    svc_port = next(p for p in svc["spec"]["ports"] if p["port"] == url.port)
-    dep = find(objs, "Deployment", AGGREGATOR)
-    assert matches({"matchLabels": svc["spec"]["selector"]}, dep["spec"]["template"]["metadata"]["labels"])
-    assert svc_port["targetPort"] == "http"
-    agg_args = parse_cli(expand_args(container(dep, "aggregator")))
-    assert parse_listen(agg_args.listen)[1] == container_port(container(dep, "aggregator"), "http")
+
+def downward_env(ctr: Obj, name: str) -> str | None:
+    """The pod field that the container's variable ``name`` comes from, None if it is not one."""
+    hits = [e for e in ctr.get("env", []) if e["name"] == name]
+    assert len(hits) == 1, f"container {ctr['name']}: expected one {name} in env, found {len(hits)}"
+    if set(hits[0]) != {"name", "valueFrom"} or set(hits[0]["valueFrom"]) != {"fieldRef"}:
+        return None
+    path: str = hits[0]["valueFrom"]["fieldRef"]["fieldPath"]
+    return path
+
+
+def replica_url_problems(objs: list[Obj]) -> list[str]:
+    """Why the agents' --aggregator list does not name every aggregator replica exactly once.
+
+    A StatefulSet's pods are named <set>-<ordinal> and resolve as <pod>.<serviceName>[.<namespace>
+    .svc...] through its headless Service; a short name resolves in the agent's own namespace.
+    """
+    from agent.cli import aggregator_urls, parse_listen
+
+    problems: list[str] = []
+    ds = find(objs, "DaemonSet", AGENT)
+    sts = find(objs, "StatefulSet", AGGREGATOR)
+    sts_ns = sts["metadata"]["namespace"]
+    agg = container(sts, "aggregator")
+    listen_port = parse_listen(parse_cli(expand_args(agg)).listen)[1]
+    if listen_port != container_port(agg, "http"):
+        problems.append(f"the aggregator listens on {listen_port}, not on its port http")
+    headless = find(objs, "Service", sts["spec"]["serviceName"], sts_ns)
+    if headless["spec"].get("clusterIP") != "None":
+        problems.append(f"Service {headless['metadata']['name']} is not headless")
+    if not matches(
+        {"matchLabels": headless["spec"]["selector"]}, sts["spec"]["template"]["metadata"]["labels"]
+    ):
+        problems.append(f"Service {headless['metadata']['name']} does not select the aggregator's pods")
+    ports = {p["port"]: p for p in headless["spec"]["ports"]}
+    wanted = [f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"])]
+    pods = []
+    for url in aggregator_urls(parse_cli(expand_args(container(ds, "agent")))):
+        parts = urllib.parse.urlsplit(url)
+        labels = (parts.hostname or "").split(".")
+        if parts.scheme != "http" or parts.path not in ("", "/") or len(labels) < 2:
+            problems.append(f"{url}: not http://<pod>.<service>:<port>")
+            continue
+        pod, service, *rest = labels
+        namespace = rest[0] if rest else ds["metadata"]["namespace"]
+        if service != headless["metadata"]["name"] or namespace != sts_ns or rest[1:2] not in ([], ["svc"]):
+            problems.append(f"{url}: not a pod of Service {sts_ns}/{headless['metadata']['name']}")
+        port = ports.get(parts.port or 80)
+        if port is None or port["targetPort"] not in ("http", listen_port):
+            problems.append(f"{url}: port {parts.port} does not lead to the aggregator's listener")
+        pods.append(pod)
+    if pods != wanted:
+        problems.append(f"the agents send to {pods}, the StatefulSet runs {wanted}")
+    return problems
+
+
+@pytest.mark.parametrize("name", RENDERED)
+def test_agents_send_to_every_aggregator_replica(name: str) -> None:
+    """Every replica holds the whole fleet only if every agent reports to every one of them."""
+    objs = rendered(name)
+    assert not replica_url_problems(objs)
+    expected = 2 if name == "base" else OVERLAYS[name].aggregator_replicas
+    sts = find(objs, "StatefulSet", AGGREGATOR)
+    assert sts["spec"]["replicas"] == expected
+    assert sts["spec"]["serviceName"] == AGGREGATOR_PODS
+
+
+def test_scaling_the_aggregator_alone_is_caught() -> None:
+    """A third replica no agent sends to would see the whole fleet as silent."""
+    objs = rendered("production")
+    find(objs, "StatefulSet", AGGREGATOR)["spec"]["replicas"] = 3
+    assert replica_url_problems(objs) == [
+        f"the agents send to {[f'{AGGREGATOR}-0', f'{AGGREGATOR}-1']}, "
+        f"the StatefulSet runs {[f'{AGGREGATOR}-{i}' for i in range(3)]}"
+    ]
+    objs = rendered("production")
+    find(objs, "Service", AGGREGATOR_PODS)["spec"]["clusterIP"] = "10.0.0.9"
+    assert replica_url_problems(objs) == [f"Service {AGGREGATOR_PODS} is not headless"]
+
+
+@pytest.mark.parametrize("name", RENDERED)
+def test_pod_identity_comes_from_the_downward_api(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agent.cli import parse_listen, probe_advertise
+
+    objs = rendered(name)
+    # The aggregator's name in the Lease and in events: the pod's own, stable per replica.
+    agg = container(find(objs, "StatefulSet", AGGREGATOR), "aggregator")
+    assert downward_env(agg, "POD_NAME") == "metadata.name"
+    assert parse_cli(expand_args(agg)).identity is None  # a constant would make both replicas one
+    # The agent tells its probe partners its pod IP and the probe port.
+    agent = container(find(objs, "DaemonSet", AGENT), "agent")
+    assert downward_env(agent, "POD_IP") == "status.podIP"
+    args = parse_cli(expand_args(agent))
+    assert args.probe_advertise is None
+    monkeypatch.setenv("POD_IP", "10.20.30.40")
+    listen = parse_listen(args.probe_listen)
+    assert probe_advertise(args.probe_advertise, listen) == f"10.20.30.40:{container_port(agent, 'probe')}"
+
+
+def secret_file(workload: Obj, ctr: Obj, path: Path) -> tuple[str, str]:
+    """(Secret name, key) of the file at ``path``, which a Secret volume must provide, read-only."""
+    mount = mount_for(ctr, path)
+    assert mount["readOnly"] is True, f"{ctr['name']}: {path} is writable"
+    assert "subPath" not in mount  # a subPath mount never sees the Secret change
+    secret = volume(workload, mount["name"]).get("secret")
+    assert secret is not None, f"{ctr['name']}: {path} is not from a Secret"
+    # Required: a missing Secret holds the pod with an event naming it, instead of a crash loop.
+    assert not secret.get("optional"), f"{ctr['name']}: Secret {secret['secretName']} is optional"
+    relative = str(PurePosixPath(path).relative_to(mount["mountPath"]))
+    items = secret.get("items")
+    if items is None:
+        return secret["secretName"], relative
+    keys = [i["key"] for i in items if i["path"] == relative]
+    assert len(keys) == 1, f"{ctr['name']}: Secret {secret['secretName']} puts nothing at {path}"
+    return secret["secretName"], keys[0]
+
+
+@pytest.mark.parametrize("name", RENDERED)
+def test_both_sides_read_the_probe_key_from_one_secret(name: str) -> None:
+    """An assignment runs only if the agent verifies the aggregator's signature with the same key."""
+    objs = rendered(name)
+    sts = find(objs, "StatefulSet", AGGREGATOR)
+    ds = find(objs, "DaemonSet", AGENT)
+    agg = container(sts, "aggregator")
+    agent = container(ds, "agent")
+    agg_args = parse_cli(expand_args(agg))
+    agent_args = parse_cli(expand_args(agent))
+    assert agent_args.probes == "auto"
+    assert agg_args.probe_key_file is not None  # without it the aggregator schedules no probe
+    assert secret_file(sts, agg, agg_args.probe_key_file) == (PROBE_KEY_SECRET, "key")
+    assert secret_file(ds, agent, agent_args.probe_key_file) == (PROBE_KEY_SECRET, "key")
+
+
+@pytest.mark.parametrize("name", RENDERED)
+def test_probe_endpoint_is_the_probe_port(name: str) -> None:
+    from agent.cli import parse_listen
+
+    agent = container(find(rendered(name), "DaemonSet", AGENT), "agent")
+    args = parse_cli(expand_args(agent))
+    host, port = parse_listen(args.probe_listen)
+    # On every pod address: peers connect to the pod IP it advertises.
+    assert host == "0.0.0.0"
+    assert port == container_port(agent, "probe") != container_port(agent, "metrics")
+
+
+@pytest.mark.parametrize("name", RENDERED)
+def test_probes_are_the_kinds_the_image_can_run(name: str) -> None:
+    """The image has neither nccl-tests nor CuPy: NCCL probes would be assigned and never run."""
+    from aggregator.configload import parse_config
+
+    text, path = aggregator_config(rendered(name))
+    probes = parse_config(text, path).probes
+    assert probes.enabled
+    assert probes.pair_kind == "tcp_pair"
+    assert probes.local_kind is None
+    assert "nccl" not in (REPO / "Dockerfile").read_text().lower()
+    assert "cupy" not in (REPO / "Dockerfile").read_text().lower()
 
 
 @pytest.mark.parametrize("name", RENDERED)
@@ -723,17 +898,17 @@ def test_aggregator_arguments_match_the_mounts(name: str, tmp_path: Path) -> Non
     from aggregator.configload import parse_config
 
     objs = rendered(name)
-    dep = find(objs, "Deployment", AGGREGATOR)
-    ctr = container(dep, "aggregator")
+    sts = find(objs, "StatefulSet", AGGREGATOR)
+    ctr = container(sts, "aggregator")
     argv = expand_args(ctr)
     assert argv[0] == "aggregator"
     args = parse_cli(argv)
     assert args.auth == "tokenreview"
-    assert not args.dry_run  # remediation will honour it; today every decision is a dry run
+    assert not args.dry_run  # the mode is remediation's alone: test_remediation_mode
     # The decision log's directory is a writable volume (the root filesystem is read-only).
     log_mount = mount_for(ctr, args.decisions)
     assert not log_mount.get("readOnly")
-    log_volume = volume(dep, log_mount["name"])
+    log_volume = volume(sts, log_mount["name"])
     assert "emptyDir" in log_volume or "persistentVolumeClaim" in log_volume
     # The rules the image ships (Dockerfile), loaded with the mounted configuration as the
     # aggregator loads them at start.
@@ -744,6 +919,109 @@ def test_aggregator_arguments_match_the_mounts(name: str, tmp_path: Path) -> Non
     config_file.write_text(text)
     _, rules = load_all(config_file, [REPO / "rules"])
     assert rules, "no rules loaded from rules/"
+
+
+@pytest.mark.parametrize("name", RENDERED)
+def test_remediation_mode(name: str) -> None:
+    """Dry-run from the configuration in the base (read the log first); production enforces."""
+    from aggregator.cli import remediation_mode
+    from aggregator.configload import parse_config
+
+    objs = rendered(name)
+    args = parse_cli(expand_args(container(find(objs, "StatefulSet", AGGREGATOR), "aggregator")))
+    text, path = aggregator_config(objs)
+    config = parse_config(text, path)
+    assert config.remediation.mode == "dry-run"  # the configuration is the base's everywhere
+    expected = "dry-run" if name == "base" else OVERLAYS[name].remediation
+    assert remediation_mode(config, args) == expected
+    if expected == "enforce":
+        assert args.remediation == "enforce"
+
+
+@pytest.mark.parametrize("name", RENDERED)
+def test_breaker_admin_tokens(name: str) -> None:
+    """Whoever enforces must be able to close the breaker, which never closes by itself."""
+    objs = rendered(name)
+    sts = find(objs, "StatefulSet", AGGREGATOR)
+    ctr = container(sts, "aggregator")
+    args = parse_cli(expand_args(ctr))
+    wanted = name != "base" and OVERLAYS[name].breaker_admin
+    if name != "base" and OVERLAYS[name].remediation == "enforce":
+        assert wanted
+    if not wanted:
+        # The flag refuses a missing file: it comes only with the Secret (components/breaker-admin).
+        assert args.admin_token_file is None
+        assert not [
+            v
+            for v in pod_spec(sts)["volumes"]
+            if "secret" in v and v["secret"]["secretName"] == ADMIN_TOKEN_SECRET
+        ]
+        return
+    assert secret_file(sts, ctr, args.admin_token_file) == (ADMIN_TOKEN_SECRET, "tokens")
+
+
+@pytest.mark.parametrize("name", RENDERED)
+def test_the_lease_is_the_one_the_rbac_allows(name: str) -> None:
+    """Election and the breaker's resets go through one Lease, in the aggregator's namespace."""
+    from aggregator.configload import parse_config
+
+    objs = rendered(name)
+    sts = find(objs, "StatefulSet", AGGREGATOR)
+    text, path = aggregator_config(objs)
+    remediation = parse_config(text, path).remediation
+    assert remediation.leader.namespace == sts["metadata"]["namespace"]
+    granted = permissions(objs, NAMESPACE, AGGREGATOR)
+    for verb in ("get", "update"):
+        assert (
+            remediation.leader.namespace,
+            "coordination.k8s.io",
+            "leases",
+            verb,
+            (remediation.leader.lease_name,),
+        ) in granted
+    assert (remediation.leader.namespace, "coordination.k8s.io", "leases", "create", ()) in granted
+    assert (remediation.events_namespace, "", "events", "create", ()) in granted
+
+
+# The patch docs/deploy.md shows for keeping each replica's decision log on a volume of its own.
+DECISION_LOG_VOLUME_PATCH = """\
+apiVersion: apps/v1
+kind: StatefulSet
+metadata:
+  name: gpuwarden-aggregator
+  namespace: gpuwarden
+spec:
+  template:
+    spec:
+      volumes:
+        - name: decisions
+          $patch: delete
+  volumeClaimTemplates:
+    - metadata:
+        name: decisions
+      spec:
+        accessModes: [ReadWriteOnce]
+        resources:
+          requests:
+            storage: 10Gi
+"""
+
+
+def test_a_site_overlay_keeps_the_decision_log_on_a_volume(tmp_path: Path) -> None:
+    kv = _kubernetes_validate()
+    assert DECISION_LOG_VOLUME_PATCH in (REPO / "docs" / "deploy.md").read_text()
+    (tmp_path / "decisions-volume.yaml").write_text(DECISION_LOG_VOLUME_PATCH)
+    objs = site_overlay(tmp_path, patches=[{"path": "decisions-volume.yaml"}])
+    sts = find(objs, "StatefulSet", AGGREGATOR)
+    ctr = container(sts, "aggregator")
+    mount = mount_for(ctr, parse_cli(expand_args(ctr)).decisions)
+    assert not mount.get("readOnly")
+    # The claim template replaces the emptyDir: a pod volume of the same name would shadow it.
+    assert mount["name"] not in {v["name"] for v in pod_spec(sts)["volumes"]}
+    [claim] = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == mount["name"]
+    for version in (K8S_MIN, kv.utils.latest_version()):
+        assert _validate(json.dumps(sts, sort_keys=True), version) is None
 
 
 def site_overlay(tmp_path: Path, **fields: Any) -> list[Obj]:
@@ -778,27 +1056,27 @@ def test_a_site_overlay_replaces_the_configuration(tmp_path: Path) -> None:
         "files": ["aggregator.yaml"],
     }
     objs = site_overlay(tmp_path, configMapGenerator=[generator])
-    mounted, path = aggregator_config(objs)  # follows the Deployment to the renamed ConfigMap
+    mounted, path = aggregator_config(objs)  # follows the StatefulSet to the renamed ConfigMap
     assert parse_config(mounted, path).health.suspect_for_seconds == 300
     assert len(kinds(objs, "ConfigMap")) == 1
 
 
 def test_site_rules_component_replaces_the_shipped_rules(tmp_path: Path) -> None:
     objs = site_overlay(tmp_path, components=[os.path.relpath(COMPONENTS / "site-rules", tmp_path)])
-    dep = find(objs, "Deployment", AGGREGATOR)
-    ctr = container(dep, "aggregator")
+    sts = find(objs, "StatefulSet", AGGREGATOR)
+    ctr = container(sts, "aggregator")
     args = parse_cli(expand_args(ctr))
     assert args.rules == [Path("/etc/gpuwarden/rules")]
     mount = mount_for(ctr, args.rules[0])
     assert mount["readOnly"] is True
     assert mount["mountPath"] == "/etc/gpuwarden/rules"
     # Not optional: an absent ConfigMap must stop the pod, not start it with no rules.
-    assert volume(dep, mount["name"])["configMap"] == {"name": "gpuwarden-rules"}
+    assert volume(sts, mount["name"])["configMap"] == {"name": "gpuwarden-rules"}
 
 
 @pytest.mark.parametrize("name", RENDERED)
 def test_aggregator_probes(name: str) -> None:
-    ctr = container(find(rendered(name), "Deployment", AGGREGATOR), "aggregator")
+    ctr = container(find(rendered(name), "StatefulSet", AGGREGATOR), "aggregator")
     assert ctr["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert ctr["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
 
@@ -806,17 +1084,20 @@ def test_aggregator_probes(name: str) -> None:
 @pytest.mark.parametrize("name", ["base", "production", "production-nvidia-runtime"])
 def test_aggregator_survives_losing_a_node(name: str) -> None:
     objs = rendered(name)
-    dep = find(objs, "Deployment", AGGREGATOR)
-    labels = dep["spec"]["template"]["metadata"]["labels"]
-    assert dep["spec"]["replicas"] == 2
-    [term] = pod_spec(dep)["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    sts = find(objs, "StatefulSet", AGGREGATOR)
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert sts["spec"]["replicas"] == 2
+    [term] = pod_spec(sts)["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["topologyKey"] == "kubernetes.io/hostname"
     assert matches(term["labelSelector"], labels)
     pdb = find(objs, "PodDisruptionBudget", AGGREGATOR)
     assert pdb["spec"]["minAvailable"] == 1
     assert matches(pdb["spec"]["selector"], labels)
-    # Never a surge pod that the anti-affinity could leave unschedulable.
-    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    # One replica at a time, each replaced once the previous is ready; a StatefulSet never surges,
+    # so the anti-affinity cannot leave a new pod unschedulable.
+    assert sts["spec"]["updateStrategy"] == {"type": "RollingUpdate"}
+    # Neither replica waits for the other to start.
+    assert sts["spec"]["podManagementPolicy"] == "Parallel"
 
 
 def test_dev_has_no_budget_that_blocks_drains() -> None:
@@ -830,15 +1111,23 @@ def test_services(name: str) -> None:
     agg = find(objs, "Service", AGGREGATOR)
     assert agg["spec"]["type"] == "ClusterIP"
     assert agg["spec"]["ports"] == [{"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP"}]
-    # Each agent stays on one replica: see aggregator-service.yaml.
-    assert agg["spec"]["sessionAffinity"] == "ClientIP"
+    # Reads, scrapes and the breaker only: agents send to every replica by name, so nothing needs
+    # to stick to one replica (aggregator-service.yaml).
+    assert agg["spec"].get("sessionAffinity", "None") == "None"
+    assert "sessionAffinityConfig" not in agg["spec"]
+    pods = find(objs, "Service", AGGREGATOR_PODS)
+    assert pods["spec"]["clusterIP"] == "None"
+    assert pods["spec"]["ports"] == agg["spec"]["ports"]
+    # A replica that cannot write its decision log gets no reports: its name resolves only when ready.
+    assert not pods["spec"].get("publishNotReadyAddresses")
     agent = find(objs, "Service", AGENT)
     assert agent["spec"]["clusterIP"] == "None"
     assert agent["spec"]["ports"] == [
         {"name": "metrics", "port": 9835, "targetPort": "metrics", "protocol": "TCP"}
     ]
     for svc, workload in (
-        (agg, find(objs, "Deployment", AGGREGATOR)),
+        (agg, find(objs, "StatefulSet", AGGREGATOR)),
+        (pods, find(objs, "StatefulSet", AGGREGATOR)),
         (agent, find(objs, "DaemonSet", AGENT)),
     ):
         assert matches(
@@ -901,8 +1190,8 @@ def test_rbac_is_least_privilege(name: str) -> None:
             for key in ("apiGroups", "resources", "verbs", "resourceNames"):
                 assert "*" not in rule.get(key, []), f"{role['metadata']['name']}: wildcard in {key}"
     # The aggregator's pods run as the account the permissions are bound to.
-    dep = find(objs, "Deployment", AGGREGATOR)
-    assert pod_spec(dep)["serviceAccountName"] == AGGREGATOR
+    sts = find(objs, "StatefulSet", AGGREGATOR)
+    assert pod_spec(sts)["serviceAccountName"] == AGGREGATOR
 
 
 def test_rbac_check_sees_an_extra_verb() -> None:
@@ -921,7 +1210,7 @@ class Peer:
     pod_labels: Mapping[str, str]
 
 
-def admitted(objs: list[Obj], src: Peer, dst: Obj, port: str) -> bool:
+def admitted(objs: list[Obj], src: Peer, dst: Obj, port: str | int) -> bool:
     """Would NetworkPolicy let ``src`` connect to the pods of workload ``dst`` on port ``port``?"""
     dst_ns = dst["metadata"]["namespace"]
     dst_labels = dst["spec"]["template"]["metadata"]["labels"]
@@ -946,7 +1235,8 @@ def admitted(objs: list[Obj], src: Peer, dst: Obj, port: str) -> bool:
         return "podSelector" not in peer or matches(peer["podSelector"], src.pod_labels)
 
     def port_ok(p: Obj) -> bool:
-        return p.get("protocol", "TCP") == "TCP" and p["port"] in (port, numbers.get(port))
+        number = numbers.get(port) if isinstance(port, str) else port
+        return p.get("protocol", "TCP") == "TCP" and p["port"] in (port, number)
 
     for policy in policies:
         for rule in policy["spec"].get("ingress", []):
@@ -965,26 +1255,36 @@ def _ns(name: str) -> dict[str, str]:
 @pytest.mark.parametrize("name", RENDERED)
 def test_network_policy(name: str) -> None:
     objs = rendered(name)
-    agg = find(objs, "Deployment", AGGREGATOR)
+    agg = find(objs, "StatefulSet", AGGREGATOR)
     agent = find(objs, "DaemonSet", AGENT)
     agent_pod = Peer(NAMESPACE, _ns(NAMESPACE), agent["spec"]["template"]["metadata"]["labels"])
     prometheus = Peer("monitoring", _ns("monitoring"), {"app.kubernetes.io/name": "prometheus"})
-    # Allowed: reports from agents, scrapes from Prometheus.
+    # Allowed: reports and probe polls from agents, probes between agents, scrapes from Prometheus.
     assert admitted(objs, agent_pod, agg, "http")
+    assert admitted(objs, agent_pod, agent, "probe")
     assert admitted(objs, prometheus, agg, "http")
     assert admitted(objs, prometheus, agent, "metrics")
-    # Nothing else: another pod in the namespace, a look-alike elsewhere, agent to agent.
+    # Nothing else: another pod in the namespace, a look-alike elsewhere, agent to agent on any
+    # other port, the aggregator or Prometheus to the probe port.
     stranger = Peer(NAMESPACE, _ns(NAMESPACE), {"app": "debug"})
     impostor = Peer("default", _ns("default"), {"app.kubernetes.io/name": "prometheus"})
     agent_elsewhere = Peer("default", _ns("default"), agent_pod.pod_labels)
-    for src, dst, port in [
+    aggregator_pod = Peer(NAMESPACE, _ns(NAMESPACE), agg["spec"]["template"]["metadata"]["labels"])
+    refused: list[tuple[Peer, Obj, str | int]] = [
         (stranger, agg, "http"),
         (stranger, agent, "metrics"),
+        (stranger, agent, "probe"),
         (impostor, agg, "http"),
         (impostor, agent, "metrics"),
         (agent_elsewhere, agg, "http"),
+        (agent_elsewhere, agent, "probe"),
         (agent_pod, agent, "metrics"),
-    ]:
+        (agent_pod, agent, 22),
+        (agent_pod, agent, 40000),  # an ephemeral port, as NCCL's sockets use
+        (aggregator_pod, agent, "probe"),
+        (prometheus, agent, "probe"),
+    ]
+    for src, dst, port in refused:
         assert not admitted(objs, src, dst, port), (src, dst["metadata"]["name"], port)
 
 
@@ -1111,6 +1411,6 @@ def test_dockerfile_exposes_the_manifest_ports() -> None:
     objs = rendered("base")
     ports = {
         container_port(container(find(objs, "DaemonSet", AGENT), "agent"), "metrics"),
-        container_port(container(find(objs, "Deployment", AGGREGATOR), "aggregator"), "http"),
+        container_port(container(find(objs, "StatefulSet", AGGREGATOR), "aggregator"), "http"),
     }
     assert exposed == ports

@@ -170,6 +170,24 @@ def test_held_quarantine_alerts_both_and_resolves_held_once_tainted() -> None:
     assert [a.alertname for a in b.active()] == ["GpuwardenNodeQuarantined"]
 
 
+def test_held_quarantines_page_once_per_episode_and_resolve_when_none_is_held() -> None:
+    b = book()
+    first = b.on_decision(quarantine("n1", action="held"))
+    second = b.on_decision(quarantine("n2", action="held", t=T0 + 5))
+    held_sent = [a for a in first + second if a.alertname == "GpuwardenRemediationHeld"]
+    assert len(held_sent) == 1 and held_sent[0].page and "node" not in held_sent[0].labels
+    active = b.get("gpuwarden/remediation/held")
+    assert active is not None and "- n1:" in active.description and "- n2:" in active.description
+    # n1 tainted after a breaker reset: n2 is still held, nothing resolves yet.
+    assert [
+        a.alertname for a in b.on_decision(node_decision("quarantined", "quarantined", "taint", node="n1"))
+    ] == []
+    active = b.get("gpuwarden/remediation/held")
+    assert active is not None and "- n1:" not in active.description
+    [resolved] = [a for a in b.on_decision(release("n2")) if a.alertname == "GpuwardenRemediationHeld"]
+    assert resolved.status == "resolved"
+
+
 def test_degraded_link_fires_and_resolves() -> None:
     b = book()
     link = Reason(detector="link", severity="warning", summary="pair probes at 40% of pool median")

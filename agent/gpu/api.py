@@ -77,6 +77,17 @@ class FieldValue(Protocol):
     value: FieldValueUnion
 
 
+class ProcessInfo(Protocol):
+    """``c_nvmlProcessInfo_t`` (pynvml hands out an object with the same attributes).
+
+    ``pid`` is in the host's PID namespace; ``usedGpuMemory`` is bytes, None where the driver
+    cannot tell (WDDM).
+    """
+
+    pid: int
+    usedGpuMemory: int | None
+
+
 class EventData(Protocol):
     """``c_nvmlEventData_t``: for an XID, ``eventData`` is the XID code."""
 
@@ -109,6 +120,7 @@ class NvmlApi(Protocol):
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: DeviceHandle, /) -> int: ...
     def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: DeviceHandle, /) -> int: ...
     def nvmlDeviceGetPerformanceState(self, handle: DeviceHandle, /) -> int: ...
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: DeviceHandle, /) -> Sequence[ProcessInfo]: ...
     def nvmlDeviceGetTotalEccErrors(
         self, handle: DeviceHandle, errorType: int, counterType: int, /
     ) -> int: ...

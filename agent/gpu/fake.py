@@ -76,6 +76,9 @@ nvlinks                     18                       how many links exist: nvmlD
                                                      for every link when 0)
 supported_event_types       SBE|DBE|PState|Xid|...   nvmlDeviceGetSupportedEventTypes (bitmask)
 lost                        false                    every call on the GPU: GPU_IS_LOST
+processes                   [] (idle)                nvmlDeviceGetComputeRunningProcesses: a list of
+                                                     {"pid": 4242, "used_memory": 1073741824}
+                                                     (used_memory in bytes, optional, default 0)
 nvlink                      all active, no errors    per link: {"5": {"active": false, "crc_flit": 12}}
                                                      ("*" for every link); link fields: active,
                                                      crc_flit, crc_data, replay, recovery
@@ -116,6 +119,7 @@ from agent.gpu.api import (
     FieldValue,
     MemoryInfo,
     PciInfo,
+    ProcessInfo,
     Utilization,
 )
 
@@ -155,7 +159,8 @@ class FakeError:
         return ERROR_NAMES[self.name]
 
 
-Value = int | bool | str | FakeError | None
+Processes = tuple[tuple[int, int], ...]  # (pid, used GPU memory bytes) per compute process
+Value = int | bool | str | Processes | FakeError | None
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,7 @@ _GPU_FIELDS: Final[dict[str, _Spec]] = {
     "nvlinks": _Spec("int", 0, pynvml.NVML_NVLINK_MAX_LINKS),
     "supported_event_types": _Spec("int"),
     "lost": _Spec("bool"),
+    "processes": _Spec("processes"),
 }
 _LINK_FIELDS: Final[dict[str, _Spec]] = {
     "active": _Spec("bool"),
@@ -264,6 +270,7 @@ def default_gpu(index: int, seed: str = "gpuwarden-fake") -> dict[str, Value]:
         "nvlinks": 18,
         "supported_event_types": _H100_EVENT_TYPES,
         "lost": False,
+        "processes": (),
     }
 
 
@@ -284,6 +291,8 @@ def _parse_value(where: str, spec: _Spec, raw: object) -> Value:
         if set(raw) != {"error"}:
             raise ConfigError(f'{where}: expected a value or {{"error": NAME}}, got {raw!r}')
         return _error(where, raw["error"])
+    if spec.kind == "processes":
+        return _parse_processes(where, raw)
     if spec.kind == "bool":
         if not isinstance(raw, bool):
             raise ConfigError(f"{where}: expected true or false, got {raw!r}")
@@ -304,6 +313,28 @@ def _parse_value(where: str, spec: _Spec, raw: object) -> Value:
         domain, bus, dev = (int(part, 16) for part in normal.split(":"))
         return f"{domain:08X}:{bus:02X}:{dev:02X}.0"
     return raw
+
+
+def _parse_processes(where: str, raw: object) -> Processes:
+    if not isinstance(raw, list):
+        raise ConfigError(f'{where}: expected a list of {{"pid": N, "used_memory": BYTES}}, got {raw!r}')
+    out: list[tuple[int, int]] = []
+    for n, item in enumerate(raw):
+        entry = _object(f"{where}[{n}]", item)
+        unknown = set(entry) - {"pid", "used_memory"}
+        pid, memory = entry.get("pid"), entry.get("used_memory", 0)
+        if unknown or not _is_count(pid) or not _is_count(memory):
+            raise ConfigError(
+                f'{where}[{n}]: expected {{"pid": N, "used_memory": BYTES}} '
+                f"with non-negative integers, got {item!r}"
+            )
+        assert isinstance(pid, int) and isinstance(memory, int)
+        out.append((pid, memory))
+    return tuple(out)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _object(where: str, raw: object) -> Mapping[str, object]:
@@ -692,6 +723,18 @@ class FakeNvml:
     def nvmlDeviceGetPerformanceState(self, handle: DeviceHandle, /) -> int:
         value: int = self._one("nvmlDeviceGetPerformanceState", handle, "performance_state")
         return value
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: DeviceHandle, /) -> Sequence[ProcessInfo]:
+        processes: Processes = self._one("nvmlDeviceGetComputeRunningProcesses", handle, "processes")
+        out: list[ProcessInfo] = []
+        for pid, memory in processes:
+            info = pynvml.c_nvmlProcessInfo_t()
+            info.pid = pid
+            info.usedGpuMemory = memory
+            info.gpuInstanceId = 0xFFFFFFFF  # no MIG: NVML's "invalid instance"
+            info.computeInstanceId = 0xFFFFFFFF
+            out.append(info)
+        return out
 
     # ---- NvmlApi: memory errors ---------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import time as _time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import aiohttp
 import msgspec
@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 # What may page a human; the rest is a "warning" alert (a ticket, a channel message).
+HELD_KEY: Final = "gpuwarden/remediation/held"  # one alert per held episode, not one per node
 PAGE_KINDS: tuple[PageKind, ...] = ("held", "lemon", "systemic", "quarantined", "link")
 
 ALERTNAMES: dict[PageKind, str] = {
@@ -165,8 +166,10 @@ class AlertBook:
     - node ``quarantined``: GpuwardenNodeQuarantined fires (once per episode; relapses during
       probation are the same alert) and resolves when the node is released (healthy or suspect).
     - a quarantine with a reason of rule ``lemon``: GpuwardenLemonNode, until released.
-    - action ``held`` (a safety limit stopped remediation): GpuwardenRemediationHeld, until the
-      action is taken (``taint``) or the node is released.
+    - action ``held`` (a safety limit stopped remediation): one GpuwardenRemediationHeld for the
+      whole episode (the breaker holds every later quarantine too: on-call is paged once, and the
+      alert's description lists the held nodes), until no node is held any more (each was
+      tainted after a breaker reset, or released).
     - link ``degraded``: GpuwardenLinkDegraded until the link is healthy again.
     - systemic event ``started``: GpuwardenSystemicOutage until it ``ended``.
     """
@@ -180,6 +183,7 @@ class AlertBook:
         self.config = config
         self._pool_of = pool_of or (lambda _node: None)
         self._active: dict[str, Alert] = {}
+        self._held: dict[str, str] = {}  # node -> why its taint was held, oldest first
 
     def active(self) -> list[Alert]:
         return list(self._active.values())
@@ -290,27 +294,40 @@ class AlertBook:
                     )
                 )
         if d.action == "held":
-            out += self._fire(
-                self._make(
-                    key=f"gpuwarden/{d.node}/held",
-                    kind="held",
-                    labels={"node": d.node, "pool": pool, "reason": reason},
-                    summary=f"{d.node} {d.state}, but remediation was held by a safety limit: {first}",
-                    description=(
-                        "The decision stands but the action was not applied; a human must decide.\n"
-                        + _describe(reasons)
-                    ),
-                    node=d.node,
-                    reasons=reasons,
-                    at=d.time,
-                )
-            )
-        elif d.action == "taint" or released:
-            out += self._resolve(f"gpuwarden/{d.node}/held", d.time)
+            why = next((r.summary for r in reasons if r.rule == "safety-limit"), first)
+            self._held[d.node] = why
+            out += self._fire(self._held_alert(d.node, why, d.time))
+        elif (d.action == "taint" or released) and self._held.pop(d.node, None) is not None:
+            if self._held:
+                current = self._active.get(HELD_KEY)
+                if current is not None:
+                    self._active[HELD_KEY] = replace(current, description=self._held_description())
+            else:
+                out += self._resolve(HELD_KEY, d.time)
         if released:
             out += self._resolve(f"gpuwarden/{d.node}/quarantined", d.time)
             out += self._resolve(f"gpuwarden/{d.node}/lemon", d.time)
         return out
+
+    def _held_description(self) -> str:
+        lines = [f"- {node}: {why}" for node, why in self._held.items()]
+        return (
+            "A safety limit stopped remediation: the decisions stand, no taint was applied, and "
+            "the breaker holds every new quarantine until a human resets it "
+            "(gpuwarden breaker reset). Held now:\n" + "\n".join(lines[:50])
+        )
+
+    def _held_alert(self, node: str, why: str, at: float) -> Alert:
+        return self._make(
+            key=HELD_KEY,
+            kind="held",
+            labels={},
+            summary=f"remediation held by a safety limit ({len(self._held)} node(s), first {node}): {why}",
+            description=self._held_description(),
+            node=None,
+            reasons=(),
+            at=at,
+        )
 
     def _on_link(self, d: Decision) -> list[Alert]:
         peer = d.peer or ""

@@ -493,6 +493,16 @@ class RuleEngine:
             ),
         )
 
+    def restore_latched(self, node: str, boot_id: str, findings: Sequence[Finding], now: float) -> None:
+        """After an aggregator restart: findings that clear only on reboot (an XID 79) are active
+        again for ``node`` until it reports a boot other than ``boot_id``. A node already seen
+        since the restart is left alone."""
+        if node in self._nodes or not findings:
+            return
+        state = self._nodes[node] = _NodeState(now)
+        state.boot_id = boot_id
+        state.active = {f.key: _Active(finding=f, until=math.inf, latched=True) for f in findings}
+
     def forget(self, node: str) -> None:
         """Drop everything remembered about a node (it left the fleet)."""
         self._nodes.pop(node, None)
@@ -926,6 +936,8 @@ def _finding(report: Report, rule: Rule, hit: _Hit, since: float) -> Finding:
         clears=rule.clears,
         evidence=dict(evidence),
         runbook_url=rule.runbook_url,
+        shadow=rule.shadow,
+        taint_effect=rule.taint_effect,
     )
 
 

@@ -72,10 +72,12 @@ CompareOp = Literal[">", ">=", "<", "<=", "==", "!="]
 Op = Literal[">", ">=", "<", "<=", "==", "!=", "in", "not_in", "is_true", "is_false", "any_bits"]
 EventKind = Literal["xid", "sxid"]
 FieldType = Literal["int", "float", "bool", "str"]
+TaintEffectName = Literal["NoSchedule", "NoExecute"]
 
 SEVERITIES: Final[frozenset[str]] = frozenset(get_args(Severity))
 ACTIONS: Final[frozenset[str]] = frozenset(get_args(Action))
 CLEARS: Final[frozenset[str]] = frozenset(get_args(Clears))
+TAINT_EFFECTS: Final[frozenset[str]] = frozenset(get_args(TaintEffectName))
 COMPARE_OPS: Final[frozenset[str]] = frozenset(get_args(CompareOp))
 PER_SECONDS: Final[Mapping[str, float]] = types.MappingProxyType(
     {"second": 1.0, "minute": 60.0, "hour": 3600.0}
@@ -342,6 +344,11 @@ class RuleBase:
     summary: Template
     runbook_url: str | None
     enabled: bool
+    # shadow: evaluated, shown in the API and counted, but never changes a node's state (a rule on
+    # trial). taint_effect: what a quarantine by this rule asks of the scheduler; NoExecute also
+    # needs remediation.allow_no_execute.
+    shadow: bool
+    taint_effect: TaintEffectName
     source: Path  # the file it came from, for messages
 
 
@@ -528,6 +535,8 @@ _COMMON_KEYS_ALLOWED: Final = frozenset(
         "summary",
         "runbook_url",
         "enabled",
+        "shadow",
+        "taint_effect",
     }
 )
 _CONDITION_KEYS: Final = frozenset({"field", "op", "value", "value_of"})
@@ -587,6 +596,10 @@ def _parse_rule(path: Path, index: int, item: Any) -> Rule:
         ctx.fail("hard", "only a quarantine rule can be hard")
     clears = _choice(ctx, item, "clears", CLEARS, "reboot" if kind == "event" else "condition")
     enabled = _bool(ctx, item, "enabled", True)
+    shadow = _bool(ctx, item, "shadow", False)
+    taint_effect = _choice(ctx, item, "taint_effect", TAINT_EFFECTS, "NoSchedule")
+    if taint_effect != "NoSchedule" and action != "quarantine":
+        ctx.fail("taint_effect", "only a quarantine rule taints")
     description = _text(ctx, item, "description", "")
     runbook_url = _url(ctx, item)
     common: dict[str, Any] = {
@@ -598,6 +611,8 @@ def _parse_rule(path: Path, index: int, item: Any) -> Rule:
         "clears": clears,
         "runbook_url": runbook_url,
         "enabled": enabled,
+        "shadow": shadow,
+        "taint_effect": taint_effect,
         "source": path,
     }
     if kind == "event":

@@ -1,0 +1,68 @@
+"""``gpuwarden breaker``: look at or reset the remediation safety breaker of a running aggregator.
+
+    gpuwarden breaker status --aggregator URL
+    gpuwarden breaker reset  --aggregator URL --token-file FILE --by NAME [--reason TEXT]
+
+The reset is audited (the aggregator's audit log records who and why) and closes the breaker on
+every replica (it is stored in the leader Lease). Held quarantines that fit the limits are then
+applied; the rest stay held and the breaker opens again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from agent.errors import ConfigError
+
+STATUS_PATH = "/api/v1/remediation"
+RESET_PATH = "/api/v1/breaker/reset"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["status", "reset"])
+    p.add_argument("--aggregator", required=True, metavar="URL", help="the aggregator's base URL")
+    p.add_argument("--token-file", type=Path, help="an admin token (one of --admin-token-file's)")
+    p.add_argument("--by", help="who resets it (recorded in the audit log)")
+    p.add_argument("--reason", default="", help="why (recorded in the audit log)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the aggregator")
+
+
+def _call(req: urllib.request.Request, timeout: float) -> dict[str, object]:
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            data: dict[str, object] = json.loads(resp.read())
+            return data
+    except urllib.error.HTTPError as exc:
+        body = exc.read().decode("utf-8", "replace")[:500]
+        raise ConfigError(f"{req.full_url}: HTTP {exc.code}: {body}") from exc
+    except (urllib.error.URLError, TimeoutError, OSError) as exc:
+        raise ConfigError(f"{req.full_url}: {exc}") from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    base = args.aggregator.rstrip("/")
+    if args.action == "status":
+        out = _call(urllib.request.Request(base + STATUS_PATH), args.timeout)
+    else:
+        if args.token_file is None or not args.by:
+            raise ConfigError("breaker reset needs --token-file and --by")
+        try:
+            token = args.token_file.read_text().strip().splitlines()[0].strip()
+        except (OSError, IndexError) as exc:
+            raise ConfigError(f"cannot read a token from {args.token_file}") from exc
+        body = json.dumps({"by": args.by, "reason": args.reason}).encode()
+        req = urllib.request.Request(
+            base + RESET_PATH,
+            data=body,
+            method="POST",
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        )
+        out = _call(req, args.timeout)
+    json.dump(out, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+    return 0

@@ -1,0 +1,441 @@
+"""``KubeClient``: the one implementation of ``aggregator.kube.api.KubeApi``, on kubernetes_asyncio.
+
+Design:
+
+* Every call goes through kubernetes_asyncio's generated API methods (paths, query parameters,
+  authentication, TLS from the kubeconfig or the in-cluster service account) but with
+  ``_preload_content=False``: we read the JSON ourselves and convert it to our value types in one
+  place (the ``_node``/``_lease``... functions below). That keeps API-server strings (RFC 3339 times,
+  quantities) exactly as sent instead of round-tripping them through the generated models, and it
+  means every HTTP status passes through ``_error`` -- the single mapping from status to
+  ``KubeError`` subclass (409 and a 422 from a failed JSON Patch ``test`` -> ``KubeConflict``, 404
+  -> ``KubeNotFound``, 410 -> ``KubeGone``, 401/403 -> ``KubeForbidden``, 429/5xx/no answer ->
+  ``KubeUnavailable``).
+* Watches are read as a raw stream rather than with ``kubernetes_asyncio.watch.Watch``: ``Watch``
+  retries a 410 ERROR event once behind the caller's back when no ``timeout_seconds`` is given,
+  never checks the HTTP status of the watch request itself, and builds its own ApiClient. Here an
+  ERROR event becomes the matching ``KubeError`` (410 -> ``KubeGone``: the caller lists again),
+  BOOKMARK events are consumed, and a non-2xx answer is mapped like any other call.
+* Writes to Nodes are strategic merge patches of our own fields only, with ``metadata
+  .resourceVersion`` as a precondition, so a taint another controller added since our read is never
+  overwritten: the server answers 409 and the caller re-reads.
+* Each request has a timeout (``request_timeout``); a watch's read timeout is its server-side
+  ``timeout_seconds`` plus that margin, so a silent, half-dead connection still ends.
+
+Node events go to namespace "default": the API server refuses Events about a Node elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import aiohttp
+import yaml
+from kubernetes_asyncio.client import ApiClient, Configuration, CoordinationV1Api, CoreV1Api
+from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config import ConfigException, load_incluster_config, load_kube_config
+
+from agent.clock import Clock, SystemClock
+from agent.errors import ConfigError
+from aggregator.kube.objects import (
+    Condition,
+    ConditionStatus,
+    EventRecord,
+    KubeConflict,
+    KubeError,
+    KubeForbidden,
+    KubeGone,
+    KubeNotFound,
+    KubeUnavailable,
+    Lease,
+    Node,
+    NodeEvent,
+    NodeList,
+    Taint,
+    TaintEffect,
+)
+
+log = logging.getLogger(__name__)
+
+Json = dict[str, Any]
+
+STRATEGIC_MERGE = "application/strategic-merge-patch+json"
+DEFAULT_REQUEST_TIMEOUT_S = 10.0
+_TAINT_EFFECTS: tuple[TaintEffect, ...] = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+_CONDITION_STATUSES: tuple[ConditionStatus, ...] = ("True", "False", "Unknown")
+_WATCH_TYPES = ("ADDED", "MODIFIED", "DELETED")
+
+
+class KubeClient:
+    """gpuwarden's narrow Kubernetes API (see ``aggregator.kube.api.KubeApi``)."""
+
+    def __init__(
+        self,
+        api_client: ApiClient,
+        *,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+        clock: Clock | None = None,
+    ) -> None:
+        self._api_client = api_client
+        self._core = CoreV1Api(api_client)
+        self._coordination = CoordinationV1Api(api_client)
+        self._timeout = request_timeout
+        self._clock = clock or SystemClock()
+
+    @classmethod
+    async def from_kubeconfig(
+        cls,
+        path: Path,
+        *,
+        context: str | None = None,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+    ) -> KubeClient:
+        """A client for the cluster and credentials of a kubeconfig file (``ConfigError`` if bad)."""
+        configuration = Configuration()
+        try:
+            await load_kube_config(
+                config_file=str(path),
+                context=context,
+                client_configuration=configuration,
+                persist_config=False,
+            )
+        except (ConfigException, OSError, ValueError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot use kubeconfig {path}: {exc}") from exc
+        log.info("kubernetes client from kubeconfig", extra={"kubeconfig": str(path), "context": context})
+        return cls(ApiClient(configuration), request_timeout=request_timeout)
+
+    @classmethod
+    async def from_environment(
+        cls,
+        *,
+        kubeconfig: Path | None = None,
+        context: str | None = None,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+    ) -> KubeClient:
+        """An explicit ``kubeconfig`` first; else the pod's service account when running in a cluster
+        (``KUBERNETES_SERVICE_HOST`` set); else ``$KUBECONFIG`` (its first existing file), else
+        ``~/.kube/config``. ``ConfigError`` when none is usable."""
+        if kubeconfig is not None:
+            return await cls.from_kubeconfig(kubeconfig, context=context, request_timeout=request_timeout)
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            configuration = Configuration()
+            try:
+                load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            except (ConfigException, OSError) as exc:
+                raise ConfigError(f"in-cluster Kubernetes configuration unusable: {exc}") from exc
+            log.info("kubernetes client from the in-cluster service account")
+            return cls(ApiClient(configuration), request_timeout=request_timeout)
+        path = _default_kubeconfig()
+        if path is None:
+            raise ConfigError(
+                "no Kubernetes configuration: not running in a cluster (KUBERNETES_SERVICE_HOST unset), "
+                "no kubeconfig given, $KUBECONFIG names no existing file and ~/.kube/config does not exist"
+            )
+        return await cls.from_kubeconfig(path, context=context, request_timeout=request_timeout)
+
+    async def close(self) -> None:
+        await self._api_client.close()
+
+    # -- nodes ------------------------------------------------------------------------------------
+
+    async def get_node(self, name: str) -> Node:
+        return _node(await self._call(f"get node {name!r}", self._core.read_node, name))
+
+    async def list_nodes(self, *, label_selector: str | None = None) -> NodeList:
+        what = "list nodes" + (f" with selector {label_selector!r}" if label_selector else "")
+        body = await self._call(what, self._core.list_node, label_selector=label_selector)
+        items = body.get("items") or []
+        return NodeList(
+            items=tuple(_node(item) for item in items),
+            resource_version=str(body.get("metadata", {}).get("resourceVersion", "")),
+        )
+
+    async def watch_nodes(
+        self, *, resource_version: str, timeout_seconds: int = 300, label_selector: str | None = None
+    ) -> AsyncGenerator[NodeEvent, None]:
+        # An async generator (a subtype of the Protocol's AsyncIterator): callers that stop early
+        # should ``aclose`` it (``contextlib.aclosing``) so the stream's connection is closed at once.
+        what = f"watch nodes from resourceVersion {resource_version}"
+        timeout = aiohttp.ClientTimeout(sock_connect=self._timeout, sock_read=timeout_seconds + self._timeout)
+        response = await self._send(
+            what,
+            self._core.list_node,
+            watch=True,
+            resource_version=resource_version,
+            timeout_seconds=timeout_seconds,
+            allow_watch_bookmarks=True,
+            label_selector=label_selector,
+            _request_timeout=timeout,
+        )
+        try:
+            if not 200 <= response.status < 300:
+                raise _error(what, response.status, await response.read())
+            while True:
+                try:
+                    line = await response.content.readline()
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    raise KubeUnavailable(f"{what}: stream broke: {exc!r}") from exc
+                if not line:
+                    return
+                if not line.strip():
+                    continue
+                event = _json_object(what, line)
+                kind, obj = event.get("type"), event.get("object")
+                if not isinstance(obj, dict):
+                    raise KubeError(f"{what}: watch event without an object: {line[:200]!r}")
+                if kind == "ERROR":
+                    raise _error(what, int(obj.get("code") or 0), obj)
+                if kind == "BOOKMARK":
+                    continue
+                if kind not in _WATCH_TYPES:
+                    raise KubeError(f"{what}: unknown watch event type {kind!r}")
+                yield NodeEvent(type=cast(Literal["ADDED", "MODIFIED", "DELETED"], kind), node=_node(obj))
+        finally:
+            response.close()
+
+    async def patch_node(
+        self,
+        name: str,
+        *,
+        resource_version: str,
+        taints: Sequence[Taint] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+    ) -> Node:
+        metadata: Json = {"resourceVersion": resource_version}
+        body: Json = {"metadata": metadata}
+        if annotations is not None:
+            metadata["annotations"] = dict(annotations)
+        if taints is not None:
+            body["spec"] = {"taints": [_taint_json(t) for t in taints]}
+        what = f"patch node {name!r} at resourceVersion {resource_version}"
+        return _node(await self._call(what, self._core.patch_node, name, body, _content_type=STRATEGIC_MERGE))
+
+    async def patch_node_condition(self, name: str, condition: Condition) -> Node:
+        body = {"status": {"conditions": [_condition_json(condition)]}}
+        what = f"set condition {condition.type} on node {name!r}"
+        return _node(
+            await self._call(what, self._core.patch_node_status, name, body, _content_type=STRATEGIC_MERGE)
+        )
+
+    # -- events -----------------------------------------------------------------------------------
+
+    async def create_event(self, namespace: str, event: EventRecord) -> None:
+        now = datetime.fromtimestamp(self._clock.time(), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body: Json = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{event.node}.", "namespace": namespace},
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": event.node, "uid": event.node_uid},
+            "type": event.type,
+            "reason": event.reason,
+            "message": event.message,
+            "source": {"component": event.component},
+            "reportingComponent": event.component,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        what = f"create event {event.reason} for node {event.node!r} in namespace {namespace!r}"
+        await self._call(what, self._core.create_namespaced_event, namespace, body)
+
+    # -- leases -----------------------------------------------------------------------------------
+
+    async def get_lease(self, namespace: str, name: str) -> Lease:
+        what = f"get lease {namespace}/{name}"
+        return _lease(await self._call(what, self._coordination.read_namespaced_lease, name, namespace))
+
+    async def create_lease(self, lease: Lease) -> Lease:
+        what = f"create lease {lease.namespace}/{lease.name}"
+        body = _lease_json(lease, with_version=False)
+        return _lease(
+            await self._call(what, self._coordination.create_namespaced_lease, lease.namespace, body)
+        )
+
+    async def replace_lease(self, lease: Lease) -> Lease:
+        what = f"replace lease {lease.namespace}/{lease.name} at resourceVersion {lease.resource_version}"
+        body = _lease_json(lease, with_version=True)
+        return _lease(
+            await self._call(
+                what, self._coordination.replace_namespaced_lease, lease.name, lease.namespace, body
+            )
+        )
+
+    # -- transport --------------------------------------------------------------------------------
+
+    async def _send(self, what: str, call: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
+        """The raw aiohttp response of one generated API call; transport failures -> KubeUnavailable."""
+        kwargs.setdefault("_request_timeout", self._timeout)
+        try:
+            return await call(*args, _preload_content=False, **kwargs)
+        except ApiException as exc:
+            raise _error(what, int(exc.status or 0), exc.body) from exc
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise KubeUnavailable(f"{what}: no answer from the API server: {exc!r}") from exc
+
+    async def _call(self, what: str, call: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Json:
+        response = await self._send(what, call, *args, **kwargs)
+        try:
+            body: bytes = await response.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise KubeUnavailable(f"{what}: answer cut short: {exc!r}") from exc
+        finally:
+            response.release()
+        if not 200 <= response.status < 300:
+            raise _error(what, response.status, body)
+        return _json_object(what, body)
+
+
+def _default_kubeconfig() -> Path | None:
+    for entry in os.environ.get("KUBECONFIG", "").split(os.pathsep):
+        if entry and Path(entry).expanduser().is_file():
+            return Path(entry).expanduser()
+    home = Path.home() / ".kube" / "config"
+    return home if home.is_file() else None
+
+
+def _json_object(what: str, raw: bytes | str) -> Json:
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise KubeError(f"{what}: the API server answered something that is not JSON: {raw[:200]!r}") from exc
+    if not isinstance(value, dict):
+        raise KubeError(f"{what}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _error(what: str, status: int, body: Any) -> KubeError:
+    """The ``KubeError`` for an HTTP status and its ``Status`` body (bytes, str or parsed)."""
+    details: Any = body
+    if isinstance(body, bytes | str):
+        try:
+            details = json.loads(body)
+        except ValueError:
+            details = {"message": body.decode(errors="replace") if isinstance(body, bytes) else body}
+    if not isinstance(details, dict):
+        details = {}
+    reason = str(details.get("reason") or "")
+    server_message = str(details.get("message") or "")[:500]
+    message = f"{what}: HTTP {status} {reason}: {server_message}".rstrip(": ")
+    if status == 409:
+        return KubeConflict(message, status=status)
+    if status == 422 and "test failed" in server_message:
+        # A JSON Patch ``test`` operation failed: the object is not as read, like a 409.
+        return KubeConflict(message, status=status)
+    if status == 404:
+        return KubeNotFound(message, status=status)
+    if status == 410:
+        return KubeGone(message, status=status)
+    if status in (401, 403):
+        return KubeForbidden(message, status=status)
+    if status in (0, 429) or status >= 500:
+        return KubeUnavailable(message, status=status)
+    return KubeError(message, status=status)
+
+
+# -- conversion between API JSON and our values ---------------------------------------------------
+
+
+def _taint(node_name: str, obj: Json) -> Taint:
+    effect = obj.get("effect")
+    if effect not in _TAINT_EFFECTS:
+        # Refused rather than dropped: taints are rewritten whole, a dropped one would be deleted.
+        raise KubeError(f"node {node_name!r} has a taint {obj!r} with an effect gpuwarden does not know")
+    return Taint(
+        key=str(obj.get("key", "")),
+        effect=cast(TaintEffect, effect),
+        value=obj.get("value"),
+        time_added=obj.get("timeAdded"),
+    )
+
+
+def _taint_json(taint: Taint) -> Json:
+    out: Json = {"key": taint.key, "effect": taint.effect}
+    if taint.value is not None:
+        out["value"] = taint.value
+    if taint.time_added is not None:
+        out["timeAdded"] = taint.time_added
+    return out
+
+
+def _condition(obj: Json) -> Condition:
+    status = obj.get("status")
+    return Condition(
+        type=str(obj.get("type", "")),
+        # Other components' conditions are only read, never written back: an odd status reads as Unknown.
+        status=cast(ConditionStatus, status) if status in _CONDITION_STATUSES else "Unknown",
+        reason=str(obj.get("reason", "")),
+        message=str(obj.get("message", "")),
+        last_transition_time=obj.get("lastTransitionTime"),
+        last_heartbeat_time=obj.get("lastHeartbeatTime"),
+    )
+
+
+def _condition_json(condition: Condition) -> Json:
+    out: Json = {
+        "type": condition.type,
+        "status": condition.status,
+        "reason": condition.reason,
+        "message": condition.message,
+    }
+    if condition.last_transition_time is not None:
+        out["lastTransitionTime"] = condition.last_transition_time
+    if condition.last_heartbeat_time is not None:
+        out["lastHeartbeatTime"] = condition.last_heartbeat_time
+    return out
+
+
+def _node(obj: Json) -> Node:
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    status = obj.get("status") or {}
+    name = str(meta.get("name", ""))
+    return Node(
+        name=name,
+        resource_version=str(meta.get("resourceVersion", "")),
+        uid=str(meta.get("uid", "")),
+        labels=dict(meta.get("labels") or {}),
+        annotations=dict(meta.get("annotations") or {}),
+        taints=tuple(_taint(name, t) for t in spec.get("taints") or []),
+        conditions=tuple(_condition(c) for c in status.get("conditions") or []),
+        unschedulable=bool(spec.get("unschedulable", False)),
+    )
+
+
+def _lease(obj: Json) -> Lease:
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    return Lease(
+        name=str(meta.get("name", "")),
+        namespace=str(meta.get("namespace", "")),
+        resource_version=str(meta.get("resourceVersion", "")),
+        holder=spec.get("holderIdentity"),
+        lease_duration_seconds=spec.get("leaseDurationSeconds"),
+        acquire_time=spec.get("acquireTime"),
+        renew_time=spec.get("renewTime"),
+        transitions=int(spec.get("leaseTransitions") or 0),
+        annotations=dict(meta.get("annotations") or {}),
+    )
+
+
+def _lease_json(lease: Lease, *, with_version: bool) -> Json:
+    metadata: Json = {"name": lease.name, "namespace": lease.namespace}
+    if with_version:
+        metadata["resourceVersion"] = lease.resource_version
+    if lease.annotations:
+        metadata["annotations"] = dict(lease.annotations)
+    spec: Json = {"leaseTransitions": lease.transitions}
+    for key, value in (
+        ("holderIdentity", lease.holder),
+        ("leaseDurationSeconds", lease.lease_duration_seconds),
+        ("acquireTime", lease.acquire_time),
+        ("renewTime", lease.renew_time),
+    ):
+        if value is not None:
+            spec[key] = value
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": spec}

@@ -1,0 +1,119 @@
+"""The parts of Kubernetes objects gpuwarden reads and writes, as plain immutable values.
+
+Only what remediation needs is kept; everything else on a Node (other controllers' taints,
+labels, annotations) travels untouched because every write is a patch of our own fields only, or
+a whole ``spec.taints`` list rebuilt from a fresh read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from agent.errors import GpuwardenError
+
+TaintEffect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
+ConditionStatus = Literal["True", "False", "Unknown"]
+EventType = Literal["Normal", "Warning"]
+
+
+@dataclass(frozen=True, slots=True)
+class Taint:
+    key: str
+    effect: TaintEffect
+    value: str | None = None
+    time_added: str | None = None  # RFC 3339, set by the API server for NoExecute; kept as read
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    type: str
+    status: ConditionStatus
+    reason: str
+    message: str
+    last_transition_time: str | None = None  # RFC 3339
+    last_heartbeat_time: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    name: str
+    resource_version: str
+    uid: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    taints: tuple[Taint, ...] = ()
+    conditions: tuple[Condition, ...] = ()
+    unschedulable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class NodeList:
+    items: tuple[Node, ...]
+    resource_version: str  # the list's, to start a watch from
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEvent:
+    """One watch event: ADDED, MODIFIED, DELETED (BOOKMARK events are consumed by the client)."""
+
+    type: Literal["ADDED", "MODIFIED", "DELETED"]
+    node: Node
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    name: str
+    namespace: str
+    resource_version: str
+    holder: str | None
+    lease_duration_seconds: int | None
+    acquire_time: str | None  # RFC 3339 with microseconds (MicroTime)
+    renew_time: str | None
+    transitions: int = 0
+    annotations: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    """A core/v1 Event about a Node (``involvedObject`` kind Node)."""
+
+    node: str
+    node_uid: str
+    type: EventType
+    reason: str  # CamelCase, e.g. GpuwardenQuarantined
+    message: str
+    component: str = "gpuwarden-aggregator"
+
+
+# -- errors: every API failure surfaces as one of these -------------------------------------------
+
+
+class KubeError(GpuwardenError):
+    """A Kubernetes API call failed; ``status`` is the HTTP status (0: no answer)."""
+
+    def __init__(self, message: str, *, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class KubeConflict(KubeError):
+    """409 (stale resourceVersion, object exists) or 422 from a failed JSON Patch ``test``: re-read
+    and retry."""
+
+
+class KubeNotFound(KubeError):
+    """404: the object is gone (a node deleted while we worked on it)."""
+
+
+class KubeGone(KubeError):
+    """410: the watch's resourceVersion is too old; list again."""
+
+
+class KubeUnavailable(KubeError):
+    """No answer, 429, 5xx: back off and retry."""
+
+
+class KubeForbidden(KubeError):
+    """401/403: our RBAC is missing something (docs/remediation.md lists what we need)."""

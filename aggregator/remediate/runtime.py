@@ -1,0 +1,270 @@
+"""Remediation in a running aggregator: the Kubernetes client, leader election, the actuator, the
+breaker shared through the Lease, and the operator endpoints.
+
+Every replica runs all of this: it ingests every report (agents send to every replica), decides,
+keeps its node cache (the informer) and follows the Lease; only the leader writes to Nodes. So a
+fail-over loses nothing: the new leader already holds the same decisions, and its first act is a
+full resync of what the nodes should look like.
+
+The breaker (aggregator.remediate.limits) must not close by itself, so its state lives in an
+annotation on the Lease (``gpuwarden.io/breaker``): a replica that opens it writes it there,
+every replica adopts what it finds there, and a reset on any replica closes it everywhere.
+
+Operator endpoints (bearer token from ``--admin-token-file``):
+
+- ``GET /api/v1/remediation``: mode, leader, breaker state, held nodes;
+- ``POST /api/v1/breaker/reset`` with ``{"by": "<name>", "reason": "<why>"}``: audited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge
+
+from agent.clock import Clock
+from agent.errors import ConfigError
+from aggregator.audit import AuditLog, AuditRecord
+from aggregator.config import RemediationConfig
+from aggregator.decisions import Decision
+from aggregator.fleet.pools import K8S_POOL_LABELS
+from aggregator.kube.api import KubeApi
+from aggregator.kube.leader import LeaderElector
+from aggregator.kube.objects import KubeError
+from aggregator.pipeline import Pipeline
+from aggregator.remediate.actuator import Actuator, ActuatorMetrics
+from aggregator.remediate.limits import BreakerState, decode_breaker, encode_breaker
+
+log = logging.getLogger(__name__)
+
+BREAKER_ANNOTATION: Final = "gpuwarden.io/breaker"
+REMEDIATION_PATH: Final = "/api/v1/remediation"
+BREAKER_RESET_PATH: Final = "/api/v1/breaker/reset"
+
+
+class _ResetBody(msgspec.Struct, forbid_unknown_fields=True):
+    by: str
+    reason: str = ""
+
+
+def read_admin_tokens(path: Path) -> list[str]:
+    """One token per line (``#`` comments); the people (or tools) allowed to reset the breaker."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read admin token file {path}: {exc}") from exc
+    tokens = [t.strip() for t in lines if t.strip() and not t.lstrip().startswith("#")]
+    if not tokens:
+        raise ConfigError(f"admin token file {path} holds no token")
+    return tokens
+
+
+class Remediation:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        config: RemediationConfig,
+        *,
+        api: KubeApi,
+        identity: str,
+        clock: Clock,
+        registry: CollectorRegistry,
+        audit: AuditLog,
+        admin_tokens: list[str] | None = None,
+        sleep: Callable[[float], Any] = asyncio.sleep,
+    ) -> None:
+        self.pipeline = pipeline
+        self.config = config
+        self.api = api
+        self.clock = clock
+        self.audit = audit
+        self._admin = [t.encode() for t in admin_tokens or []]
+        self._sleep = sleep
+        self.elector = LeaderElector(
+            api,
+            config.leader,
+            identity=identity,
+            clock=clock,
+            on_started=self._leadership_changed,
+            on_stopped=self._leadership_changed,
+        )
+        self.actuator = Actuator(
+            api,
+            config,
+            pipeline,
+            clock=clock,
+            is_leader=lambda: self.elector.is_leader,
+            metrics=ActuatorMetrics(registry),
+        )
+        self._leader_gauge = Gauge(
+            "gpuwarden_remediation_leader",
+            "1 on the replica that holds the Lease and writes to nodes",
+            registry=registry,
+        )
+        self._breaker_gauge = Gauge(
+            "gpuwarden_remediation_breaker_open",
+            "1 while the safety breaker is open: new quarantines are held until a human resets it",
+            registry=registry,
+        )
+        self._held_gauge = Gauge(
+            "gpuwarden_remediation_held_nodes",
+            "Nodes quarantined whose taint a safety limit held",
+            registry=registry,
+        )
+        self._held_gauge.set_function(lambda: sum(1 for h in self.pipeline.health.nodes().values() if h.held))
+        self._breaker_gauge.set_function(lambda: 1.0 if self.pipeline.limits.open else 0.0)
+        self._leader_gauge.set_function(lambda: 1.0 if self.elector.is_leader else 0.0)
+        self._written: BreakerState | None = None  # the breaker as we last wrote or adopted it
+        self._wake = asyncio.Event()
+        # Pools come from node labels too (K8S_POOL_LABELS), and the pool-share limit counts
+        # every node the cluster has in the pool, reporting or not.
+        pipeline.set_cluster_pool_size(self._pool_size)
+
+    # -- the pipeline's side ------------------------------------------------------------------
+
+    def k8s_labels(self, node: str) -> Mapping[str, str]:
+        cached = self.actuator.cached(node)
+        return cached.labels if cached is not None else {}
+
+    def has_preflight_taint(self, node: str) -> bool:
+        cached = self.actuator.cached(node)
+        key = self.config.preflight.taint_key
+        return cached is not None and any(t.key == key for t in cached.taints)
+
+    def on_decision(self, decision: Decision) -> None:
+        if decision.subject == "node":
+            self.actuator.submit(decision.node)
+        if self.pipeline.limits.state != self._written:
+            self._wake.set()
+
+    def _pool_size(self, pool: str) -> int:
+        count = 0
+        for n in self.actuator.cached_nodes():
+            if any(n.labels.get(k) == pool for k in K8S_POOL_LABELS):
+                count += 1
+        return count
+
+    def _leadership_changed(self) -> None:
+        log.info("leadership changed", extra={"leader": self.elector.is_leader})
+        self.actuator.leadership_changed()
+
+    # -- breaker through the Lease --------------------------------------------------------------
+
+    async def _breaker_loop(self) -> None:
+        period = self.config.leader.retry_period_seconds
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=period)
+            self._wake.clear()
+            await self.sync_breaker()
+
+    async def sync_breaker(self) -> None:
+        """Adopt what the Lease says, then write ours if it changed here."""
+        text = self.elector.annotations.get(BREAKER_ANNOTATION)
+        stored = decode_breaker(text) if text else None
+        if stored is not None and stored != self._written:
+            self.pipeline.adopt_breaker(stored, self.clock.time())
+            self._written = stored
+        mine = self.pipeline.limits.state
+        if mine != self._written and (stored is None or mine != stored):
+            try:
+                await self.elector.update_annotations({BREAKER_ANNOTATION: encode_breaker(mine)})
+            except KubeError as exc:
+                log.warning("could not store the breaker in the Lease", extra={"error": str(exc)})
+                return
+            self._written = mine
+            if mine.open:
+                self.audit.append(
+                    AuditRecord(
+                        time=self.clock.time(),
+                        action="breaker_open",
+                        by="gpuwarden",
+                        detail={"limit": mine.limit, "reason": mine.reason},
+                    )
+                )
+
+    # -- operator API ---------------------------------------------------------------------------
+
+    def _authorized(self, request: web.Request) -> bool:
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return False
+        given = token.strip().encode()
+        return any(hmac.compare_digest(given, t) for t in self._admin)
+
+    def status(self) -> dict[str, Any]:
+        held = sorted(n for n, h in self.pipeline.health.nodes().items() if h.held)
+        return {
+            "mode": self.config.mode,
+            "identity": self.elector.identity,
+            "leader": self.elector.leader,
+            "is_leader": self.elector.is_leader,
+            "breaker": msgspec.to_builtins(self.pipeline.limits.state),
+            "held_nodes": held,
+        }
+
+    def routes(self) -> list[web.RouteDef]:
+        async def get_status(_request: web.Request) -> web.Response:
+            return web.json_response(self.status())
+
+        async def reset(request: web.Request) -> web.Response:
+            if not self._admin:
+                return web.json_response(
+                    {"error": "forbidden", "message": "no --admin-token-file configured"}, status=403
+                )
+            if not self._authorized(request):
+                return web.json_response(
+                    {"error": "bad_token", "message": "an admin bearer token is required"}, status=401
+                )
+            try:
+                body = msgspec.json.decode(await request.read(), type=_ResetBody)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                return web.json_response({"error": "bad_json", "message": str(exc)}, status=400)
+            if not body.by.strip():
+                return web.json_response(
+                    {"error": "bad_json", "message": "'by' must name who resets the breaker"}, status=400
+                )
+            now = self.clock.time()
+            was = self.pipeline.limits.state
+            state = self.pipeline.reset_breaker(body.by, now)
+            self.audit.append(
+                AuditRecord(
+                    time=now,
+                    action="breaker_reset",
+                    by=body.by,
+                    detail={"reason": body.reason, "was": msgspec.to_builtins(was)},
+                )
+            )
+            await self.sync_breaker()
+            return web.json_response({"breaker": msgspec.to_builtins(state), **self.status()})
+
+        return [web.get(REMEDIATION_PATH, get_status), web.post(BREAKER_RESET_PATH, reset)]
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def lifecycle(self, _app: object = None) -> AsyncIterator[None]:
+        """An aiohttp ``cleanup_ctx`` entry: start everything, then stop it at shutdown (the
+        elector releases the Lease, so the other replica takes over at once)."""
+        tasks = [
+            asyncio.create_task(self.actuator.run(), name="remediation-actuator"),
+            asyncio.create_task(self.elector.run(), name="remediation-leader"),
+            asyncio.create_task(self._breaker_loop(), name="remediation-breaker"),
+        ]
+        try:
+            yield
+        finally:
+            for t in reversed(tasks):
+                t.cancel()
+            for t in reversed(tasks):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            await self.api.close()

@@ -1,0 +1,570 @@
+"""The Kubernetes API-server double, driven through the real client (``KubeClient`` on
+kubernetes_asyncio) and, where the client has no call for it, raw HTTP.
+
+These pin the server behaviour remediation depends on: optimistic concurrency, how strategic
+merge treats taints, annotations and conditions, subresource separation, watch and 410 semantics,
+leases, events, authentication and faults, plus config loading of the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from agent.errors import ConfigError
+from aggregator.kube.client import KubeClient, _error
+from aggregator.kube.objects import (
+    Condition,
+    EventRecord,
+    KubeConflict,
+    KubeError,
+    KubeForbidden,
+    KubeGone,
+    KubeNotFound,
+    KubeUnavailable,
+    Lease,
+    NodeEvent,
+    Taint,
+)
+from tests.kube_double import JSON_PATCH, MERGE, STRATEGIC, KubeApiDouble
+
+OURS = "gpuwarden.io/quarantine"
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[KubeApiDouble]:
+    async with KubeApiDouble() as api:
+        yield api
+
+
+@pytest.fixture
+async def client(kube: KubeApiDouble, tmp_path: Path) -> AsyncIterator[KubeClient]:
+    kube_client = await KubeClient.from_kubeconfig(kube.write_kubeconfig(tmp_path / "kubeconfig"))
+    yield kube_client
+    await kube_client.close()
+
+
+async def raw(
+    kube: KubeApiDouble,
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    content_type: str = "application/json",
+    token: str | None = "default",
+) -> tuple[int, Any]:
+    headers = {"Content-Type": content_type}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {kube.token if token == 'default' else token}"
+    data = None if body is None else json.dumps(body)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(method, kube.url + path, data=data, headers=headers) as response,
+    ):
+        return response.status, await response.json(content_type=None)
+
+
+def taint_keys(node: dict[str, Any]) -> list[str]:
+    return [t["key"] for t in node.get("spec", {}).get("taints", [])]
+
+
+# -- nodes: patches -------------------------------------------------------------------------------
+
+
+async def test_stale_resource_version_is_a_conflict_and_changes_nothing(
+    kube: KubeApiDouble, client: KubeClient
+) -> None:
+    kube.add_node("gpu-1")
+    read = await client.get_node("gpu-1")
+    kube.update_node("gpu-1", lambda n: n["metadata"].setdefault("labels", {}).update(drained="yes"))
+    before = kube.node("gpu-1")
+
+    with pytest.raises(KubeConflict) as caught:
+        await client.patch_node(
+            "gpu-1", resource_version=read.resource_version, taints=[Taint(OURS, "NoSchedule")]
+        )
+
+    assert caught.value.status == 409
+    assert "gpu-1" in str(caught.value)
+    assert kube.node("gpu-1") == before
+
+
+async def test_strategic_merge_replaces_taints_whole_and_keeps_other_metadata(
+    kube: KubeApiDouble, client: KubeClient
+) -> None:
+    kube.add_node(
+        "gpu-1",
+        labels={"pool": "a100"},
+        annotations={"other.io/note": "keep"},
+        taints=[{"key": "other.io/maintenance", "effect": "NoSchedule"}],
+    )
+    node = await client.get_node("gpu-1")
+    patched = await client.patch_node(
+        "gpu-1",
+        resource_version=node.resource_version,
+        taints=[*node.taints, Taint(OURS, "NoExecute", value="xid-79")],
+        annotations={"gpuwarden.io/reason": "xid 79"},
+    )
+    assert [t.key for t in patched.taints] == ["other.io/maintenance", OURS]
+    assert patched.taints[1].value == "xid-79"
+    assert patched.labels == {"pool": "a100"}
+    assert patched.annotations == {"other.io/note": "keep", "gpuwarden.io/reason": "xid 79"}
+    assert kube.writes() == [("PATCH", "/api/v1/nodes/gpu-1", STRATEGIC)]
+
+    # The list has no merge key: what we send is the whole list, so leaving a taint out removes it.
+    only_ours = await client.patch_node(
+        "gpu-1", resource_version=patched.resource_version, taints=[Taint(OURS, "NoExecute", value="xid-79")]
+    )
+    assert [t.key for t in only_ours.taints] == [OURS]
+
+    # null deletes our annotation only.
+    cleared = await client.patch_node(
+        "gpu-1",
+        resource_version=only_ours.resource_version,
+        taints=[],
+        annotations={"gpuwarden.io/reason": None},
+    )
+    assert cleared.annotations == {"other.io/note": "keep"}
+    assert cleared.taints == ()
+    assert "taints" not in kube.node("gpu-1")["spec"]
+
+
+async def test_a_patch_that_changes_nothing_keeps_the_resource_version(
+    kube: KubeApiDouble, client: KubeClient
+) -> None:
+    kube.add_node("gpu-1", annotations={"gpuwarden.io/reason": "x"})
+    node = await client.get_node("gpu-1")
+    same = await client.patch_node(
+        "gpu-1", resource_version=node.resource_version, annotations={"gpuwarden.io/reason": "x"}
+    )
+    assert same.resource_version == node.resource_version
+
+
+async def test_duplicate_taints_are_invalid(kube: KubeApiDouble, client: KubeClient) -> None:
+    kube.add_node("gpu-1")
+    node = await client.get_node("gpu-1")
+    with pytest.raises(KubeError) as caught:
+        await client.patch_node(
+            "gpu-1", resource_version=node.resource_version, taints=[Taint(OURS, "NoSchedule")] * 2
+        )
+    assert caught.value.status == 422
+    assert not isinstance(caught.value, KubeConflict)
+
+
+async def test_condition_merges_by_type_and_keeps_the_kubelets_ready(
+    kube: KubeApiDouble, client: KubeClient
+) -> None:
+    kube.add_node("gpu-1")
+    first = Condition("GpuwardenHealthy", "False", "XidError", "xid 79 on GPU 3", "2025-01-01T00:00:00Z")
+    await client.patch_node_condition("gpu-1", first)
+    node = await client.patch_node_condition(
+        "gpu-1", Condition("GpuwardenHealthy", "True", "Recovered", "ok", "2025-01-01T01:00:00Z")
+    )
+
+    by_type = {c.type: c for c in node.conditions}
+    assert [c.type for c in node.conditions] == ["Ready", "GpuwardenHealthy"]
+    assert by_type["Ready"].status == "True"
+    assert by_type["Ready"].reason == "KubeletReady"
+    assert by_type["GpuwardenHealthy"].status == "True"
+    assert by_type["GpuwardenHealthy"].last_transition_time == "2025-01-01T01:00:00Z"
+    assert kube.writes()[-1] == ("PATCH", "/api/v1/nodes/gpu-1/status", STRATEGIC)
+
+
+async def test_status_subresource_changes_only_status_and_main_resource_never_status(
+    kube: KubeApiDouble,
+) -> None:
+    kube.add_node("gpu-1", taints=[{"key": "a", "effect": "NoSchedule"}])
+    status_patch = {
+        "spec": {"taints": [{"key": "sneaky", "effect": "NoExecute"}]},
+        "status": {"conditions": [{"type": "GpuwardenHealthy", "status": "False"}]},
+    }
+    code, body = await raw(kube, "PATCH", "/api/v1/nodes/gpu-1/status", status_patch, content_type=STRATEGIC)
+    assert code == 200
+    assert taint_keys(body) == ["a"]
+    assert [c["type"] for c in body["status"]["conditions"]] == ["Ready", "GpuwardenHealthy"]
+
+    main_patch = {
+        "metadata": {"labels": {"x": "1"}},
+        "status": {"conditions": [{"type": "Ready", "status": "False"}]},
+    }
+    code, body = await raw(kube, "PATCH", "/api/v1/nodes/gpu-1", main_patch, content_type=STRATEGIC)
+    assert code == 200
+    assert body["metadata"]["labels"] == {"x": "1"}
+    ready = next(c for c in kube.node("gpu-1")["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True"
+
+
+async def test_json_patch_failed_test_is_422_and_the_client_reads_it_as_conflict(kube: KubeApiDouble) -> None:
+    kube.add_node("gpu-1")
+    rv = kube.node("gpu-1")["metadata"]["resourceVersion"]
+    stale: list[dict[str, Any]] = [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": "1"},
+        {"op": "add", "path": "/spec/taints", "value": [{"key": OURS, "effect": "NoSchedule"}]},
+    ]
+    code, body = await raw(kube, "PATCH", "/api/v1/nodes/gpu-1", stale, content_type=JSON_PATCH)
+    assert code == 422
+    assert body["kind"] == "Status"
+    assert body["reason"] == "Invalid"
+    assert "test failed" in body["message"]
+    assert taint_keys(kube.node("gpu-1")) == []
+    mapped = _error("patch node 'gpu-1'", code, json.dumps(body).encode())
+    assert isinstance(mapped, KubeConflict)
+
+    fresh = [{**stale[0], "value": rv}, stale[1]]
+    code, body = await raw(kube, "PATCH", "/api/v1/nodes/gpu-1", fresh, content_type=JSON_PATCH)
+    assert code == 200
+    assert taint_keys(body) == [OURS]
+
+
+async def test_merge_patch_replaces_lists_and_null_deletes(kube: KubeApiDouble) -> None:
+    kube.add_node("gpu-1", annotations={"a": "1", "b": "2"}, taints=[{"key": "t1", "effect": "NoSchedule"}])
+    patch = {
+        "metadata": {"annotations": {"a": None}},
+        "spec": {"taints": [{"key": "t2", "effect": "NoSchedule"}]},
+    }
+    code, body = await raw(kube, "PATCH", "/api/v1/nodes/gpu-1", patch, content_type=MERGE)
+    assert code == 200
+    assert body["metadata"]["annotations"] == {"b": "2"}
+    assert taint_keys(body) == ["t2"]
+
+    stale = {"metadata": {"resourceVersion": "1"}, "spec": {"unschedulable": True}}
+    code, body = await raw(kube, "PATCH", "/api/v1/nodes/gpu-1", stale, content_type=MERGE)
+    assert (code, body["reason"]) == (409, "Conflict")
+
+
+async def test_unknown_node_is_not_found(client: KubeClient) -> None:
+    with pytest.raises(KubeNotFound) as caught:
+        await client.get_node("nope")
+    assert caught.value.status == 404
+
+
+# -- list and watch -------------------------------------------------------------------------------
+
+
+async def test_list_with_label_selectors(kube: KubeApiDouble, client: KubeClient) -> None:
+    kube.add_node("a1", labels={"pool": "a", "gpu": "h100"})
+    kube.add_node("b1", labels={"pool": "b"})
+    kube.add_node("c1", labels={"pool": "c", "gpu": "a100"})
+
+    async def names(selector: str | None) -> list[str]:
+        return [n.name for n in (await client.list_nodes(label_selector=selector)).items]
+
+    assert await names(None) == ["a1", "b1", "c1"]
+    assert await names("pool=a") == ["a1"]
+    assert await names("pool!=a") == ["b1", "c1"]
+    assert await names("gpu") == ["a1", "c1"]
+    assert await names("!gpu") == ["b1"]
+    assert await names("pool in (a,b),gpu") == ["a1"]
+    assert await names("pool notin (a)") == ["b1", "c1"]
+    listed = await client.list_nodes()
+    assert listed.resource_version == kube.node("c1")["metadata"]["resourceVersion"]
+    with pytest.raises(KubeError) as caught:
+        await client.list_nodes(label_selector="pool in (a")
+    assert caught.value.status == 400
+
+
+async def test_watch_delivers_changes_in_order_after_a_resource_version(
+    kube: KubeApiDouble, client: KubeClient
+) -> None:
+    kube.add_node("gpu-0")
+    start = (await client.list_nodes()).resource_version
+    kube.add_node("gpu-1")
+    kube.update_node("gpu-1", lambda n: n["metadata"].setdefault("labels", {}).update(step="1"))
+
+    seen: list[NodeEvent] = []
+    async with aclosing(client.watch_nodes(resource_version=start, timeout_seconds=10)) as events:
+        async for event in events:
+            seen.append(event)
+            if len(seen) == 2:
+                kube.delete_node("gpu-1")  # while the watch is open
+            if len(seen) == 3:
+                break
+
+    assert [(e.type, e.node.name) for e in seen] == [
+        ("ADDED", "gpu-1"),
+        ("MODIFIED", "gpu-1"),
+        ("DELETED", "gpu-1"),
+    ]
+    assert seen[1].node.labels == {"step": "1"}
+    versions = [int(e.node.resource_version) for e in seen]
+    assert versions == sorted(versions)
+    assert versions[0] > int(start)
+
+
+async def test_watch_with_selector_sees_objects_leave_and_enter(
+    kube: KubeApiDouble, client: KubeClient
+) -> None:
+    kube.add_node("gpu-1", labels={"pool": "a"})
+    start = (await client.list_nodes()).resource_version
+    kube.update_node("gpu-1", lambda n: n["metadata"].setdefault("labels", {}).update(pool="b"))
+    kube.add_node("gpu-2", labels={"pool": "b"})
+    kube.update_node("gpu-1", lambda n: n["metadata"].setdefault("labels", {}).update(pool="a"))
+
+    seen: list[tuple[str, str]] = []
+    async with aclosing(
+        client.watch_nodes(resource_version=start, timeout_seconds=10, label_selector="pool=a")
+    ) as events:
+        async for event in events:
+            seen.append((event.type, event.node.name))
+            if len(seen) == 2:
+                break
+    assert seen == [("DELETED", "gpu-1"), ("ADDED", "gpu-1")]
+
+
+async def test_watch_ends_at_its_timeout_and_consumes_the_bookmark(
+    kube: KubeApiDouble, client: KubeClient
+) -> None:
+    kube.add_node("gpu-1")
+    start = (await client.list_nodes()).resource_version
+    events = [e async for e in client.watch_nodes(resource_version=start, timeout_seconds=1)]
+    assert events == []
+
+
+async def test_compacted_resource_version_is_gone(kube: KubeApiDouble, client: KubeClient) -> None:
+    kube.add_node("gpu-1")
+    old = (await client.list_nodes()).resource_version
+    kube.update_node("gpu-1", lambda n: n["metadata"].setdefault("labels", {}).update(x="1"))
+    kube.compact()
+
+    with pytest.raises(KubeGone) as caught:
+        async for _ in client.watch_nodes(resource_version=old, timeout_seconds=5):
+            pass
+    assert caught.value.status == 410
+    assert "too old resource version" in str(caught.value)
+
+    # Listing again gives a version the watch accepts.
+    fresh = (await client.list_nodes()).resource_version
+    kube.update_node("gpu-1", lambda n: n["metadata"].setdefault("labels", {}).update(x="2"))
+    async with aclosing(client.watch_nodes(resource_version=fresh, timeout_seconds=5)) as events:
+        event = await anext(events)
+    assert (event.type, event.node.labels["x"]) == ("MODIFIED", "2")
+
+
+# -- leases and events ----------------------------------------------------------------------------
+
+
+async def test_lease_create_conflict_and_replace(kube: KubeApiDouble, client: KubeClient) -> None:
+    with pytest.raises(KubeNotFound):
+        await client.get_lease("gpuwarden", "aggregator-leader")
+    wanted = Lease(
+        name="aggregator-leader",
+        namespace="gpuwarden",
+        resource_version="",
+        holder="replica-a",
+        lease_duration_seconds=15,
+        acquire_time="2025-01-01T00:00:00.000000Z",
+        renew_time="2025-01-01T00:00:00.000000Z",
+    )
+    created = await client.create_lease(wanted)
+    assert created.resource_version
+    assert created.holder == "replica-a"
+
+    with pytest.raises(KubeConflict) as exists:
+        await client.create_lease(wanted)
+    assert exists.value.status == 409
+    assert "already exists" in str(exists.value)
+
+    from dataclasses import replace
+
+    renewed = await client.replace_lease(replace(created, renew_time="2025-01-01T00:00:05.000000Z"))
+    assert int(renewed.resource_version) > int(created.resource_version)
+    with pytest.raises(KubeConflict):
+        await client.replace_lease(replace(created, holder="replica-b", transitions=1))
+    stored = kube.lease("gpuwarden", "aggregator-leader")
+    assert stored is not None
+    assert stored["spec"]["holderIdentity"] == "replica-a"
+    assert stored["spec"]["renewTime"] == "2025-01-01T00:00:05.000000Z"
+    assert await client.get_lease("gpuwarden", "aggregator-leader") == renewed
+
+
+async def test_lease_put_without_resource_version_is_invalid(kube: KubeApiDouble) -> None:
+    path = "/apis/coordination.k8s.io/v1/namespaces/gpuwarden/leases/l"
+    lease = {"metadata": {"name": "l"}, "spec": {"holderIdentity": "a"}}
+    assert (await raw(kube, "PUT", path, lease))[0] == 201  # leases may be created by PUT
+    code, body = await raw(kube, "PUT", path, lease)
+    assert (code, body["reason"]) == (422, "Invalid")
+
+
+async def test_events_about_a_node_are_recorded(kube: KubeApiDouble, client: KubeClient) -> None:
+    node = kube.add_node("gpu-1")
+    record = EventRecord(
+        node="gpu-1",
+        node_uid=node["metadata"]["uid"],
+        type="Warning",
+        reason="GpuwardenQuarantined",
+        message="xid 79 on GPU 3",
+    )
+    await client.create_event("default", record)
+
+    assert len(kube.events) == 1
+    event = kube.events[0]
+    assert event["involvedObject"] == {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "name": "gpu-1",
+        "uid": node["metadata"]["uid"],
+    }
+    assert (event["type"], event["reason"], event["message"]) == (
+        "Warning",
+        "GpuwardenQuarantined",
+        "xid 79 on GPU 3",
+    )
+    assert event["source"] == {"component": "gpuwarden-aggregator"}
+    assert event["metadata"]["name"].startswith("gpu-1.")
+
+    # The API server keeps Node events in "default": elsewhere is a 422, not something to retry.
+    with pytest.raises(KubeError) as caught:
+        await client.create_event("gpuwarden", record)
+    assert caught.value.status == 422
+    assert len(kube.events) == 1
+
+
+# -- auth, faults, transport ----------------------------------------------------------------------
+
+
+async def test_missing_or_wrong_token_is_forbidden(kube: KubeApiDouble, client: KubeClient) -> None:
+    kube.add_node("gpu-1")
+    code, body = await raw(kube, "GET", "/api/v1/nodes/gpu-1", token=None)
+    assert (code, body["kind"], body["reason"]) == (401, "Status", "Unauthorized")
+    kube.token = "rotated"
+    with pytest.raises(KubeForbidden) as caught:
+        await client.get_node("gpu-1")
+    assert caught.value.status == 401
+
+
+@pytest.mark.parametrize(
+    ("status", "error"),
+    [
+        (500, KubeUnavailable),
+        (503, KubeUnavailable),
+        (429, KubeUnavailable),
+        (409, KubeConflict),
+        (403, KubeForbidden),
+    ],
+)
+async def test_injected_faults_map_to_errors_and_are_consumed(
+    kube: KubeApiDouble, client: KubeClient, status: int, error: type[KubeError]
+) -> None:
+    kube.add_node("gpu-1")
+    kube.fail_next("GET", r"^/api/v1/nodes/gpu-1$", status)
+    with pytest.raises(error) as caught:
+        await client.get_node("gpu-1")
+    assert caught.value.status == status
+    assert (await client.get_node("gpu-1")).name == "gpu-1"
+
+
+async def test_no_server_is_unavailable(tmp_path: Path) -> None:
+    async with KubeApiDouble() as gone:
+        config = gone.write_kubeconfig(tmp_path / "kubeconfig")
+    kube_client = await KubeClient.from_kubeconfig(config)
+    try:
+        with pytest.raises(KubeUnavailable) as caught:
+            await kube_client.get_node("gpu-1")
+        assert caught.value.status == 0
+    finally:
+        await kube_client.close()
+
+
+# -- configuration --------------------------------------------------------------------------------
+
+
+async def test_from_environment_uses_the_given_kubeconfig_then_KUBECONFIG(
+    kube: KubeApiDouble, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kube.add_node("gpu-1")
+    config = kube.write_kubeconfig(tmp_path / "kubeconfig")
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")  # an explicit file wins over in-cluster
+    explicit = await KubeClient.from_environment(kubeconfig=config)
+    try:
+        assert (await explicit.get_node("gpu-1")).name == "gpu-1"
+    finally:
+        await explicit.close()
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+    monkeypatch.setenv("KUBECONFIG", f"{tmp_path / 'missing'}:{config}")
+    from_env = await KubeClient.from_environment()
+    try:
+        assert [n.name for n in (await from_env.list_nodes()).items] == ["gpu-1"]
+    finally:
+        await from_env.close()
+
+
+async def test_from_environment_with_nothing_configured_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(ConfigError, match="no Kubernetes configuration"):
+        await KubeClient.from_environment()
+
+    (tmp_path / "broken").write_text("clusters: [")
+    with pytest.raises(ConfigError, match="broken"):
+        await KubeClient.from_kubeconfig(tmp_path / "broken")
+
+
+async def test_in_cluster_without_a_service_account_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    if Path("/var/run/secrets/kubernetes.io/serviceaccount/token").exists():
+        pytest.skip("this machine runs in a pod with a service account")
+    with pytest.raises(ConfigError, match="in-cluster"):
+        await KubeClient.from_environment()
+
+
+# -- concurrent writers ---------------------------------------------------------------------------
+
+
+async def test_concurrent_read_modify_write_loses_no_taint(kube: KubeApiDouble, client: KubeClient) -> None:
+    """Two writers add taints with read-modify-write and retry on conflict while a third controller
+    writes directly; both writers are forced to read the same version before anyone writes."""
+    kube.add_node("gpu-1", labels={"pool": "a"}, taints=[{"key": "preexisting", "effect": "NoSchedule"}])
+    read_done = {"a": asyncio.Event(), "b": asyncio.Event()}
+    go = asyncio.Event()
+    conflicts = {"a": 0, "b": 0}
+
+    async def add_taints(writer: str) -> None:
+        for i in range(4):
+            key = f"{writer}/{i}"
+            for _attempt in range(50):
+                node = await client.get_node("gpu-1")
+                if i == 0 and not go.is_set():
+                    read_done[writer].set()
+                    await go.wait()
+                try:
+                    await client.patch_node(
+                        "gpu-1",
+                        resource_version=node.resource_version,
+                        taints=[*node.taints, Taint(key, "NoSchedule")],
+                    )
+                    break
+                except KubeConflict:
+                    conflicts[writer] += 1
+            else:
+                pytest.fail(f"writer {writer} never got {key} in")
+
+    writers = [asyncio.create_task(add_taints("a")), asyncio.create_task(add_taints("b"))]
+    await asyncio.gather(*(e.wait() for e in read_done.values()))
+    kube.update_node(
+        "gpu-1", lambda n: n["spec"]["taints"].append({"key": "other-controller", "effect": "NoExecute"})
+    )
+    go.set()
+    await asyncio.gather(*writers)
+
+    final = kube.node("gpu-1")
+    assert sorted(taint_keys(final)) == sorted(
+        ["preexisting", "other-controller", *(f"{w}/{i}" for w in "ab" for i in range(4))]
+    )
+    assert final["metadata"]["labels"] == {"pool": "a"}
+    # Both first writes were made against the version from before the other controller's write.
+    assert conflicts["a"] >= 1
+    assert conflicts["b"] >= 1
