@@ -169,6 +169,7 @@ async def _serve(
         registry,
         clock=clock,
         pool_of=lambda node: pipeline.pool_of(node) if pipeline is not None else None,
+        sending=lambda: remediation is None or remediation.elector.is_leader,
     )
 
     def on_decision(d: Decision) -> None:
@@ -218,6 +219,7 @@ async def _serve(
         ProbeMetrics(registry, scheduler, clock.time)
     if remediation is not None:
         pipeline.has_preflight_taint = remediation.has_preflight_taint
+        remediation.on_leadership(notify.resend_now)
     log.info(
         "aggregator starting",
         extra={

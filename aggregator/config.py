@@ -86,6 +86,22 @@ class NotifyConfig(_Section, frozen=True):
     slack_min_interval_seconds: Annotated[float, Meta(ge=0)] = 1.0  # Slack allows ~1 message/s
 
 
+class LinksConfig(_Section, frozen=True):
+    """Pair-probe localization (aggregator/detect/links.py): a slow node, a degraded link, or a
+    switch. The defaults suit a fleet probed every few minutes; tests and small labs shorten them."""
+
+    every_seconds: PositiveSeconds = 60.0  # how often the localizer runs
+    half_life_seconds: PositiveSeconds = 1800.0  # a probe this old weighs half a fresh one
+    max_age_seconds: PositiveSeconds = 4 * 3600.0
+    dedupe_seconds: PositiveSeconds = 30.0  # both ends' copies of one probe land this close
+    min_partners: Annotated[int, Meta(ge=2)] = 3  # a node is judged on this many partners
+    min_low_probes: Annotated[int, Meta(ge=1)] = 2  # a verdict needs this many slow results
+    node_ratio: Ratio = 0.85
+    pair_ratio: Ratio = 0.85
+    # A degraded link returns to healthy after this long without slow results.
+    link_clear_for_seconds: PositiveSeconds = 900.0
+
+
 TaintEffect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
 
 
@@ -157,5 +173,6 @@ class Config(_Section, frozen=True):
     silence: SilenceConfig = SilenceConfig()
     auth: AuthConfig = AuthConfig()
     notify: NotifyConfig = NotifyConfig()
+    links: LinksConfig = LinksConfig()
     remediation: RemediationConfig = RemediationConfig()
     probes: ProbesConfig = ProbesConfig()

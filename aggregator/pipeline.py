@@ -24,7 +24,7 @@ from agent.report import Report
 from aggregator.config import Config
 from aggregator.decisions import Decision, DecisionLog
 from aggregator.detect import DETECTORS
-from aggregator.detect.links import LinkLocalizer, SwitchAlert
+from aggregator.detect.links import LinkConfig, LinkLocalizer, SwitchAlert
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import UNKNOWN_POOL, Placement, placement_of
@@ -102,10 +102,22 @@ class Pipeline:
         self._detector_due: dict[str, float] = {d.name: -math.inf for d in self.detectors}
         self.decisions = decisions
         # Pair probes: a slow node, a degraded link, or a shared switch (aggregator/detect/links.py).
-        self.links = LinkLocalizer()
+        lc = config.links
+        self.links = LinkLocalizer(
+            LinkConfig(
+                every_seconds=lc.every_seconds,
+                half_life_seconds=lc.half_life_seconds,
+                max_age_seconds=lc.max_age_seconds,
+                dedupe_seconds=lc.dedupe_seconds,
+                min_partners=lc.min_partners,
+                min_low_probes=lc.min_low_probes,
+                node_ratio=lc.node_ratio,
+                pair_ratio=lc.pair_ratio,
+            )
+        )
         self.link_health = LinkHealth(
             suspect_for_seconds=config.health.suspect_for_seconds,
-            clear_for_seconds=config.health.clear_for_seconds * 7.5,
+            clear_for_seconds=lc.link_clear_for_seconds,
         )
         self._links_due = -math.inf
         self.switches: list[SwitchAlert] = []  # shared-switch problems the probes point at now

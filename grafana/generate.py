@@ -8,6 +8,12 @@ Every query reads a metric the agent or the aggregator exports, or a recording r
 rules/prometheus/gpuwarden-recording.yml (the test checks this). Where the metric a panel needs does
 not exist yet, the panel is a text panel that says so, rather than a query that shows "No data".
 
+High availability: every aggregator replica receives every report, so each exports the whole
+fleet's figures (nodes by state, report rates, decisions, breaker, held nodes, probe coverage). A
+panel shows one replica's figure (``max`` over them, or ``min`` where less is better informed),
+never their sum, which would count everything once per replica; the test checks this. Remediation
+writes come from the leader alone and are summed.
+
 Queries use ``$__rate_interval`` (Grafana's recommended window for rate(), at least four scrape
 intervals) and the template variables ``$datasource``, ``$node`` and ``$aggregator_url``;
 ``expand`` substitutes them for running a query outside Grafana (the end-to-end test does).
@@ -317,8 +323,9 @@ def fleet_overview() -> Json:
         _row("Nodes"),
         _stat(
             "Nodes by state",
-            [_target("sum by (state) (gpuwarden_aggregator_nodes)", "{{state}}", instant=True)],
-            description="Nodes every aggregator replica knows, summed over the replicas, by health state.",
+            [_target("max by (state) (gpuwarden_aggregator_nodes)", "{{state}}", instant=True)],
+            description="Nodes by health state. Every aggregator replica knows every node: this is "
+            "the replica counting the most, not a sum over them.",
             w=8,
         ),
         _stat(
@@ -336,7 +343,7 @@ def fleet_overview() -> Json:
         ),
         _timeseries(
             "Nodes by state",
-            [_target("sum by (state) (gpuwarden_aggregator_nodes)", "{{state}}")],
+            [_target("max by (state) (gpuwarden_aggregator_nodes)", "{{state}}")],
             stack=True,
             minimum=0,
         ),
@@ -357,30 +364,23 @@ def fleet_overview() -> Json:
             "decisions with their evidence are in the aggregator's API (node drill-down dashboard).",
             minimum=0,
         ),
-        _not_exported(
-            "Circuit breaker",
-            "The breaker (it holds quarantines when too many nodes would be taken out at once) has no "
-            "metric yet. Held decisions are in the aggregator's log and API "
-            "(`GET /api/v1/decisions`).",
-        ),
-        _not_exported(
-            "Probe coverage",
-            "Share of nodes whose active probes ran recently (per pool) has no metric yet.",
-        ),
+        *_remediation_panels(),
+        *_probe_panels(),
         _row("Ingest health"),
         _timeseries(
             "Reports per second",
             [
-                _target(f"sum(rate(gpuwarden_aggregator_reports_accepted_total[{_RI}]))", "accepted"),
-                _target(f"sum(rate(gpuwarden_aggregator_reports_duplicate_total[{_RI}]))", "duplicate"),
+                _target(f"max(rate(gpuwarden_aggregator_reports_accepted_total[{_RI}]))", "accepted"),
+                _target(f"max(rate(gpuwarden_aggregator_reports_duplicate_total[{_RI}]))", "duplicate"),
                 _target(
-                    f"sum by (reason) (rate(gpuwarden_aggregator_reports_rejected_total[{_RI}]))",
+                    f"max by (reason) (rate(gpuwarden_aggregator_reports_rejected_total[{_RI}]))",
                     "rejected: {{reason}}",
                 ),
             ],
             unit="reqps",
             description="Reports the aggregator answered: accepted, duplicates (a retry of a report "
-            "already processed) and rejections by reason code (see aggregator/service.py).",
+            "already processed) and rejections by reason code (see aggregator/service.py). Every "
+            "replica receives every report: the busiest replica's rates, not their sum.",
             minimum=0,
         ),
         _timeseries(
@@ -454,10 +454,153 @@ def fleet_overview() -> Json:
     return _dashboard(
         "gpuwarden-fleet",
         "gpuwarden / Fleet overview",
-        "Health states of the fleet, the aggregator's decisions and the health of report ingestion.",
+        "Health states of the fleet, the aggregator's decisions, remediation, active probe coverage and "
+        "the health of report ingestion.",
         [],
         panels,
     )
+
+
+def _remediation_panels() -> list[Json]:
+    """Taints by the leader (aggregator/remediate/); the series exist where remediation runs."""
+    return [
+        _row("Remediation"),
+        _stat(
+            "Leader",
+            [_target("gpuwarden_remediation_leader", "{{instance}}", instant=True)],
+            description="1 on the replica that holds the Lease and writes to nodes. Exactly one should: "
+            "none is GpuwardenRemediationNoLeader, two GpuwardenRemediationSplitBrain.",
+        ),
+        _stat(
+            "Breaker open",
+            [_target("max(gpuwarden_remediation_breaker_open)", "open", instant=True)],
+            description="1 while the safety breaker is open: new quarantines are held, not tainted, "
+            "until a human runs `gpuwarden breaker reset` (runbook GpuwardenBreakerOpen).",
+        ),
+        _stat(
+            "Held nodes",
+            [_target("max(gpuwarden_remediation_held_nodes)", "held", instant=True)],
+            description="Quarantined nodes whose taint a safety limit held. Which ones and why: "
+            "`GET /api/v1/remediation`.",
+        ),
+        _stat(
+            "Since the last full resync",
+            [
+                _target(
+                    "time() - max(gpuwarden_remediation_last_resync_timestamp_seconds)",
+                    "age",
+                    instant=True,
+                )
+            ],
+            unit="s",
+            description="The leader compares every node with its decided state every "
+            "remediation.resync_seconds (300 s by default) and when it takes the Lease.",
+        ),
+        _timeseries(
+            "Writes to Kubernetes per second",
+            [
+                _target(
+                    f"sum by (kind, result) (rate(gpuwarden_remediation_writes_total[{_RI}]))",
+                    "{{kind}} {{result}}",
+                )
+            ],
+            description="Taints, untaints, conditions, events and annotations, by result: ok, "
+            "conflict (retried), error, dry_run (computed and logged, not sent). Only the leader "
+            "writes, so the sum is the fleet's.",
+            minimum=0,
+        ),
+        _timeseries(
+            "Work queue",
+            [
+                _target("gpuwarden_remediation_queue_depth", "{{instance}} waiting"),
+                _target(
+                    f"sum(rate(gpuwarden_remediation_queue_dropped_total[{_RI}]))", "dropped/s (queue full)"
+                ),
+                _target(
+                    f"sum(rate(gpuwarden_remediation_overrides_total[{_RI}]))", "taints removed by hand/s"
+                ),
+            ],
+            description="Nodes waiting for a write, per replica. Drops are caught up by the next full "
+            "resync; a taint removed by hand is respected for override_cooldown_seconds.",
+            minimum=0,
+        ),
+        _timeseries(
+            "Reconcile time per node",
+            [
+                _target(
+                    "histogram_quantile(0.99, sum by (instance, le) "
+                    f"(rate(gpuwarden_remediation_reconcile_seconds_bucket[{_RI}])))",
+                    "{{instance}} p99",
+                ),
+                _target(
+                    "histogram_quantile(0.5, sum by (instance, le) "
+                    f"(rate(gpuwarden_remediation_reconcile_seconds_bucket[{_RI}])))",
+                    "{{instance}} p50",
+                ),
+            ],
+            unit="s",
+            description="Time to reconcile one node, rate-limit waits included (remediation.qps).",
+            minimum=0,
+            w=24,
+        ),
+    ]
+
+
+def _probe_panels() -> list[Json]:
+    """Active probes (aggregator/probes/). Every replica sees every result in the reports; the best
+    informed one (most covered, least overdue) stands for the fleet."""
+    return [
+        _row("Probes"),
+        _timeseries(
+            "Pair coverage per pool",
+            [_target("max by (pool) (gpuwarden_probe_pair_coverage_ratio)", "{{pool}}")],
+            unit="percentunit",
+            description="Share of the node pairs within each leaf (else rack) group tested ok within "
+            "the coverage bound (probes.coverage_bound_seconds). Under 1 for 30 minutes is "
+            "GpuwardenProbeCoverageBehind.",
+            minimum=0,
+            maximum=1,
+        ),
+        _timeseries(
+            "Nodes overdue, and the longest untested",
+            [
+                _target("min(gpuwarden_probe_nodes_overdue)", "nodes overdue"),
+                _target(
+                    'min by (quantile) (gpuwarden_probe_node_untested_seconds{quantile=~"1|0.99"})',
+                    "untested, q{{quantile}} (s)",
+                ),
+                _target("max(gpuwarden_probe_coverage_bound_seconds)", "coverage bound (s)"),
+            ],
+            description="Nodes not tested ok within the coverage bound, and the seconds since the "
+            "longest-untested node (q1) and the 99th percentile were last tested ok.",
+            minimum=0,
+        ),
+        _timeseries(
+            "Probe results per second",
+            [
+                _target(
+                    f"max by (kind, ok) (rate(gpuwarden_probe_results_total[{_RI}]))",
+                    "{{kind}} ok={{ok}}",
+                )
+            ],
+            description="Results received, each measurement once (both ends of a pair report it). "
+            "A failed probe is retried with fresh partners before a link or node is judged.",
+            minimum=0,
+        ),
+        _timeseries(
+            "Probes planned and in flight",
+            [
+                _target(
+                    f"max by (kind, reason) (rate(gpuwarden_probe_assignments_total[{_RI}]))",
+                    "{{kind}} {{reason}}/s",
+                ),
+                _target("max(gpuwarden_probe_in_flight)", "in flight"),
+            ],
+            description="Probes planned by the leader's scheduler (rotation, confirm re-probes, "
+            "preflight, local), and those started and not yet over (capped by probes.max_concurrent).",
+            minimum=0,
+        ),
+    ]
 
 
 def node_drilldown() -> Json:

@@ -9,6 +9,10 @@ at once, alerted in Alertmanager and at the receiver with its labels and runbook
 through probation with the alert resolved. Then every Grafana panel's query must return data from
 that Prometheus, and the dcgm-exporter compatibility series must carry dcgm-exporter's units.
 
+The aggregator runs as it does in a cluster: remediation on (dry-run, against the in-process
+Kubernetes API-server double of tests/kube_double.py, served from a thread) and the probe
+scheduler on, so that the remediation and probe panels and rules read what it really exports.
+
 Without the binaries the test skips locally and fails in CI (CI=true), where scripts/setup
 installs them. Everything listens on 127.0.0.1 on free ports and lives in a temporary directory.
 """
@@ -27,6 +31,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from asyncio import AbstractEventLoop, new_event_loop, run_coroutine_threadsafe
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -38,6 +43,7 @@ import pytest
 import yaml
 
 from tests.conftest import FIXTURES, REPO
+from tests.kube_double import KubeApiDouble
 
 GPWD = [sys.executable, "-m", "gpuwarden"]
 RULE_FILES = sorted((REPO / "rules" / "prometheus").glob("*.yml"))
@@ -224,6 +230,39 @@ class Receiver:
             return [a for n in self.notifications for a in n["alerts"] if a["status"] == status]
 
 
+class KubeServer:
+    """The API-server double on its own event loop in a thread, for the aggregator process to use."""
+
+    def __init__(self) -> None:
+        self.api = KubeApiDouble()
+        self.loop: AbstractEventLoop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        run_coroutine_threadsafe(self.api.start(), self.loop).result(10)
+
+    def stop(self) -> None:
+        run_coroutine_threadsafe(self.api.close(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def kube() -> Iterator[KubeServer]:
+    server = KubeServer()
+    server.start()
+    # The cluster has the test's nodes, in the pool the agents report: the safety limits count
+    # every node the cluster has in a pool.
+    for node in NODES:
+        server.api.add_node(node, labels={"gpuwarden.io/pool": POOL})
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def receiver() -> Iterator[Receiver]:
     r = Receiver()
@@ -320,7 +359,7 @@ def _write_yaml(path: Path, data: Any) -> Path:
 
 
 @pytest.fixture
-def stack(tmp_path: Path, processes: Processes, receiver: Receiver) -> Stack:
+def stack(tmp_path: Path, processes: Processes, receiver: Receiver, kube: KubeServer) -> Stack:
     prometheus_bin = _binary("prometheus")
     alertmanager_bin = _binary("prometheus-alertmanager", "alertmanager")
     agg_port, am_port, prom_port = _free_port(), _free_port(), _free_port()
@@ -363,6 +402,8 @@ def stack(tmp_path: Path, processes: Processes, receiver: Receiver) -> Stack:
         ],
     )
 
+    probe_key = tmp_path / "probe-key"
+    probe_key.write_text("probe-key-of-the-e2e-test-0123456789\n")
     (tmp_path / "tokens").write_text("".join(f"{node} token-of-{node}-0123456789abcdef\n" for node in NODES))
     agg_config = _write_yaml(
         tmp_path / "aggregator.yml",
@@ -395,6 +436,14 @@ def stack(tmp_path: Path, processes: Processes, receiver: Receiver) -> Stack:
             str(s.decisions),
             "--config",
             str(agg_config),
+            "--remediation",
+            "dry-run",
+            "--kubeconfig",
+            str(kube.api.write_kubeconfig(tmp_path / "kubeconfig")),
+            "--identity",
+            "gpuwarden-aggregator-0",
+            "--probe-key-file",
+            str(probe_key),
         ],
     )
 
@@ -556,8 +605,35 @@ def test_hard_fault_is_quarantined_alerted_released_and_every_panel_has_data(
     # ... the dcgm-exporter names are in dcgm-exporter's units and labels, ...
     _check_dcgm_compat(stack)
 
+    # ... remediation ran as the one leader and computed the quarantine's taint (dry-run: counted,
+    # not sent; so the node never has a taint to remove), and the probe scheduler covers the
+    # agents' pool, ...
+    _check_remediation_and_probes(stack)
+
     # ... and every dashboard panel's query runs and returns data.
     _check_dashboards(stack, recorded)
+
+
+def _value(stack: Stack, expr: str) -> float | None:
+    result = stack.query(expr)["data"]["result"]
+    return float(result[0]["value"][1]) if result else None
+
+
+def _check_remediation_and_probes(stack: Stack) -> None:
+    assert _value(stack, "sum(gpuwarden_remediation_leader)") == 1.0
+    assert _value(stack, "max(gpuwarden_remediation_breaker_open)") == 0.0
+    taints = 'sum(gpuwarden_remediation_writes_total{kind="taint", result="dry_run"})'
+    _until("the dry-run taint counted", lambda: (_value(stack, taints) or 0) >= 1, stack.procs)
+    pools = stack.query("gpuwarden_probe_pair_coverage_ratio")["data"]["result"]
+    assert {r["metric"]["pool"] for r in pools} == {POOL}, pools
+    firing = _get_json(f"{stack.prometheus}/api/v1/alerts")["data"]["alerts"]
+    names = {a["labels"]["alertname"] for a in firing}
+    assert not names & {
+        "GpuwardenRemediationNoLeader",
+        "GpuwardenRemediationSplitBrain",
+        "GpuwardenBreakerOpen",
+        "GpuwardenRemediationWritesFailing",
+    }, firing
 
 
 def _by_gpu(stack: Stack, expr: str) -> dict[tuple[str, str], float]:

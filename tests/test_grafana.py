@@ -2,8 +2,10 @@
 
 Every panel's PromQL is tokenized here: brackets balance, strings close, matchers are well formed,
 every function is a PromQL function, and every series name is one the agent exports (the golden
-exposition, plus the InfiniBand families a port may add), the aggregator exports (its registry,
-rendered), or a recording rule records. promtool, where installed, parses each expression for real.
+exposition, plus the InfiniBand families a port may add), the aggregator exports (its registry
+with remediation and probes on, rendered), or a recording rule records. promtool, where installed,
+parses each expression for real. No panel sums a fleet-wide series over the aggregator replicas
+(each exports the whole fleet's).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from agent.metrics import INFINIBAND_COUNTERS
-from aggregator.metrics import Metrics
+from tests.test_prometheus_rules import aggregator_registry, family_sample_names, fleet_wide_sums
 
 REPO = Path(__file__).resolve().parents[1]
 GRAFANA = REPO / "grafana"
@@ -177,18 +179,16 @@ def _exposition_labels(text: str) -> dict[str, set[str]]:
 
 
 @pytest.fixture(scope="module")
-def exported() -> dict[str, set[str]]:
+def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, set[str]]:
     """Series name -> its label names, for everything the agent and the aggregator export."""
     series = _exposition_labels(GOLDEN.read_text(encoding="utf-8"))
     for name, _help in INFINIBAND_COUNTERS.values():
         series.setdefault(name, {"device", "port"})
-    registry = CollectorRegistry()
-    metrics = Metrics(registry)
-    metrics.watch_node_states(lambda: {})
-    metrics.decision("link", "suspect")  # labelled counters without samples render nothing
-    metrics.ingest_seconds(0.001)
-    metrics.detection_cycle(0.01)
+    registry: CollectorRegistry = aggregator_registry(tmp_path_factory.mktemp("kube"))
     for name, labels in _exposition_labels(generate_latest(registry).decode()).items():
+        series.setdefault(name, set()).update(labels)
+    # Labelled families without a sample yet (decisions before the first, pools before any node).
+    for name, labels in family_sample_names(registry).items():
         series.setdefault(name, set()).update(labels)
     return series
 
@@ -252,6 +252,40 @@ def test_query_reads_only_series_we_export_or_record(
         if name in exported:
             unknown = set(labels) - exported[name] - TARGET_LABELS
             assert not unknown, f"{dashboard} / {title}: {name} has no label {sorted(unknown)}"
+
+
+@pytest.mark.parametrize(("dashboard", "title", "expr"), _all_queries())
+def test_query_never_sums_a_fleet_wide_series_over_aggregator_replicas(
+    dashboard: str, title: str, expr: str
+) -> None:
+    summed = fleet_wide_sums(generate.expand(expr, VALUES))
+    assert not summed, f"{dashboard} / {title}: every replica exports the whole fleet's {summed}; use max"
+
+
+def test_remediation_and_probe_panels_are_on_the_fleet_dashboard(exported: dict[str, set[str]]) -> None:
+    fleet = generate.fleet_overview()
+    rows = [p["title"] for p in fleet["panels"] if p["type"] == "row"]
+    assert {"Remediation", "Probes"} <= set(rows), rows
+    read = {
+        name
+        for _title, expr in generate.panel_queries(fleet)
+        for name, _ in selectors(generate.expand(expr, VALUES))
+    }
+    for name in (
+        "gpuwarden_remediation_leader",
+        "gpuwarden_remediation_breaker_open",
+        "gpuwarden_remediation_held_nodes",
+        "gpuwarden_remediation_writes_total",
+        "gpuwarden_remediation_queue_depth",
+        "gpuwarden_remediation_reconcile_seconds_bucket",
+        "gpuwarden_probe_pair_coverage_ratio",
+        "gpuwarden_probe_nodes_overdue",
+        "gpuwarden_probe_node_untested_seconds",
+        "gpuwarden_probe_results_total",
+        "gpuwarden_probe_in_flight",
+    ):
+        assert name in read, f"no fleet panel shows {name}"
+        assert name in exported, f"the aggregator exports no {name}"
 
 
 def test_variable_queries_read_series_we_export(exported: dict[str, set[str]]) -> None:
@@ -385,8 +419,8 @@ def test_panels_without_a_query_are_text_and_say_why() -> None:
                 texts += p["type"] == "text"
             else:
                 assert p["targets"], (name, p["title"])
-    # breaker, probe coverage, pair-probe matrix: metrics that do not exist yet; and the decisions link
-    assert texts == 4
+    # the pair-probe bandwidth matrix (no per-pair series, by design); and the decisions link
+    assert texts == 2
 
 
 def test_node_dashboard_links_to_the_nodes_decisions_in_the_aggregator_api() -> None:

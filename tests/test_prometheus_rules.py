@@ -5,12 +5,17 @@ that fires and one that stays quiet, a runbook and complete annotations; every s
 is one the agent or the aggregator really exports, with label values they really use; and the
 PrometheusRule rendered from the files carries exactly their groups.
 
+The aggregator's families are taken from a real one: its base metrics, remediation's (built over
+the Kubernetes API-server double) and the probe scheduler's. Since every aggregator replica
+receives every report and exports the whole fleet's gauges, no rule may sum those over replicas.
+
 promtool comes from $PROMTOOL or PATH (Debian: the prometheus package). Without it the promtool
 tests skip, except under CI=true, where they fail: CI must run them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import re
@@ -22,14 +27,25 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
+from agent.clock import FakeClock
 from agent.metrics import CLOCK_EVENT_REASONS, INFINIBAND_COUNTERS
+from aggregator.audit import AuditLog
+from aggregator.config import Config, RemediationConfig
+from aggregator.decisions import DecisionLog
+from aggregator.kube.client import KubeClient
 from aggregator.metrics import NODE_STATES, Metrics
+from aggregator.pipeline import Pipeline
+from aggregator.probes.metrics import ProbeMetrics
+from aggregator.probes.scheduler import ProbeScheduler
+from aggregator.remediate.runtime import Remediation
+from tests.kube_double import KubeApiDouble
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "rules" / "prometheus"
@@ -46,6 +62,29 @@ _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _RANGE = re.compile(r"\[[^\]]*\]")
 _SELECTOR = re.compile(r"\b(gpuwarden_[a-z0-9_]+)\s*\{([^}]*)\}")
 _MATCHER = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*"([^"]*)"')
+
+# Series every aggregator replica exports for the whole fleet (each receives every report, knows
+# every node, makes every decision): summed over replicas they count everything once per replica.
+FLEET_WIDE = (
+    "gpuwarden_aggregator_nodes",
+    "gpuwarden_aggregator_decisions_total",
+    "gpuwarden_aggregator_reports_accepted_total",
+    "gpuwarden_aggregator_reports_duplicate_total",
+    "gpuwarden_aggregator_reports_rejected_total",
+    "gpuwarden_remediation_breaker_open",
+    "gpuwarden_remediation_held_nodes",
+    "gpuwarden_probe_nodes_overdue",
+    "gpuwarden_probe_pair_coverage_ratio",
+    "gpuwarden_probe_node_untested_seconds",
+    "gpuwarden_probe_results_total",
+)
+# A sum (or count) whose argument reads one of them, optionally through rate() or increase():
+# group 1 is its `by` list, if any, group 2 the series.
+_SUM_OVER = re.compile(
+    r"\b(?:sum|count)\s*(?:by\s*\(([^)]*)\))?\s*\(\s*(?:(?:rate|increase|irate)\s*\(\s*)?("
+    + "|".join(FLEET_WIDE)
+    + r")\b"
+)
 
 
 def _promtool() -> str:
@@ -85,7 +124,53 @@ def _recorded_names() -> set[str]:
     return {rule["record"] for path in RULE_FILES for rule in _rules(path) if "record" in rule}
 
 
-def _exposed_families() -> dict[str, list[dict[str, str]]]:
+async def _build_aggregator_registry(workdir: Path) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    config = Config()
+    pipeline = Pipeline(config, [], DecisionLog(None))
+    metrics.watch_node_states(dict)
+    clock = FakeClock()
+    async with KubeApiDouble() as kube:
+        client = await KubeClient.from_kubeconfig(kube.write_kubeconfig(workdir / "kubeconfig"))
+        try:
+            # Constructing it registers every remediation family; nothing is started or written.
+            Remediation(
+                pipeline,
+                msgspec.convert({"mode": "dry-run"}, RemediationConfig),
+                api=client,
+                identity="gpuwarden-aggregator-0",
+                clock=clock,
+                registry=registry,
+                audit=AuditLog(None),
+            )
+        finally:
+            await client.close()
+    ProbeMetrics(registry, ProbeScheduler(config.probes, b"k" * 32), clock.time)
+    return registry
+
+
+def aggregator_registry(workdir: Path) -> CollectorRegistry:
+    """A registry with every family a fully configured aggregator exports (remediation and probes on)."""
+    return asyncio.run(_build_aggregator_registry(workdir))
+
+
+def family_sample_names(registry: CollectorRegistry) -> dict[str, set[str]]:
+    """Sample name -> label names, for every family of ``registry``, also those with no sample yet
+    (a labelled counter before its first event, the pool coverage before any pool is seen)."""
+    names: dict[str, set[str]] = {}
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    for collector in list(registry._collector_to_names):  # describe() needs no scrape
+        describe = getattr(collector, "describe", None)
+        for family in describe() if describe is not None else collector.collect():
+            labels = set(getattr(family, "_labelnames", ()))
+            for suffix in suffixes.get(family.type, ()):
+                names.setdefault(family.name + suffix, set()).update(labels)
+    return names
+
+
+@pytest.fixture(scope="module")
+def exposed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, str]]]:
     """Sample name -> the label sets of its samples, over what the agent and the aggregator export.
 
     The agent's golden exposition holds every family a full report produces; InfiniBand families
@@ -93,8 +178,7 @@ def _exposed_families() -> dict[str, list[dict[str, str]]]:
     known: their label values go unchecked).
     """
     samples: dict[str, list[dict[str, str]]] = {}
-    registry = CollectorRegistry()
-    Metrics(registry).watch_node_states(dict)
+    registry = aggregator_registry(tmp_path_factory.mktemp("kube"))
     texts = [GOLDEN.read_text(encoding="utf-8"), generate_latest(registry).decode()]
     for text in texts:
         for family in text_string_to_metric_families(text):
@@ -102,11 +186,8 @@ def _exposed_families() -> dict[str, list[dict[str, str]]]:
                 samples.setdefault(sample.name, []).append(dict(sample.labels))
     for name, _help in INFINIBAND_COUNTERS.values():
         samples.setdefault(name, [])
-    # A labelled family with no child yet (decisions before the first decision) has no sample.
-    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
-    for family in registry.collect():
-        for suffix in suffixes.get(family.type, ()):
-            samples.setdefault(family.name + suffix, [])
+    for name in family_sample_names(registry):
+        samples.setdefault(name, [])
     return samples
 
 
@@ -208,8 +289,10 @@ def test_every_runbook_belongs_to_an_alert() -> None:
 # Metrics and labels the rules read
 
 
-def test_rules_only_read_series_that_are_exported_or_recorded() -> None:
-    exported = _exposed_families()
+def test_rules_only_read_series_that_are_exported_or_recorded(
+    exposed: dict[str, list[dict[str, str]]],
+) -> None:
+    exported = exposed
     recorded = _recorded_names()
     for path in RULE_FILES:
         for rule in _rules(path):
@@ -221,8 +304,10 @@ def test_rules_only_read_series_that_are_exported_or_recorded() -> None:
                     assert name in exported, f"{path.name} {label}: nothing exports {name}"
 
 
-def test_rule_selectors_use_label_values_the_exporters_produce() -> None:
-    exported = _exposed_families()
+def test_rule_selectors_use_label_values_the_exporters_produce(
+    exposed: dict[str, list[dict[str, str]]],
+) -> None:
+    exported = exposed
     checked = 0
     for path in RULE_FILES:
         for rule in _rules(path):
@@ -238,6 +323,67 @@ def test_rule_selectors_use_label_values_the_exporters_produce() -> None:
                         assert wanted in seen, f"{path.name}: {metric}{{{label}={wanted!r}}} never exported"
                         checked += 1
     assert checked >= 20  # the DCGM rules alone select type, scope, cause and link types
+
+
+def test_the_remediation_and_probe_families_the_alerts_read_are_exported(
+    exposed: dict[str, list[dict[str, str]]],
+) -> None:
+    read = {name for rule in _alerts() for name in _metric_names(rule["expr"])}
+    for name in (
+        "gpuwarden_remediation_leader",
+        "gpuwarden_remediation_breaker_open",
+        "gpuwarden_remediation_held_nodes",
+        "gpuwarden_remediation_writes_total",
+        "gpuwarden_probe_nodes_overdue",
+        "gpuwarden_probe_pair_coverage_ratio",
+    ):
+        assert name in read, f"no alert reads {name}"
+        assert name in exposed, f"the aggregator exports no {name}"
+    # The write errors the alert selects are a result the actuator counts from the start.
+    assert {"kind": "taint", "result": "error"} in exposed["gpuwarden_remediation_writes_total"]
+
+
+def fleet_wide_sums(expr: str) -> list[str]:
+    """The fleet-wide series ``expr`` sums (or counts) across aggregator replicas: those whose
+    sum does not keep ``instance``."""
+    found = []
+    for by, series in _SUM_OVER.findall(_STRING.sub('""', expr)):
+        if "instance" not in {label.strip() for label in by.split(",")}:
+            found.append(series)
+    return found
+
+
+def test_no_rule_sums_a_fleet_wide_series_over_aggregator_replicas() -> None:
+    for path in RULE_FILES:
+        for rule in _rules(path):
+            label = rule.get("alert") or rule.get("record")
+            assert not fleet_wide_sums(rule["expr"]), (
+                f"{path.name} {label}: every replica exports the whole fleet's "
+                f"{fleet_wide_sums(rule['expr'])}; take max over instances, not sum"
+            )
+
+
+@pytest.mark.parametrize(
+    ("expr", "summed"),
+    [
+        (
+            'sum by (job) (gpuwarden_aggregator_nodes{state="quarantined"}) >= 3',
+            ["gpuwarden_aggregator_nodes"],
+        ),
+        (
+            "sum(rate(gpuwarden_aggregator_reports_accepted_total[5m]))",
+            ["gpuwarden_aggregator_reports_accepted_total"],
+        ),
+        ("count(gpuwarden_probe_nodes_overdue > 0)", ["gpuwarden_probe_nodes_overdue"]),
+        ("sum by (job, instance) (gpuwarden_aggregator_nodes)", []),
+        ("max by (job) (gpuwarden_aggregator_nodes)", []),
+        ("sum by (job, kind) (rate(gpuwarden_remediation_writes_total[5m]))", []),
+    ],
+)
+def test_the_fleet_wide_sum_check_tells_a_sum_over_replicas_from_a_sum_within_one(
+    expr: str, summed: list[str]
+) -> None:
+    assert fleet_wide_sums(expr) == summed
 
 
 def test_throttle_reasons_are_nvml_reasons() -> None:

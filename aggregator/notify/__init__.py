@@ -59,6 +59,10 @@ def make_dispatcher(
     *,
     clock: Clock | None = None,
     pool_of: Callable[[str], str | None] | None = None,
+    sending: Callable[[], bool] | None = None,
 ) -> Dispatcher:
-    """A dispatcher over the configured notifiers (none configured: it only keeps the alert book)."""
-    return Dispatcher(build_notifiers(config), config, registry, clock=clock, pool_of=pool_of)
+    """A dispatcher over the configured notifiers (none configured: it only keeps the alert book).
+    ``sending``: whether this replica sends now (the leader; default always)."""
+    return Dispatcher(
+        build_notifiers(config), config, registry, clock=clock, pool_of=pool_of, sending=sending
+    )

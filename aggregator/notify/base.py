@@ -524,8 +524,13 @@ class Dispatcher:
         *,
         clock: Clock | None = None,
         pool_of: Callable[[str], str | None] | None = None,
+        sending: Callable[[], bool] | None = None,
     ) -> None:
         self.config = config
+        # With several aggregator replicas only the leader sends: every replica keeps the same
+        # alert book (they make the same decisions), so a new leader resolves what the old one
+        # fired, and its first re-send brings Alertmanager up to date.
+        self._sending = sending or (lambda: True)
         self.clock: Clock = clock or SystemClock()
         self.book = AlertBook(config, pool_of=pool_of)
         metrics = _Metrics(registry)
@@ -545,6 +550,8 @@ class Dispatcher:
         self._enqueue(self.book.on_systemic(event))
 
     def _enqueue(self, alerts: Sequence[Alert], *, resend: bool = False) -> None:
+        if not self._sending():
+            return
         for alert in alerts:
             log.info(
                 "alert",

@@ -124,6 +124,7 @@ class Remediation:
         self._leader_gauge.set_function(lambda: 1.0 if self.elector.is_leader else 0.0)
         self._written: BreakerState | None = None  # the breaker as we last wrote or adopted it
         self._wake = asyncio.Event()
+        self._leadership_hooks: list[Callable[[], None]] = []
         # Pools come from node labels too (K8S_POOL_LABELS), and the pool-share limit counts
         # every node the cluster has in the pool, reporting or not.
         pipeline.set_cluster_pool_size(self._pool_size)
@@ -152,9 +153,17 @@ class Remediation:
                 count += 1
         return count
 
+    def on_leadership(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` whenever this replica gains the lead (e.g. re-send the firing alerts)."""
+        self._leadership_hooks.append(hook)
+
     def _leadership_changed(self) -> None:
-        log.info("leadership changed", extra={"leader": self.elector.is_leader})
+        leading = self.elector.is_leader
+        log.info("leadership changed", extra={"leader": leading})
         self.actuator.leadership_changed()
+        if leading:
+            for hook in self._leadership_hooks:
+                hook()
 
     # -- breaker through the Lease --------------------------------------------------------------
 

@@ -1,0 +1,749 @@
+"""End to end: aggregators with remediation on (``enforce``), fed reports over HTTP, against the
+Kubernetes API-server double.
+
+Each test runs two replicas the way ``gpuwarden aggregator --remediation enforce`` wires one
+(``aggregator.cli._serve``: a Pipeline, the remediation runtime with its own KubeClient from a
+kubeconfig, ``create_app`` plus the remediation routes and lifecycle, served by ``serve``) and
+plays the agents: every report goes to every replica, gzip JSON with the node's bearer token.
+Only the tests' view of the cluster is the double's own state; what the aggregators do, they do
+through the real client over HTTP.
+
+Time is real (the replicas' SystemClock), with short leader and health timings so a fail-over or
+a probation takes seconds. Every wait polls a condition with a deadline; nothing sleeps for
+behaviour.
+
+The replicas' Kubernetes client is wrapped by ``Severable``, which can cut the replica off from
+the API server (every call then fails as an unreachable server would): that is how a test
+crashes a leader without letting it release the Lease, and how another makes a second
+controller's write land between our read of a node and our patch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+from prometheus_client import CollectorRegistry
+
+from agent.clock import SystemClock
+from agent.report import Event
+from aggregator.audit import AuditLog
+from aggregator.auth import StaticTokens
+from aggregator.config import (
+    Config,
+    HealthConfig,
+    LeaderConfig,
+    LimitsConfig,
+    RemediationConfig,
+)
+from aggregator.decisions import Decision, DecisionLog
+from aggregator.kube.client import KubeClient
+from aggregator.kube.objects import (
+    Condition,
+    EventRecord,
+    KubeUnavailable,
+    Lease,
+    Node,
+    NodeEvent,
+    NodeList,
+    Taint,
+)
+from aggregator.metrics import Metrics
+from aggregator.notify import make_dispatcher
+from aggregator.pipeline import Pipeline
+from aggregator.remediate.limits import decode_breaker
+from aggregator.remediate.model import decode_snapshot
+from aggregator.remediate.runtime import BREAKER_ANNOTATION, BREAKER_RESET_PATH, REMEDIATION_PATH, Remediation
+from aggregator.rules import default_rules_dir, load_rules
+from aggregator.rules.model import Rule
+from aggregator.service import REPORTS_PATH, create_app, serve
+from tests.kube_double import KubeApiDouble
+from tests.rulekit import report, xid
+
+NS = "gpuwarden"
+LEASE = "gpuwarden-aggregator"
+OURS = "gpuwarden.io/unhealthy"
+HEALTH = "gpuwarden.io/health"
+POOL_LABEL = "gpuwarden.io/pool"
+POOL = "h100-a"
+ADMIN_TOKEN = "admin-token-for-the-breaker-0123456789"
+KEEP_TAINT = {"key": "other.io/maintenance", "value": "drain", "effect": "NoSchedule"}
+FLAP_KEY = "other.io/flap"
+WAIT_S = 15.0  # the bound on every wait; the happy path takes a fraction of it
+RULES: list[Rule] = load_rules([default_rules_dir()])
+
+
+def config(*, max_pool_share: float = 1.0, resync_seconds: float = 2.0) -> Config:
+    return Config(
+        health=HealthConfig(clear_for_seconds=1.0, probation_seconds=1.5),
+        remediation=RemediationConfig(
+            mode="enforce",
+            resync_seconds=resync_seconds,
+            limits=LimitsConfig(max_pool_share=max_pool_share),
+            leader=LeaderConfig(
+                namespace=NS,
+                lease_name=LEASE,
+                lease_duration_seconds=3.0,
+                renew_deadline_seconds=2.0,
+                retry_period_seconds=0.5,
+            ),
+        ),
+    )
+
+
+# -- the replicas' Kubernetes client --------------------------------------------------------------
+
+
+class Severable:
+    """A KubeClient that can be cut off from the API server (a crash or a partition: every call
+    fails as an unreachable server does), with a hook run right after each node read."""
+
+    def __init__(self, inner: KubeClient) -> None:
+        self.inner = inner
+        self.severed = False
+        self.after_get: Callable[[str], None] | None = None
+
+    def _check(self, what: str) -> None:
+        if self.severed:
+            raise KubeUnavailable(f"{what}: connection refused (severed by the test)")
+
+    async def get_node(self, name: str) -> Node:
+        self._check("get node")
+        node = await self.inner.get_node(name)
+        if self.after_get is not None:
+            self.after_get(name)
+        return node
+
+    async def list_nodes(self, *, label_selector: str | None = None) -> NodeList:
+        self._check("list nodes")
+        return await self.inner.list_nodes(label_selector=label_selector)
+
+    async def watch_nodes(
+        self, *, resource_version: str, timeout_seconds: int = 300, label_selector: str | None = None
+    ) -> AsyncGenerator[NodeEvent, None]:
+        self._check("watch nodes")
+        async with aclosing(
+            self.inner.watch_nodes(
+                resource_version=resource_version,
+                timeout_seconds=timeout_seconds,
+                label_selector=label_selector,
+            )
+        ) as events:
+            async for event in events:
+                self._check("watch nodes")
+                yield event
+
+    async def patch_node(
+        self,
+        name: str,
+        *,
+        resource_version: str,
+        taints: Sequence[Taint] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+    ) -> Node:
+        self._check("patch node")
+        return await self.inner.patch_node(
+            name, resource_version=resource_version, taints=taints, annotations=annotations
+        )
+
+    async def patch_node_condition(self, name: str, condition: Condition) -> Node:
+        self._check("patch node status")
+        return await self.inner.patch_node_condition(name, condition)
+
+    async def create_event(self, namespace: str, event: EventRecord) -> None:
+        self._check("create event")
+        await self.inner.create_event(namespace, event)
+
+    async def get_lease(self, namespace: str, name: str) -> Lease:
+        self._check("get lease")
+        return await self.inner.get_lease(namespace, name)
+
+    async def create_lease(self, lease: Lease) -> Lease:
+        self._check("create lease")
+        return await self.inner.create_lease(lease)
+
+    async def replace_lease(self, lease: Lease) -> Lease:
+        self._check("replace lease")
+        return await self.inner.replace_lease(lease)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+# -- one replica, wired as aggregator.cli._serve wires it -----------------------------------------
+
+
+@dataclass
+class Replica:
+    name: str
+    url: str
+    pipeline: Pipeline
+    remediation: Remediation
+    registry: CollectorRegistry
+    kube: Severable
+    audit: AuditLog
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.remediation.elector.is_leader
+
+    def writes(self, kind: str, result: str = "ok") -> float:
+        value = self.registry.get_sample_value(
+            "gpuwarden_remediation_writes_total", {"kind": kind, "result": result}
+        )
+        return value or 0.0
+
+    def all_writes(self) -> float:
+        kinds = ("taint", "untaint", "preflight_release", "condition", "event", "annotation")
+        return sum(self.writes(k, r) for k in kinds for r in ("ok", "conflict", "error"))
+
+    def decisions(self, node: str) -> list[Decision]:
+        return [d for d in self.pipeline.decisions.recent() if d.node == node]
+
+    def state(self, node: str) -> str | None:
+        h = self.pipeline.health.get(node)
+        return h.state if h is not None else None
+
+    async def shutdown(self) -> None:
+        self.stop.set()
+        await asyncio.wait_for(self.task, WAIT_S)
+
+    async def crash(self) -> None:
+        """Dies without a word to the API server: cut off first, so that the shutdown's attempt
+        to release the Lease fails as a killed process's would never make it; the lease expires."""
+        self.kube.severed = True
+        await self.shutdown()
+
+
+async def start_replica(name: str, double: KubeApiDouble, tmp_path: Path, cfg: Config) -> Replica:
+    clock = SystemClock()
+    registry = CollectorRegistry()
+    metrics = Metrics(registry)
+    authenticator = StaticTokens(tmp_path / "tokens")
+    decisions = DecisionLog(None)
+    audit = AuditLog(None)
+    pipeline: Pipeline | None = None
+    remediation: Remediation | None = None
+    notify = make_dispatcher(
+        cfg.notify,
+        registry,
+        clock=clock,
+        pool_of=lambda node: pipeline.pool_of(node) if pipeline is not None else None,
+    )
+
+    def on_decision(d: Decision) -> None:
+        metrics.decision(d.reasons[0].detector if d.reasons else "none", d.state)
+        notify.on_decision(d)
+        if remediation is not None:
+            remediation.on_decision(d)
+
+    def k8s_labels(node: str) -> Mapping[str, str]:
+        return remediation.k8s_labels(node) if remediation is not None else {}
+
+    pipeline = Pipeline(
+        cfg, RULES, decisions, k8s_labels=k8s_labels, on_decision=on_decision, on_systemic=notify.on_systemic
+    )
+    kube = Severable(
+        await KubeClient.from_kubeconfig(double.write_kubeconfig(tmp_path / f"{name}.kubeconfig"))
+    )
+    remediation = Remediation(
+        pipeline,
+        cfg.remediation,
+        api=kube,
+        identity=name,
+        clock=clock,
+        registry=registry,
+        audit=audit,
+        admin_tokens=[ADMIN_TOKEN],
+    )
+    pipeline.has_preflight_taint = remediation.has_preflight_taint
+    app = create_app(pipeline, authenticator, cfg, clock, registry, metrics=metrics)
+    app.cleanup_ctx.append(notify.lifecycle)
+    app.router.add_routes(remediation.routes())
+    app.cleanup_ctx.append(remediation.lifecycle)
+
+    stop = asyncio.Event()
+    bound: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(
+        serve(
+            app,
+            "127.0.0.1",
+            0,
+            stop=stop,
+            on_started=lambda host, port: bound.set_result((host, port)),
+            shutdown_timeout_s=1.0,
+        ),
+        name=f"replica-{name}",
+    )
+    host, port = await asyncio.wait_for(bound, WAIT_S)
+    # Agents' reports must find the node labels (the pool) in the informer's cache.
+    await asyncio.wait_for(remediation.actuator.synced(), WAIT_S)
+    return Replica(name, f"http://{host}:{port}", pipeline, remediation, registry, kube, audit, stop, task)
+
+
+# -- the agents -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Agent:
+    node: str
+    token: str
+    boot_id: str = "boot-a"
+    seq: int = 0
+
+    def reboot(self, boot_id: str) -> None:
+        self.boot_id = boot_id
+        self.seq = 0
+
+
+class Fleet:
+    """The cluster's nodes in the double and their agents, which post to every replica given."""
+
+    def __init__(self, double: KubeApiDouble, tmp_path: Path, session: aiohttp.ClientSession) -> None:
+        self.double = double
+        self.tmp_path = tmp_path
+        self.session = session
+        self.agents: dict[str, Agent] = {}
+
+    def add(self, count: int, *, reporting: int, taints: list[dict[str, str]] | None = None) -> list[str]:
+        names = [f"gpu-{i:04d}" for i in range(1, count + 1)]
+        for name in names:
+            self.double.add_node(name, labels={POOL_LABEL: POOL}, taints=taints)
+        for name in names[:reporting]:
+            self.agents[name] = Agent(name, f"token-{name}-{'x' * 16}")
+        (self.tmp_path / "tokens").write_text("".join(f"{a.node} {a.token}\n" for a in self.agents.values()))
+        return names
+
+    async def send(self, node: str, replicas: Sequence[Replica], *, events: Sequence[Event] = ()) -> None:
+        agent = self.agents[node]
+        agent.seq += 1
+        now = time.time()
+        body = gzip.compress(
+            msgspec.json.encode(report(now, node=node, boot_id=agent.boot_id, seq=agent.seq, events=events))
+        )
+        headers = {
+            "Authorization": f"Bearer {agent.token}",
+            "Content-Type": "application/json",
+            "Content-Encoding": "gzip",
+        }
+        for replica in replicas:
+            async with self.session.post(replica.url + REPORTS_PATH, data=body, headers=headers) as resp:
+                assert resp.status == 200, f"{replica.name} refused a report: {await resp.text()}"
+
+    async def fault(self, node: str, replicas: Sequence[Replica]) -> None:
+        """The node's GPU 3 fell off the bus (XID 79): a hard fault, out at once, until a reboot."""
+        await self.send(node, replicas, events=[xid(79, gpu=3, at=time.time())])
+
+    async def keep_reporting(
+        self, nodes: Sequence[str], replicas: Sequence[Replica], until: Callable[[], bool], what: str
+    ) -> None:
+        """Every node reports every 0.2 s (as agents do, faster) until ``until()`` holds."""
+        deadline = asyncio.get_running_loop().time() + WAIT_S
+        while not until():
+            assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+            for node in nodes:
+                await self.send(node, replicas)
+            await asyncio.sleep(0.2)
+
+
+async def eventually(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def leader_of(replicas: Sequence[Replica]) -> tuple[Replica, list[Replica]]:
+    await eventually(lambda: sum(r.is_leader for r in replicas) == 1, "one leader")
+    leader = next(r for r in replicas if r.is_leader)
+    return leader, [r for r in replicas if r is not leader]
+
+
+@asynccontextmanager
+async def cluster(tmp_path: Path) -> AsyncIterator[tuple[KubeApiDouble, Fleet]]:
+    async with KubeApiDouble() as double, aiohttp.ClientSession() as session:
+        yield double, Fleet(double, tmp_path, session)
+
+
+@asynccontextmanager
+async def replicas(
+    double: KubeApiDouble, tmp_path: Path, cfg: Config, names: Sequence[str] = ("agg-0", "agg-1")
+) -> AsyncIterator[list[Replica]]:
+    started: list[Replica] = []
+    try:
+        for name in names:
+            started.append(await start_replica(name, double, tmp_path, cfg))
+        yield started
+    finally:
+        for r in started:
+            if not r.task.done():
+                await r.shutdown()
+
+
+async def remediation_status(session: aiohttp.ClientSession, replica: Replica) -> dict[str, Any]:
+    async with session.get(replica.url + REMEDIATION_PATH) as resp:
+        assert resp.status == 200
+        body: dict[str, Any] = await resp.json()
+        return body
+
+
+# -- what the cluster shows -----------------------------------------------------------------------
+
+
+def node_taints(double: KubeApiDouble, name: str) -> list[dict[str, Any]]:
+    return list(double.node(name)["spec"].get("taints") or [])
+
+
+def ours(double: KubeApiDouble, name: str) -> list[dict[str, Any]]:
+    return [t for t in node_taints(double, name) if t["key"] == OURS]
+
+
+def others(double: KubeApiDouble, name: str) -> list[dict[str, Any]]:
+    return [t for t in node_taints(double, name) if t["key"] != OURS]
+
+
+def bare(taints: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Taints without the server's ``timeAdded``."""
+    return [{k: v for k, v in t.items() if k != "timeAdded"} for t in taints]
+
+
+def node_gets(double: KubeApiDouble, name: str, since: int = 0) -> int:
+    """Reads of one node (a reconcile starts with one; the informer lists instead)."""
+    return sum(1 for r in double.requests[since:] if r[:2] == ("GET", f"/api/v1/nodes/{name}"))
+
+
+def gpu_condition(double: KubeApiDouble, name: str) -> dict[str, Any] | None:
+    conditions = double.node(name)["status"].get("conditions") or []
+    return next((c for c in conditions if c["type"] == "GPUHealthy"), None)
+
+
+def node_events(double: KubeApiDouble, name: str, reason: str) -> list[dict[str, Any]]:
+    return [e for e in double.events if e["involvedObject"]["name"] == name and e["reason"] == reason]
+
+
+def lease_annotations(double: KubeApiDouble) -> dict[str, str]:
+    lease = double.lease(NS, LEASE)
+    assert lease is not None
+    return dict(lease["metadata"].get("annotations") or {})
+
+
+def lease_spec(double: KubeApiDouble) -> dict[str, Any]:
+    lease = double.lease(NS, LEASE)
+    assert lease is not None
+    spec: dict[str, Any] = lease["spec"]
+    return spec
+
+
+def lease_holder(double: KubeApiDouble) -> str | None:
+    holder: str | None = lease_spec(double).get("holderIdentity")
+    return holder
+
+
+def node_writes(double: KubeApiDouble, since: int) -> list[tuple[str, str, str]]:
+    """Writes to Nodes and Events among the double's requests from index ``since`` on."""
+    return [
+        r for r in double.requests[since:] if r[0] != "GET" and ("/nodes" in r[1] or r[1].endswith("/events"))
+    ]
+
+
+# -- the tests ------------------------------------------------------------------------------------
+
+
+async def test_a_hard_fault_taints_the_node_and_only_the_leader_writes(tmp_path: Path) -> None:
+    async with cluster(tmp_path) as (double, fleet):
+        bad, good, quiet = fleet.add(3, reporting=2)
+        async with replicas(double, tmp_path, config()) as both:
+            leader, (follower,) = await leader_of(both)
+            await fleet.send(bad, both)
+            await fleet.send(good, both)
+            await fleet.fault(bad, both)
+
+            await eventually(lambda: bool(ours(double, bad)), "the taint on the faulty node")
+            await eventually(
+                lambda: bool(node_events(double, bad, "GpuwardenQuarantined")), "the quarantine event"
+            )
+            assert bare(ours(double, bad)) == [{"key": OURS, "value": "xid-79", "effect": "NoSchedule"}]
+            cond = gpu_condition(double, bad)
+            assert cond is not None and (cond["status"], cond["reason"]) == ("False", "Quarantined")
+            assert "fell off the bus" in cond["message"]
+            snapshot = decode_snapshot(double.node(bad)["metadata"]["annotations"][HEALTH])
+            assert snapshot is not None and (snapshot.state, snapshot.tainted) == ("quarantined", True)
+            (event,) = node_events(double, bad, "GpuwardenQuarantined")
+            assert event["type"] == "Warning" and "xid-79" in event["message"]
+            assert not ours(double, good) and not ours(double, quiet)
+
+            # Both replicas decided the same; only the leader wrote.
+            for r in both:
+                (d,) = [d for d in r.decisions(bad) if d.state == "quarantined"]
+                assert d.action == "taint"
+            assert leader.writes("taint") == 1
+            assert follower.all_writes() == 0
+            status = await remediation_status(fleet.session, follower)
+            assert (status["is_leader"], status["leader"]) == (False, leader.name)
+
+
+async def test_other_controllers_taints_survive_concurrent_changes(tmp_path: Path) -> None:
+    async with cluster(tmp_path) as (double, fleet):
+        (node,) = fleet.add(1, reporting=1, taints=[KEEP_TAINT])
+        async with replicas(double, tmp_path, config()) as both:
+            leader, _ = await leader_of(both)
+            await fleet.send(node, both)
+            await eventually(lambda: gpu_condition(double, node) is not None, "the healthy condition")
+
+            # Another controller flips its own taint on and off all the time and checks, before
+            # each change, that nobody dropped or resurrected what it wrote last.
+            flap_on = False
+            clobbered: list[list[dict[str, Any]]] = []
+
+            def flip(n: dict[str, Any]) -> None:
+                nonlocal flap_on
+                current = [t for t in n["spec"].get("taints") or [] if t["key"] != OURS]
+                expected = [KEEP_TAINT] + ([{"key": FLAP_KEY, "effect": "NoSchedule"}] if flap_on else [])
+                if bare(current) != expected:
+                    clobbered.append(current)
+                taints = n["spec"].setdefault("taints", [])
+                if flap_on:
+                    taints[:] = [t for t in taints if t["key"] != FLAP_KEY]
+                else:
+                    taints.append({"key": FLAP_KEY, "effect": "NoSchedule"})
+                flap_on = not flap_on
+
+            async def other_controller() -> None:
+                while True:
+                    double.update_node(node, flip)
+                    await asyncio.sleep(0.01)
+
+            # And once per phase its write lands right between our read and our patch.
+            conflicts = {
+                "taint": leader.writes("taint", "conflict"),
+                "untaint": leader.writes("untaint", "conflict"),
+            }
+            phase: list[str] = []
+
+            def between_read_and_patch(name: str) -> None:
+                if name == node and phase and leader.writes(phase[0], "conflict") == conflicts[phase[0]]:
+                    double.update_node(node, flip)
+
+            for r in both:
+                r.kube.after_get = between_read_and_patch
+            writer = asyncio.create_task(other_controller())
+            try:
+                phase[:] = ["taint"]
+                await fleet.fault(node, both)
+                await fleet.keep_reporting([node], both, lambda: bool(ours(double, node)), "our taint")
+                assert leader.writes("taint", "conflict") > conflicts["taint"]
+
+                phase[:] = ["untaint"]
+                fleet.agents[node].reboot("boot-b")  # repaired: the XID 79 clears with the reboot
+                await fleet.keep_reporting([node], both, lambda: not ours(double, node), "our taint to go")
+                assert leader.writes("untaint", "conflict") > conflicts["untaint"]
+            finally:
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
+
+            assert clobbered == []
+            assert bare(others(double, node)) == [KEEP_TAINT] + (
+                [{"key": FLAP_KEY, "effect": "NoSchedule"}] if flap_on else []
+            )
+            assert leader.writes("taint") == 1 and leader.writes("untaint") == 1
+            assert [d.action for d in leader.decisions(node) if d.action != "none"] == ["taint", "untaint"]
+
+
+async def test_safety_limits_hold_then_release_after_a_reset(tmp_path: Path) -> None:
+    async with cluster(tmp_path) as (double, fleet):
+        first, second, *_ = fleet.add(10, reporting=2)
+        async with replicas(double, tmp_path, config(max_pool_share=0.1)) as both:
+            leader, (follower,) = await leader_of(both)
+            for node in (first, second):
+                await fleet.send(node, both)
+            await fleet.fault(first, both)
+            await eventually(lambda: bool(ours(double, first)), "the first node's taint")
+
+            # 1 of 10 may be out: the second fault is held, everywhere, and the breaker opens.
+            await fleet.fault(second, both)
+            await eventually(lambda: all(r.decisions(second) for r in both), "both replicas' decisions")
+            for r in both:
+                (d,) = r.decisions(second)
+                assert (d.state, d.action) == ("quarantined", "held")
+            await eventually(
+                lambda: (c := gpu_condition(double, second)) is not None and c["reason"] == "QuarantineHeld",
+                "the held condition",
+            )
+            assert not ours(double, second)
+            await eventually(
+                lambda: BREAKER_ANNOTATION in lease_annotations(double), "the breaker in the Lease"
+            )
+            stored = decode_breaker(lease_annotations(double)[BREAKER_ANNOTATION])
+            assert stored is not None and stored.open and stored.limit == "pool_share"
+            for r in both:
+                status = await remediation_status(fleet.session, r)
+                assert status["breaker"]["open"] is True and status["held_nodes"] == [second]
+
+            # Both replicas opened the breaker: once it is in the Lease it stays put (no replica
+            # keeps rewriting it), and on-call hears of it once.
+            settled = lease_annotations(double)[BREAKER_ANNOTATION]
+            lease_puts = sum(
+                1 for r in double.requests if r[0] == "PUT" and r[1].endswith(f"/leases/{LEASE}")
+            )
+            await fleet.keep_reporting(
+                [first, second],
+                both,
+                lambda: (
+                    sum(1 for r in double.requests if r[0] == "PUT" and r[1].endswith(f"/leases/{LEASE}"))
+                    >= lease_puts + 4
+                ),
+                "a few lease renewals",
+            )
+            assert lease_annotations(double)[BREAKER_ANNOTATION] == settled
+            opened = [sum(1 for a in r.audit.recent if a.action == "breaker_open") for r in both]
+            assert max(opened) == 1, opened  # each replica's audit log says it once
+
+            # The first node is repaired and released; the breaker stays open all the same.
+            fleet.agents[first].reboot("boot-b")
+            await fleet.keep_reporting(
+                [first, second],
+                both,
+                lambda: not ours(double, first) and all(r.state(first) == "healthy" for r in both),
+                "the first node's release",
+            )
+            assert [d.state for d in leader.decisions(first)] == ["quarantined", "probation", "healthy"]
+            assert not ours(double, second)
+            assert all(r.pipeline.limits.open for r in both)
+
+            # A human resets it, on the replica that does not lead: the leader learns it from the
+            # Lease and taints the held node.
+            reset = {"by": "alice", "reason": "first node repaired, second checked"}
+            async with fleet.session.post(
+                follower.url + BREAKER_RESET_PATH, json=reset, headers={"Authorization": "Bearer not-admin"}
+            ) as resp:
+                assert resp.status == 401
+            assert follower.pipeline.limits.open
+            async with fleet.session.post(
+                follower.url + BREAKER_RESET_PATH,
+                json=reset,
+                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            ) as resp:
+                assert resp.status == 200
+                body = await resp.json()
+            assert body["breaker"].get("open", False) is False and body["breaker"]["reset_by"] == "alice"
+            assert [a.by for a in follower.audit.recent if a.action == "breaker_reset"] == ["alice"]
+
+            await eventually(lambda: bool(ours(double, second)), "the held node's taint")
+            assert bare(ours(double, second)) == [{"key": OURS, "value": "xid-79", "effect": "NoSchedule"}]
+            await eventually(lambda: not any(r.pipeline.limits.open for r in both), "both adopting the reset")
+            for r in both:
+                last = r.decisions(second)[-1]
+                assert (last.state, last.previous, last.action) == ("quarantined", "quarantined", "taint")
+                status = await remediation_status(fleet.session, r)
+                assert status["breaker"].get("open", False) is False and status["held_nodes"] == []
+            stored = decode_breaker(lease_annotations(double)[BREAKER_ANNOTATION])
+            assert stored is not None and not stored.open and stored.reset_by == "alice"
+            await eventually(
+                lambda: (c := gpu_condition(double, second)) is not None and c["reason"] == "Quarantined",
+                "the quarantined condition",
+            )
+            assert leader.writes("taint") == 2 and follower.all_writes() == 0
+
+
+async def test_a_leader_crash_loses_nothing(tmp_path: Path) -> None:
+    async with cluster(tmp_path) as (double, fleet):
+        first, second, _ = fleet.add(3, reporting=2)
+        async with replicas(double, tmp_path, config()) as both:
+            leader, (survivor,) = await leader_of(both)
+            for node in (first, second):
+                await fleet.send(node, both)
+            await fleet.fault(first, both)
+            await eventually(
+                lambda: bool(node_events(double, first, "GpuwardenQuarantined")), "the quarantine"
+            )
+            assert ours(double, first)
+
+            await leader.crash()
+            assert lease_holder(double) == leader.name  # never released: the survivor must wait it out
+            transitions = lease_spec(double).get("leaseTransitions", 0)
+
+            # The new fault reaches the survivor only (the dead replica's spool waits); it decides
+            # at once and acts when the lease it cannot renew has expired.
+            await fleet.fault(second, [survivor])
+            assert lease_holder(double) == leader.name  # decided by a replica that does not lead
+            assert [d.action for d in survivor.decisions(second)] == ["taint"]
+            await fleet.keep_reporting(
+                [first, second], [survivor], lambda: bool(ours(double, second)), "the survivor's taint"
+            )
+            assert survivor.is_leader and lease_holder(double) == survivor.name
+            assert lease_spec(double)["leaseTransitions"] == transitions + 1
+            await eventually(lambda: bool(node_events(double, second, "GpuwardenQuarantined")), "its event")
+
+            for node in (first, second):
+                assert len(ours(double, node)) == 1
+            assert survivor.writes("taint") == 1  # the new fault's; the first node's taint stood
+            assert len(node_events(double, first, "GpuwardenQuarantined")) == 1
+
+
+@asynccontextmanager
+async def restarted_and_resynced(
+    double: KubeApiDouble, tmp_path: Path, cfg: Config, name: str, nodes: Sequence[str]
+) -> AsyncIterator[Replica]:
+    """A replica started from nothing against the cluster, once it leads and every node in
+    ``nodes`` went through the resync on gaining leadership and one periodic resync: a node is
+    never in two reconciles at once, so its second read means the first reconcile is over."""
+    mark = len(double.requests)
+    async with replicas(double, tmp_path, cfg, names=(name,)) as (fresh,):
+        await eventually(lambda: fresh.is_leader, f"{name} leading")
+        await eventually(lambda: all(node_gets(double, n, mark) >= 2 for n in nodes), f"{name}'s resyncs")
+        yield fresh
+
+
+async def test_a_restart_taints_nothing_twice(tmp_path: Path) -> None:
+    cfg = config(resync_seconds=1.0)
+    async with cluster(tmp_path) as (double, fleet):
+        bad, good, quiet = fleet.add(3, reporting=2)
+        async with replicas(double, tmp_path, cfg) as both:
+            await leader_of(both)
+            for node in (bad, good):
+                await fleet.send(node, both)
+            await fleet.fault(bad, both)
+            await eventually(
+                lambda: (
+                    bool(node_events(double, bad, "GpuwardenQuarantined"))
+                    and gpu_condition(double, good) is not None
+                ),
+                "the leader's writes",
+            )
+        # Both replicas stopped (cleanly: the Lease is released). One starts again from nothing,
+        # and again, with no report in between (the agents cannot reach it yet).
+        before = {n: double.node(n) for n in (bad, good, quiet)}
+        mark = len(double.requests)
+        for name in ("agg-2", "agg-3"):
+            async with restarted_and_resynced(double, tmp_path, cfg, name, [bad, good]) as fresh:
+                h = fresh.pipeline.health.get(bad)
+                assert h is not None and h.state == "quarantined" and h.tainted
+                assert [t.finding.rule for t in h.active()] == ["xid-79"]  # the evidence, until a reboot
+                assert node_writes(double, mark) == []
+                assert {n: double.node(n) for n in before} == before
+                assert fresh.decisions(bad) == []  # no probation: the XID 79 has not gone away
+
+        # The restored node reports the boot it failed in: it stays quarantined and tainted,
+        # through periodic resyncs, with no write at all.
+        async with restarted_and_resynced(double, tmp_path, cfg, "agg-4", [bad, good]) as fresh:
+            seen = len(double.requests)
+            await fleet.keep_reporting(
+                [bad, good],
+                [fresh],
+                lambda: node_gets(double, bad, seen) >= 2 and node_gets(double, good, seen) >= 2,
+                "two periodic resyncs",
+            )
+            assert fresh.state(bad) == "quarantined" and fresh.decisions(bad) == []
+            assert bare(ours(double, bad)) == [{"key": OURS, "value": "xid-79", "effect": "NoSchedule"}]
+            assert fresh.writes("untaint") == 0 and fresh.writes("taint") == 0
+            assert node_writes(double, mark) == []
