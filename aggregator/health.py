@@ -360,9 +360,26 @@ class HealthMachine:
         if findings:
             h.groups[RESTORED] = {f.key: _Tracked(f, min(f.since, now)) for f in findings}
             h.restored_until = now + grace_seconds
-        h.reasons = [_reason(f) for f in findings] or [
-            Reason(detector="rule", severity="info", summary=f"restored from the cluster: {snap.state}")
-        ]
+        if snap.message is not None:
+            # The decision's own words and reason code: the taint's value, the condition and the
+            # reason annotation stay exactly as they are, so a restart rewrites nothing.
+            lead = snap.findings[0] if snap.findings else None
+            h.reasons = (
+                []
+                if snap.state == "healthy" and lead is None
+                else [
+                    Reason(
+                        detector=lead.detector if lead is not None else "rule",
+                        rule=snap.reason_code,
+                        severity=lead.severity if lead is not None else "info",
+                        summary=snap.message,
+                    )
+                ]
+            )
+        else:
+            h.reasons = [_reason(f) for f in findings] or [
+                Reason(detector="rule", severity="info", summary=f"restored from the cluster: {snap.state}")
+            ]
         return True
 
     def expire_restored(self, now: float) -> list[Decision]:

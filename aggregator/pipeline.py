@@ -90,6 +90,9 @@ class Pipeline:
         )
         # Nodes known only from the cluster (restored after a restart, not yet reporting).
         self._restored_placement: dict[str, Placement] = {}
+        # Their boot, as the snapshot said: reboot-cleared evidence ends only with another boot,
+        # so a snapshot rewritten before the node reports again must still name it.
+        self._restored_boot: dict[str, str] = {}
         self.shadow_findings: dict[str, list[Finding]] = {}  # node -> findings of rules on trial
         self._cluster_pool_size: Callable[[str], int] = lambda _pool: 0
         # Active probes (aggregator/probes): set by the service when probes are on, never in replay.
@@ -153,6 +156,7 @@ class Pipeline:
         rec.recent.append(_summary(report, received))
         rec.boot_id = report.boot_id
         self._restored_placement.pop(report.node, None)
+        self._restored_boot.pop(report.node, None)
 
         try:
             view = self.fleet.add(report)
@@ -396,12 +400,14 @@ class Pipeline:
         if len(reasons) > 1:
             message += f" (+{len(reasons) - 1} more)"
         placement = self.placement(node)
-        snap = self.health.snapshot(node, rec.boot_id if rec is not None else None)
+        boot_id = rec.boot_id if rec is not None else self._restored_boot.get(node)
+        snap = self.health.snapshot(node, boot_id)
         if snap is None:
             snap = HealthSnapshot(state="healthy", since=0.0)
         snap = msgspec.structs.replace(
             snap,
             reason_code=code,
+            message=message[:1024],
             pool=placement.pool if placement else None,
             rack=placement.rack if placement else None,
             leaf=placement.leaf if placement else None,
@@ -478,6 +484,8 @@ class Pipeline:
             return
         if snapshot.pool is not None:
             self._restored_placement[node] = Placement(snapshot.pool, rack=snapshot.rack, leaf=snapshot.leaf)
+        if snapshot.boot_id is not None:
+            self._restored_boot[node] = snapshot.boot_id
         latched = [f for f in snapshot.findings if f.clears == "reboot"]
         if latched and snapshot.boot_id is not None:
             self.engine.restore_latched(node, snapshot.boot_id, [_finding_of(f) for f in latched], now)

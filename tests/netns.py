@@ -36,6 +36,8 @@ _OWN: Final = re.compile(rf"^{re.escape(PREFIX)}(\d+)-")
 # tbf needs a bucket of at least one (GSO) packet, else it drops what it cannot ever send.
 _BURST: Final = "256kb"
 _LATENCY: Final = "200ms"
+_UNSHAPED: Final = "40gbit"  # htb's default class when the rest of the traffic is not shaped
+_QUANTUM: Final = "65536"  # bytes a class sends per turn; htb's rate/r2q default is far off here
 
 
 class NetnsError(RuntimeError):
@@ -178,21 +180,22 @@ class Lab:
 
     def throttle_path(self, a: Node, b: Node, rate: str, *, base_rate: str | None = None) -> None:
         """Only traffic between ``a`` and ``b`` at ``rate``; the rest of ``a``'s traffic at
-        ``base_rate`` (None: unshaped). Band 3 of a prio qdisc holds the slow tbf and u32 filters
-        on ``b``'s address send the pair's packets there; ordinary traffic goes to band 2."""
+        ``base_rate`` (None: as good as unshaped). An htb qdisc with a fast default class and a
+        slow class, and u32 filters on ``b``'s address that pick the slow one."""
+        fast = base_rate or _UNSHAPED
         for ns, dev, match in ((a.ns, "eth0", "dst"), (self.hub, a.hub_dev, "src")):
             if self._has_root(ns, dev):
                 self._in(ns, "tc", "qdisc", "del", "dev", dev, "root")
-            self._in(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "prio", "bands", "3")
-            fast = ["tbf", "rate", base_rate, "burst", _BURST, "latency", _LATENCY] if base_rate else ["pfifo"]
-            self._in(ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:2", "handle", "20:", *fast)
-            self._in(
-                ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:3", "handle", "30:", "tbf",
-                "rate", rate, "burst", _BURST, "latency", _LATENCY,
-            )  # fmt: skip
+            self._in(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10")
+            for classid, class_rate in (("1:10", fast), ("1:20", rate)):
+                self._in(
+                    ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", classid, "htb",
+                    "rate", class_rate, "ceil", class_rate, "burst", _BURST, "cburst", _BURST,
+                    "quantum", _QUANTUM,
+                )  # fmt: skip
             self._in(
                 ns, "tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
-                "u32", "match", "ip", match, f"{b.address}/32", "flowid", "1:3",
+                "u32", "match", "ip", match, f"{b.address}/32", "flowid", "1:20",
             )  # fmt: skip
 
     def restore(self, node: Node, base_rate: str | None = None) -> None:

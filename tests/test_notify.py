@@ -447,3 +447,15 @@ def test_webhook_body_is_plain_json() -> None:
     body = json.loads(msgspec.json.encode({"alert": alert.to_json()}))
     assert body["alert"]["annotations"]["node_url"].endswith("/api/v1/nodes/gpu-0042")
     assert body["alert"]["ends_at"] is None
+
+
+def test_a_replica_that_does_not_lead_keeps_its_book_but_sends_nothing() -> None:
+    cfg = msgspec.convert({"webhook_url": "http://127.0.0.1:9/hook"}, NotifyConfig)
+    leading = False
+    d = make_dispatcher(cfg, CollectorRegistry(), sending=lambda: leading)
+    d.on_decision(quarantine())
+    assert [len(lane.queue) for lane in d.lanes] == [0]
+    assert [a.alertname for a in d.book.active()] == ["GpuwardenNodeQuarantined"]
+    leading = True  # took the Lease: what is firing goes out, and so does what happens next
+    d.on_decision(quarantine("gpu-0043"))
+    assert [len(lane.queue) for lane in d.lanes] == [1]

@@ -81,9 +81,11 @@ WAIT_S = 15.0  # the bound on every wait; the happy path takes a fraction of it
 RULES: list[Rule] = load_rules([default_rules_dir()])
 
 
-def config(*, max_pool_share: float = 1.0, resync_seconds: float = 2.0) -> Config:
+def config(
+    *, max_pool_share: float = 1.0, resync_seconds: float = 2.0, probation_seconds: float = 1.5
+) -> Config:
     return Config(
-        health=HealthConfig(clear_for_seconds=1.0, probation_seconds=1.5),
+        health=HealthConfig(clear_for_seconds=1.0, probation_seconds=probation_seconds),
         remediation=RemediationConfig(
             mode="enforce",
             resync_seconds=resync_seconds,
@@ -705,45 +707,57 @@ async def restarted_and_resynced(
 
 
 async def test_a_restart_taints_nothing_twice(tmp_path: Path) -> None:
-    cfg = config(resync_seconds=1.0)
+    cfg = config(resync_seconds=1.0, probation_seconds=60.0)
     async with cluster(tmp_path) as (double, fleet):
-        bad, good, quiet = fleet.add(3, reporting=2)
+        bad, mending, good, quiet = fleet.add(4, reporting=3)
+        reporting = [bad, mending, good]
         async with replicas(double, tmp_path, cfg) as both:
-            await leader_of(both)
-            for node in (bad, good):
+            leader, _ = await leader_of(both)
+            for node in reporting:
                 await fleet.send(node, both)
             await fleet.fault(bad, both)
-            await eventually(
+            await fleet.fault(mending, both)
+            fleet.agents[mending].reboot("boot-b")  # repaired: on probation for a minute
+            await fleet.keep_reporting(
+                reporting,
+                both,
                 lambda: (
                     bool(node_events(double, bad, "GpuwardenQuarantined"))
+                    and bool(node_events(double, mending, "GpuwardenProbation"))
                     and gpu_condition(double, good) is not None
                 ),
                 "the leader's writes",
             )
+            probation = leader.pipeline.health.get(mending)
+            assert probation is not None and probation.state == "probation"
         # Both replicas stopped (cleanly: the Lease is released). One starts again from nothing,
         # and again, with no report in between (the agents cannot reach it yet).
-        before = {n: double.node(n) for n in (bad, good, quiet)}
+        before = {n: double.node(n) for n in (bad, mending, good, quiet)}
         mark = len(double.requests)
         for name in ("agg-2", "agg-3"):
-            async with restarted_and_resynced(double, tmp_path, cfg, name, [bad, good]) as fresh:
+            async with restarted_and_resynced(double, tmp_path, cfg, name, reporting) as fresh:
                 h = fresh.pipeline.health.get(bad)
                 assert h is not None and h.state == "quarantined" and h.tainted
                 assert [t.finding.rule for t in h.active()] == ["xid-79"]  # the evidence, until a reboot
+                p = fresh.pipeline.health.get(mending)
+                assert p is not None and (p.state, p.since, p.tainted) == ("probation", probation.since, True)
+                assert fresh.decisions(bad) == [] and fresh.decisions(mending) == []
                 assert node_writes(double, mark) == []
                 assert {n: double.node(n) for n in before} == before
-                assert fresh.decisions(bad) == []  # no probation: the XID 79 has not gone away
 
-        # The restored node reports the boot it failed in: it stays quarantined and tainted,
-        # through periodic resyncs, with no write at all.
-        async with restarted_and_resynced(double, tmp_path, cfg, "agg-4", [bad, good]) as fresh:
+        # The nodes report again: the restored XID 79 node the boot it failed in, so it stays
+        # quarantined; the mended one stays on probation. Through periodic resyncs, no write.
+        async with restarted_and_resynced(double, tmp_path, cfg, "agg-4", reporting) as fresh:
             seen = len(double.requests)
             await fleet.keep_reporting(
-                [bad, good],
+                reporting,
                 [fresh],
-                lambda: node_gets(double, bad, seen) >= 2 and node_gets(double, good, seen) >= 2,
+                lambda: all(node_gets(double, n, seen) >= 2 for n in reporting),
                 "two periodic resyncs",
             )
-            assert fresh.state(bad) == "quarantined" and fresh.decisions(bad) == []
-            assert bare(ours(double, bad)) == [{"key": OURS, "value": "xid-79", "effect": "NoSchedule"}]
+            assert (fresh.state(bad), fresh.state(mending)) == ("quarantined", "probation")
+            assert fresh.decisions(bad) == [] and fresh.decisions(mending) == []
+            for node in (bad, mending):
+                assert bare(ours(double, node)) == [{"key": OURS, "value": "xid-79", "effect": "NoSchedule"}]
             assert fresh.writes("untaint") == 0 and fresh.writes("taint") == 0
             assert node_writes(double, mark) == []

@@ -107,6 +107,8 @@ INFORMER_BACKOFF_S: Final = 1.0
 INFORMER_BACKOFF_MAX_S: Final = 30.0
 NO_EXECUTE_WINDOW_S: Final = 3600.0
 EVENT_MESSAGE_MAX: Final = 1024  # the API server rejects longer Event messages
+# Replicas time the same report by their own receive clocks; a report reaches them all within this.
+SAME_EPISODE_S: Final = 60.0
 
 _CONDITION_REASONS: Final[Mapping[str, str]] = {
     "healthy": "Healthy",
@@ -134,6 +136,25 @@ def rfc3339(unix: float) -> str:
 
 def _parse_rfc3339(text: str) -> float:
     return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _untimed(snapshot: HealthSnapshot) -> HealthSnapshot:
+    return msgspec.structs.replace(
+        snapshot,
+        since=0.0,
+        quarantines=[],
+        findings=[msgspec.structs.replace(f, since=0.0) for f in snapshot.findings],
+    )
+
+
+def _same_episode(a: HealthSnapshot, b: HealthSnapshot) -> bool:
+    """The same decision, timed by two replicas: equal but for times within ``SAME_EPISODE_S``
+    (a new quarantine adds to ``quarantines``, so it is never the same episode)."""
+    return (
+        abs(a.since - b.since) <= SAME_EPISODE_S
+        and len(a.quarantines) == len(b.quarantines)
+        and _untimed(a) == _untimed(b)
+    )
 
 
 def _taints_text(taints: Sequence[Taint]) -> list[str]:
@@ -906,6 +927,12 @@ class Actuator:
         snapshot = msgspec.structs.replace(
             intent.snapshot, tainted=intent.snapshot.tainted and want is not None
         )
+        if old is not None and _same_episode(old, snapshot):
+            # Written by another replica (before a fail-over or a restart) about the same decision:
+            # every replica times it by its own receive clock. Keep what the node says, so that a
+            # new leader neither patches every node nor announces every quarantine again.
+            snapshot = old
+            intent = msgspec.structs.replace(intent, since=old.since)
         wanted_ann: dict[str, str | None] = {
             self._ann_health: encode_snapshot(snapshot),
             self._ann_reason: intent.message,

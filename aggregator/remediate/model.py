@@ -43,6 +43,7 @@ class HealthSnapshot(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=Tr
     quarantines: list[float] = msgspec.field(default_factory=list)  # times, for the lemon count
     boot_id: str | None = None  # the boot the findings were seen in (reboot-cleared ones end with it)
     reason_code: str | None = None
+    message: str | None = None  # the decision's reasons in one line (condition, annotation)
     pool: str | None = None  # placement, for the safety limits before the node reports again
     rack: str | None = None
     leaf: str | None = None

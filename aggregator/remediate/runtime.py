@@ -67,6 +67,20 @@ def read_admin_tokens(path: Path) -> list[str]:
     return tokens
 
 
+def _supersedes(mine: BreakerState, stored: BreakerState) -> bool:
+    """Whether our breaker says something the Lease does not know yet. Every replica opens the
+    breaker on the same decision, each at its own receive time: once the Lease says open, another
+    open state is the same news, and writing it would have the replicas overwrite each other (and
+    audit a new opening) every retry period for as long as the breaker stays open."""
+    if mine.open and stored.open:
+        return False
+    if mine.open:  # the Lease says closed: ours opened after the last reset it knows of
+        return stored.reset_at is None or (mine.since is not None and mine.since > stored.reset_at)
+    if stored.open:  # ours was reset after the Lease's opening
+        return mine.reset_at is not None and (stored.since is None or mine.reset_at >= stored.since)
+    return (mine.reset_at or 0.0) > (stored.reset_at or 0.0)
+
+
 class Remediation:
     def __init__(
         self,
@@ -183,7 +197,7 @@ class Remediation:
             self.pipeline.adopt_breaker(stored, self.clock.time())
             self._written = stored
         mine = self.pipeline.limits.state
-        if mine != self._written and (stored is None or mine != stored):
+        if mine != self._written and (stored is None or _supersedes(mine, stored)):
             try:
                 await self.elector.update_annotations({BREAKER_ANNOTATION: encode_breaker(mine)})
             except KubeError as exc:
@@ -217,7 +231,7 @@ class Remediation:
             "identity": self.elector.identity,
             "leader": self.elector.leader,
             "is_leader": self.elector.is_leader,
-            "breaker": msgspec.to_builtins(self.pipeline.limits.state),
+            "breaker": {"open": self.pipeline.limits.open, **msgspec.to_builtins(self.pipeline.limits.state)},
             "held_nodes": held,
         }
 
@@ -254,7 +268,7 @@ class Remediation:
                 )
             )
             await self.sync_breaker()
-            return web.json_response({"breaker": msgspec.to_builtins(state), **self.status()})
+            return web.json_response({**self.status(), "reset": msgspec.to_builtins(state)})
 
         return [web.get(REMEDIATION_PATH, get_status), web.post(BREAKER_RESET_PATH, reset)]
 
