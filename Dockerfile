@@ -5,7 +5,12 @@
 #
 # The agent imports neither numpy nor scikit-learn (tests/test_packaging.py), so they cost the
 # agent disk space, not memory. Bookworm pins the Debian release under Python 3.11.
-FROM python:3.11-slim-bookworm
+#
+# BASE lets a site build on its own copy of that image, or on any base with Python 3.11, a `pip`
+# on PATH that installs where `gpuwarden` lands on PATH, and groupadd/useradd (scripts/build-image
+# --local-base makes one with debootstrap, for a machine without Docker Hub).
+ARG BASE=python:3.11-slim-bookworm
+FROM ${BASE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -19,7 +24,14 @@ COPY agent/ /build/agent/
 COPY aggregator/ /build/aggregator/
 COPY gpuwarden/ /build/gpuwarden/
 COPY sim/ /build/sim/
-RUN pip install /build && rm -rf /build
+# An offline build (scripts/build-image --wheels) first puts every wheel the install needs, the
+# build backend's too, in .build/wheels and passes WHEELS=1: pip then installs from them alone. In a
+# plain checkout the pattern matches nothing and pip reads PyPI. pyproject.toml (copied again, and
+# ignored by pip) keeps the instruction from matching nothing at all, which the classic builder
+# refuses.
+COPY pyproject.toml .build/wheel[s] /build/wheels/
+ARG WHEELS=
+RUN pip install ${WHEELS:+--no-index --find-links /build/wheels} /build && rm -rf /build
 
 # The detection rules are data the aggregator reads at start (--rules); the Deployment points at
 # this directory, and the site-rules component can replace it with a ConfigMap.

@@ -122,16 +122,6 @@ def aggregator_urls(args: argparse.Namespace) -> list[str]:
     return urls
 
 
-def read_probe_key(path: Path) -> bytes:
-    try:
-        key = path.read_bytes().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read --probe-key-file {path}: {exc.strerror or exc}") from exc
-    if len(key) < 16:
-        raise ConfigError(f"--probe-key-file {path}: the key must be at least 16 bytes, got {len(key)}")
-    return key
-
-
 def probe_advertise(explicit: str | None, listen: tuple[str, int]) -> str:
     """Where peers reach this node's probe endpoint: explicit, the listen address, or $POD_IP."""
     if explicit:
@@ -258,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--probes auto needs --probe-key-file")
         if not args.probe_listen:
             raise ConfigError("--probes auto needs --probe-listen")
+    from agent.probes.protocol import read_probe_key  # noqa: PLC0415
+
     probe_key = read_probe_key(args.probe_key_file) if args.probes == "auto" else b""
     raise_open_file_limit()
     clock = SystemClock()

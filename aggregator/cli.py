@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from agent.clock import SystemClock
 from agent.errors import ConfigError
+from agent.probes.protocol import read_probe_key
 from aggregator.audit import AuditLog
 from aggregator.auth import Authenticator, StaticTokens, TokenReviewAuthenticator
 from aggregator.config import Config
@@ -35,16 +36,6 @@ from aggregator.service import create_app, serve
 
 if TYPE_CHECKING:
     from aggregator.remediate.runtime import Remediation
-
-
-def read_key(path: Path) -> bytes:
-    try:
-        key = path.read_bytes().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read probe key {path}: {exc}") from exc
-    if len(key) < 16:
-        raise ConfigError(f"probe key {path} is shorter than 16 bytes")
-    return key
 
 
 def read_admin_tokens(path: Path) -> list[str]:
@@ -212,7 +203,7 @@ async def _serve(
 
         scheduler = ProbeScheduler(
             config.probes,
-            read_key(args.probe_key_file),
+            read_probe_key(args.probe_key_file),
             report_interval_seconds=config.fleet.interval_seconds,
         )
         pipeline.probes = scheduler

@@ -356,7 +356,7 @@ class HealthMachine:
         h.held = snap.held
         h.lemon = snap.lemon
         h.quarantines = deque(snap.quarantines)
-        findings = [_from_snapshot(f) for f in snap.findings if f.clears != "reboot"]
+        findings = [finding_of_snapshot(f) for f in snap.findings if f.clears != "reboot"]
         if findings:
             h.groups[RESTORED] = {f.key: _Tracked(f, min(f.since, now)) for f in findings}
             h.restored_until = now + grace_seconds
@@ -411,7 +411,8 @@ def _small(value: Any) -> bool:
     )
 
 
-def _from_snapshot(f: SnapshotFinding) -> Finding:
+def finding_of_snapshot(f: SnapshotFinding) -> Finding:
+    """A finding as a snapshot kept it (restore after a restart)."""
     return Finding(
         detector=f.detector,  # type: ignore[arg-type]  # written by snapshot() from a Finding
         key=f.key,

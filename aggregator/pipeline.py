@@ -28,7 +28,7 @@ from aggregator.detect.links import LinkConfig, LinkLocalizer, SwitchAlert
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import UNKNOWN_POOL, Placement, placement_of
-from aggregator.health import HealthMachine, NodeHealth
+from aggregator.health import HealthMachine, NodeHealth, finding_of_snapshot
 from aggregator.links import LinkHealth
 from aggregator.model import Finding, IngestOutcome
 from aggregator.probes.scheduler import ProbeScheduler, report_is_idle
@@ -488,9 +488,11 @@ class Pipeline:
             self._restored_boot[node] = snapshot.boot_id
         latched = [f for f in snapshot.findings if f.clears == "reboot"]
         if latched and snapshot.boot_id is not None:
-            self.engine.restore_latched(node, snapshot.boot_id, [_finding_of(f) for f in latched], now)
+            self.engine.restore_latched(
+                node, snapshot.boot_id, [finding_of_snapshot(f) for f in latched], now
+            )
             # Held by the engine until the node reboots; on the node at once.
-            self._emit(self.health.update(node, "rule", [_finding_of(f) for f in latched], now))
+            self._emit(self.health.update(node, "rule", [finding_of_snapshot(f) for f in latched], now))
         log.info(
             "node restored from the cluster",
             extra={
@@ -612,21 +614,6 @@ class Pipeline:
             }
             for sw in self.switches
         ]
-
-
-def _finding_of(f: SnapshotFinding) -> Finding:
-    return Finding(
-        detector=f.detector,  # type: ignore[arg-type]  # written from a Finding by the snapshot
-        key=f.key,
-        severity=f.severity,  # type: ignore[arg-type]
-        action=f.action,  # type: ignore[arg-type]
-        summary=f.summary,
-        since=f.since,
-        rule=f.rule,
-        hard=f.hard,
-        clears=f.clears,
-        evidence=dict(f.evidence),
-    )
 
 
 def _summary(report: Report, received: float) -> dict[str, Any]:

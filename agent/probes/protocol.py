@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from pathlib import Path
 from typing import Final, Literal
 
 import msgspec
+
+from agent.errors import ConfigError
 
 PROTOCOL: Final = "gpuwarden/probes/v1"
 ASSIGNMENTS_PATH: Final = "/v1/probes/assignments"
@@ -74,3 +77,20 @@ def sign(assignment: Assignment, key: bytes) -> Assignment:
 def verify(assignment: Assignment, key: bytes) -> bool:
     expected = hmac.new(key, canonical(assignment), hashlib.sha256).hexdigest()
     return hmac.compare_digest(expected, assignment.signature)
+
+
+MIN_KEY_BYTES: Final = 16
+
+
+def read_probe_key(path: Path) -> bytes:
+    """The probe key from ``--probe-key-file`` (surrounding whitespace is not part of it); the
+    aggregator and the agents read it the same way."""
+    try:
+        key = path.read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --probe-key-file {path}: {exc.strerror or exc}") from exc
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(
+            f"--probe-key-file {path}: the key must be at least {MIN_KEY_BYTES} bytes, got {len(key)}"
+        )
+    return key
