@@ -24,14 +24,13 @@ COPY agent/ /build/agent/
 COPY aggregator/ /build/aggregator/
 COPY gpuwarden/ /build/gpuwarden/
 COPY sim/ /build/sim/
-# An offline build (scripts/build-image --wheels) first puts every wheel the install needs, the
-# build backend's too, in .build/wheels and passes WHEELS=1: pip then installs from them alone. In a
-# plain checkout the pattern matches nothing and pip reads PyPI. pyproject.toml (copied again, and
-# ignored by pip) keeps the instruction from matching nothing at all, which the classic builder
-# refuses.
-COPY pyproject.toml .build/wheel[s] /build/wheels/
-ARG WHEELS=
-RUN pip install ${WHEELS:+--no-index --find-links /build/wheels} /build && rm -rf /build
+# An offline build (scripts/build-image --wheels) points pip at wheels that the host serves on
+# loopback, and at nothing else; pip reads both settings from the environment. A plain build
+# leaves them unset, and pip reads PyPI. (Served rather than copied in: a COPY would leave the
+# wheels in a layer of the image.)
+ARG PIP_NO_INDEX
+ARG PIP_FIND_LINKS
+RUN pip install /build && rm -rf /build
 
 # The detection rules are data the aggregator reads at start (--rules); the Deployment points at
 # this directory, and the site-rules component can replace it with a ConfigMap.

@@ -692,17 +692,31 @@ async def test_a_leader_crash_loses_nothing(tmp_path: Path) -> None:
             assert len(node_events(double, first, "GpuwardenQuarantined")) == 1
 
 
+def resync_time(replica: Replica) -> float:
+    value = replica.registry.get_sample_value("gpuwarden_remediation_last_resync_timestamp_seconds")
+    return value or 0.0
+
+
+def queue_depth(replica: Replica) -> float:
+    return replica.registry.get_sample_value("gpuwarden_remediation_queue_depth") or 0.0
+
+
 @asynccontextmanager
 async def restarted_and_resynced(
     double: KubeApiDouble, tmp_path: Path, cfg: Config, name: str, nodes: Sequence[str]
 ) -> AsyncIterator[Replica]:
-    """A replica started from nothing against the cluster, once it leads and every node in
-    ``nodes`` went through the resync on gaining leadership and one periodic resync: a node is
-    never in two reconciles at once, so its second read means the first reconcile is over."""
-    mark = len(double.requests)
+    """A replica started from nothing against the cluster, once it leads and has been through the
+    resync on gaining leadership and one periodic resync, its work queue empty after each."""
     async with replicas(double, tmp_path, cfg, names=(name,)) as (fresh,):
         await eventually(lambda: fresh.is_leader, f"{name} leading")
-        await eventually(lambda: all(node_gets(double, n, mark) >= 2 for n in nodes), f"{name}'s resyncs")
+
+        await eventually(
+            lambda: resync_time(fresh) > 0 and queue_depth(fresh) == 0, f"{name}'s resync on leading"
+        )
+        first = resync_time(fresh)
+        await eventually(
+            lambda: resync_time(fresh) > first and queue_depth(fresh) == 0, f"{name}'s periodic resync"
+        )
         yield fresh
 
 
@@ -749,12 +763,17 @@ async def test_a_restart_taints_nothing_twice(tmp_path: Path) -> None:
         # quarantined; the mended one stays on probation. Through periodic resyncs, no write.
         async with restarted_and_resynced(double, tmp_path, cfg, "agg-4", reporting) as fresh:
             seen = len(double.requests)
-            await fleet.keep_reporting(
-                reporting,
-                [fresh],
-                lambda: all(node_gets(double, n, seen) >= 2 for n in reporting),
-                "two periodic resyncs",
-            )
+            start = resync_time(fresh)
+            resyncs: set[float] = set()
+
+            def two_more_resyncs() -> bool:
+                if resync_time(fresh) > start:
+                    resyncs.add(resync_time(fresh))
+                return len(resyncs) >= 2 and queue_depth(fresh) == 0
+
+            await fleet.keep_reporting(reporting, [fresh], two_more_resyncs, "two periodic resyncs")
+            # Nothing to change: the resyncs judged from the informer's copy, not one read.
+            assert all(node_gets(double, n, seen) == 0 for n in reporting)
             assert (fresh.state(bad), fresh.state(mending)) == ("quarantined", "probation")
             assert fresh.decisions(bad) == [] and fresh.decisions(mending) == []
             for node in (bad, mending):

@@ -281,6 +281,9 @@ class _WorkQueue:
     def __len__(self) -> int:
         return len(self._dirty)
 
+    def __contains__(self, node: str) -> bool:
+        return node in self._dirty
+
     def add(self, node: str) -> bool:
         if node in self._dirty:
             return True
@@ -380,6 +383,7 @@ class Actuator:
         self._bucket = _TokenBucket(config.qps, config.burst, clock, sleep)
         self._queue = _WorkQueue(config.queue_size, self._metrics)
         self._cache: dict[str, Node] = {}
+        self._resync_only: set[str] = set()  # queued by the periodic resync alone
         self._synced = asyncio.Event()
         self._was_leader = False
         self._dropped: set[str] = set()  # turned away by a full queue since the last resync
@@ -403,6 +407,10 @@ class Actuator:
 
     def submit(self, node: str) -> None:
         """Reconcile ``node`` soon (the pipeline calls this when a decision changes it)."""
+        self._resync_only.discard(node)
+        self._enqueue(node)
+
+    def _enqueue(self, node: str) -> None:
         if not self._queue.add(node):
             self._dropped.add(node)
             log.warning(
@@ -444,7 +452,9 @@ class Actuator:
         for name in dropped:
             self.submit(name)
         for name in list(self._cache):
-            self.submit(name)
+            if name not in self._queue:  # a decision already queued it: it reads fresh
+                self._resync_only.add(name)
+            self._enqueue(name)
         self._metrics.last_resync.set(self._clock.time())
 
     async def run(self) -> None:
@@ -460,11 +470,16 @@ class Actuator:
                 task.cancel()
             self._later.clear()
 
-    async def reconcile(self, node: str) -> None:
+    async def reconcile(self, node: str, *, from_cache: bool = False) -> None:
         """Make ``node`` look like its intent now. Raises ``KubeError`` when it could not (after
-        bounded conflict retries); a node that no longer exists is dropped silently."""
+        bounded conflict retries); a node that no longer exists is dropped silently.
+        ``from_cache``: judge from the informer's copy first and skip the read when the node
+        already looks right (the periodic resync; decisions always read fresh)."""
         intent = self._intents.intent(node)
         if intent is None or not self._is_leader():
+            return
+        cached = self._cache.get(node) if from_cache else None
+        if cached is not None and not self._needs_work(cached, intent):
             return
         for attempt in range(CONFLICT_ATTEMPTS):
             try:
@@ -619,7 +634,11 @@ class Actuator:
     async def _reconcile_guarded(self, node: str) -> None:
         started = self._clock.monotonic()
         try:
-            await self.reconcile(node)
+            # A periodic resync judges from the informer's copy, as client-go controllers do, so
+            # a resync of 7,500 unchanged nodes costs no API call; anything else reads fresh.
+            from_cache = node in self._resync_only
+            self._resync_only.discard(node)
+            await self.reconcile(node, from_cache=from_cache)
         except KubeError as e:
             self._retry_later(node, e)
             return
@@ -785,6 +804,12 @@ class Actuator:
                 "dry-run: would record event",
                 extra={"node": name, "kind": "event", "event_reason": ev.reason, "event_message": ev.message},
             )
+
+    def _needs_work(self, node: Node, intent: NodeIntent) -> bool:
+        if node.labels.get(self._config.managed_label) == "false":
+            return False
+        plan = self._plan(node, intent)
+        return plan.needs_patch or plan.condition is not None or bool(plan.events)
 
     # -- planning (pure but for the NoExecute budget and preflight clocks) ------------------------
 
