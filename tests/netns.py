@@ -18,6 +18,7 @@ shapes what leaves it, so the node end shapes the node's sends and the hub end i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -82,10 +83,8 @@ def _end_processes_in(ns: str) -> None:
     out = _run("ip", "netns", "pids", ns, check=False)
     pids = [int(p) for p in out.stdout.split() if p.isdigit()]
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _delete(ns: str) -> None:
@@ -209,4 +208,3 @@ class Lab:
     def _has_root(self, ns: str, dev: str) -> bool:
         out = self._in(ns, "tc", "qdisc", "show", "dev", dev, "root")
         return any(kind in out.stdout for kind in ("tbf", "prio", "htb"))
-

@@ -176,3 +176,58 @@ def test_a_node_no_longer_probed_is_cleared() -> None:
     v = loc.run(now + 7200)  # every probe aged out
     assert v.nodes[bad] == []
     assert loc.run(now + 7300).nodes == {}
+
+
+# Two cases the real-network test (test_netns_links.py) found: sparse probes, as a scheduler
+# with confirm re-probes produces them in a small group.
+SIX = [f"node{i}" for i in range(6)]
+SIX_PLACE = Placement("p", rack="r0", leaf="l0")
+
+
+def _sparse(samples: list[tuple[int, int, float, float]]) -> LinkLocalizer:
+    """(a, b, time, MB/s) probes of tcp_pair, reported by both ends."""
+    loc = LinkLocalizer(LinkConfig(half_life_seconds=60, max_age_seconds=40, dedupe_seconds=1))
+    for a, b, t, mbps in samples:
+        for me, peer in ((SIX[a], SIX[b]), (SIX[b], SIX[a])):
+            p = Probe(kind="tcp_pair", time=T0 + t, ok=True, peer=peer, busbw_bytes_per_second=mbps * 1e6)
+            loc.observe(report(me, T0 + t, [p]), SIX_PLACE, received=T0 + t + 0.1)
+    return loc
+
+
+def test_a_confirm_reprobe_of_the_slow_pair_does_not_move_the_blame() -> None:
+    # node2 is slow with everyone; (0, 2) was measured twice (rotation, then confirm). Weighted by
+    # probe count, that pair outvoted node0's other partners and the blame fell on node0.
+    data = [
+        (0, 3, 100, 120),
+        (1, 5, 101, 119),
+        (2, 4, 102, 12),
+        (1, 3, 103, 120),
+        (4, 5, 104, 120),
+        (0, 2, 105, 12),
+        (0, 4, 106, 120),
+        (1, 2, 107, 12),
+        (3, 4, 108, 119),
+        (0, 2, 109, 12),
+    ]
+    verdict = _sparse(data).run(T0 + 110)
+    blamed = {n for n, fs in verdict.nodes.items() if any(f.key == "link-node" for f in fs)}
+    assert blamed <= {"node2"}
+
+
+def test_a_fixed_nodes_stale_slow_pairs_are_not_degraded_links() -> None:
+    # node2 was slow with everyone until t=150, then repaired: fast again with four fresh partners,
+    # while (2, 3) was last measured (slow) before the repair. That pair is node2's past, not a link.
+    old = [(2, p, 130 + i, 12) for i, p in enumerate((0, 1, 4, 5))] + [(2, 3, 145, 12), (2, 3, 149, 12)]
+    new = [
+        (0, 2, 175, 120),
+        (1, 2, 176, 120),
+        (2, 4, 177, 120),
+        (2, 5, 178, 120),
+        (0, 1, 170, 120),
+        (3, 4, 171, 120),
+        (3, 5, 172, 120),
+        (0, 3, 173, 120),
+        (1, 3, 174, 120),
+    ]
+    verdict = _sparse(old + new).run(T0 + 180)
+    assert ("node2", "node3") not in verdict.links

@@ -57,19 +57,19 @@ PROBE_PORT: Final = 9402
 TOKEN_PREFIX: Final = "netns-test-token-"
 PROBE_KEY: Final = "netns-test-probe-key-0123456789abcdef"
 
-# Timings shortened from fleet scale (rounds of minutes, half-lives of half an hour) to seconds,
-# keeping their proportions: see the report in the test's docstring for why each is what it is.
+# Fleet-scale timings (10-minute rounds, half-hour half-lives) cut to seconds so the whole story
+# (detect, act, un-throttle, probation, release) fits in about a minute and a half.
 CONFIG: Final = """\
 fleet:
   interval_seconds: 2.0          # agents report every 1 s; stale after 2 intervals (4 s)
 health:
-  suspect_for_seconds: 4.0       # a link finding must persist 2 localizer runs to act
+  suspect_for_seconds: 6.0       # a finding must hold over 3 localizer runs to act
   clear_for_seconds: 3.0
   probation_seconds: 6.0
 links:
   every_seconds: 2.0
-  half_life_seconds: 20.0        # a few rounds: recent probes dominate
-  max_age_seconds: 30.0          # healing: slow probes from before the fix are forgotten
+  half_life_seconds: 60.0        # longer than max_age: every partner weighs about the same
+  max_age_seconds: 40.0          # two rotations of a pair; what the healing waits for
   dedupe_seconds: 1.0            # both ends' copies of one probe land within ~0.1 s
   min_partners: 3
   min_low_probes: 2
@@ -89,6 +89,7 @@ probes:
   expected_min_results: 3        # confirms start after the first round's results
 """
 DETECT_WITHIN_S: Final = 90.0
+SETTLE_S: Final = 40.0 + 6.0 + 2.0  # links.max_age_seconds + link_clear_for_seconds + every_seconds
 HEAL_WITHIN_S: Final = 90.0
 
 
@@ -145,6 +146,8 @@ class Cluster:
             "--config", str(w / "config.yaml"),
             "--probe-key-file", str(w / "probe.key"),
         )  # fmt: skip
+        # An agent that finds no aggregator polls again only after 30 s: start them once it serves.
+        self._wait_serving()
         for n in self.lab.nodes:
             token = w / f"{n.name}.token"
             token.write_text(f"{TOKEN_PREFIX}{n.index}\n")
@@ -163,6 +166,19 @@ class Cluster:
                 "--sysfs-root", str(w / "sys"),
                 "--kmsg-path", str(w / "no-kmsg"),
             )  # fmt: skip
+
+    def _wait_serving(self, timeout_s: float = 30.0) -> None:
+        connect = f"import socket; socket.create_connection(('{netns.HUB_ADDRESS}', {PORT}), 1).close()"
+        began = time.monotonic()
+        while True:
+            probe = [*self.lab.exec_argv(self.lab.hub), sys.executable, "-c", connect]
+            if subprocess.run(probe, capture_output=True, timeout=30, check=False).returncode == 0:
+                return
+            if self.procs["aggregator"].poll() is not None or time.monotonic() - began > timeout_s:
+                pytest.fail(
+                    f"the aggregator does not serve on {netns.HUB_ADDRESS}:{PORT}\n{self.diagnosis()}"
+                )
+            time.sleep(0.2)
 
     def _spawn(self, name: str, ns: str, *args: str) -> None:
         out = (self.workdir / f"{name}.log").open("wb")
@@ -264,11 +280,14 @@ def test_a_slow_node_is_quarantined_a_slow_path_is_a_link_and_both_heal(
 
     lab.restore(by_name[SLOW_NODE], BASE_RATE)
     lab.restore(by_name[PATH[0]], BASE_RATE)
+    fixed = time.monotonic()
 
     def healed(ds: list[Decision]) -> bool:
-        node = _node(ds, SLOW_NODE)
-        link = _link(ds, PATH)
-        return bool(node and node[-1].state == "healthy" and link and link[-1].state == "healthy")
+        # Past SETTLE_S every probe from before the fix has aged out of the localizer, so what
+        # the log says then is final, not a pause between two verdicts on stale evidence.
+        node, link = _node(ds, SLOW_NODE), _link(ds, PATH)
+        settled = time.monotonic() - fixed >= SETTLE_S
+        return settled and node[-1].state == "healthy" and bool(link) and link[-1].state == "healthy"
 
     cluster.wait_for("the node released and the link healthy after un-throttling", HEAL_WITHIN_S, healed)
     final = cluster.decisions()
@@ -277,9 +296,12 @@ def test_a_slow_node_is_quarantined_a_slow_path_is_a_link_and_both_heal(
     after = after[after.index(quarantine) + 1 :]
     assert [d.state for d in after][-2:] == ["probation", "healthy"], after
     assert after[-1].action == "untaint", after[-1]
-    assert _link(final, PATH)[-1].action == "none"
 
     others = {d.node for d in final if d.subject == "node" and d.state == "quarantined"} - {SLOW_NODE}
     assert not others, f"only {SLOW_NODE} may be quarantined: {others}"
+    # Neither the slow node's pairs (its fault, not theirs) nor, after the fix, its stale slow
+    # probes may make a degraded link: only the throttled path is one.
     links = {(d.node, d.peer) for d in final if d.subject == "link" and d.state == "degraded"}
     assert links == {tuple(sorted(PATH))}, f"only {PATH} is a slow path: {links}"
+    last = {(d.node, d.peer): d.state for d in final if d.subject == "link"}
+    assert set(last.values()) <= {"healthy"}, f"links not healthy once every slow probe aged out: {last}"

@@ -102,6 +102,7 @@ class _Obs:
     y: float
     weight: float
     ratios: tuple[float, ...]  # each retained probe's bandwidth over the pool's expected, newest last
+    times: tuple[float, ...]  # when each of those probes ran (our clock), in the same order
 
 
 def _wmedian(values: Float, weights: Float) -> float:
@@ -198,7 +199,8 @@ class LinkLocalizer:
             expected = float(np.median([m for m, _ in means]))
             for (pair, samples), (m, wsum) in zip(rows, means, strict=True):
                 ratios = tuple(math.exp(s.log_bw - expected) for s in samples)
-                obs.append(_Obs(pair, kind, m - expected, wsum, ratios))
+                times = tuple(s.time for s in samples)
+                obs.append(_Obs(pair, kind, m - expected, wsum, ratios, times))
         nodes = sorted({n for o in obs for n in o.pair})
         for n in nodes:
             out.nodes.setdefault(n, [])
@@ -209,7 +211,10 @@ class LinkLocalizer:
         jj = np.array([idx[o.pair[1]] for o in obs])
         y = np.array([o.y for o in obs])
         w = np.array([o.weight for o in obs])
-        mu, eff = self._polish(len(nodes), ii, jj, y, w)
+        # Each partner is one vote on a node's effect (recency is already in each pair's mean):
+        # weighted by probe count, the pair a confirm re-probed (the suspicious one) would outvote
+        # the node's other partners and put the blame on whichever end the polish visits first.
+        mu, eff = self._polish(len(nodes), ii, jj, y, np.ones_like(w))
         resid = y - mu - eff[ii] - eff[jj]
         spread = max(MAD_SCALE * _wmedian(np.abs(resid - _wmedian(resid, w)), w), cfg.spread_floor)
 
@@ -254,6 +259,9 @@ class LinkLocalizer:
             ends = float(eff[idx[a]] + eff[idx[b]] + mu)
             slow = sum(1 for q in qs for x in obs[q].ratios if math.log(x) - ends < low_pair)
             if r < low_pair and r < -cfg.z * spread and slow >= cfg.min_low_probes:
+                mine = [obs[q] for q in qs]
+                if not all(self._normal_then(end, pair, mine, involving[end]) for end in pair):
+                    continue
                 bad_pairs[pair] = self._pair_finding(
                     pool, pair=pair, resid=r, mine=[obs[q] for q in qs], slow=slow, now=now
                 )
@@ -265,6 +273,33 @@ class LinkLocalizer:
         for pair, f in bad_pairs.items():
             if pair not in switched:
                 out.links[pair] = f
+
+    def _normal_then(self, end: str, pair: Pair, mine: list[_Obs], involving: list[_Obs]) -> bool:
+        """Whether ``end`` was normal with its other partners when ``pair`` was last slow. A node
+        that was slow with everyone and has since been fixed is normal now, but its old slow
+        pairs are its own past, not slow links: judged on today's effects alone they would be.
+        One vote per other partner (its probes up to then); slow with most of them is not normal."""
+        cfg = self.config
+        last_slow = max(
+            (t for o in mine for x, t in zip(o.ratios, o.times, strict=True) if x < cfg.pair_ratio),
+            default=None,
+        )
+        if last_slow is None:
+            return True
+        until = last_slow + cfg.dedupe_seconds
+        votes: dict[str, list[float]] = defaultdict(list)
+        for o in involving:
+            if o.pair == pair:
+                continue
+            other = o.pair[1] if o.pair[0] == end else o.pair[0]
+            votes[other] += [math.log(x) for x, t in zip(o.ratios, o.times, strict=True) if t <= until]
+        then = [sum(v) / len(v) for v in votes.values() if v]
+        if len(then) < max(1, cfg.min_partners - 1):
+            # Its other partners of that time have aged out (or there were none): as with too
+            # few partners, a slow pair and a slow end cannot be told apart.
+            return False
+        slow = sum(1 for m in then if m < math.log(cfg.node_ratio))
+        return 2 * slow <= len(then)
 
     def _polish(
         self, n: int, ii: npt.NDArray[np.int_], jj: npt.NDArray[np.int_], y: Float, w: Float
