@@ -16,9 +16,10 @@ remediation runs dry in the base and enforces in production, with the breaker's 
 network policies let in agents, agents' probes and Prometheus and nobody else; the containers'
 arguments parse with the real command line and point at what the manifests mount.
 
-No Docker engine runs here, so the Dockerfile is never built in the tests: it is read
-statically (base image, user, entrypoint, what it copies against what ``pip install .`` reads and
-what .dockerignore lets through).
+The Dockerfile is read statically (base image, user, entrypoint, what it copies against what
+``pip install .`` reads and what .dockerignore lets through, the build arguments scripts/build-image
+passes): CI machines may have no Docker engine. scripts/build-image and scripts/smoke-image build
+and run the image where one runs (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -1288,7 +1289,7 @@ def test_network_policy(name: str) -> None:
         assert not admitted(objs, src, dst, port), (src, dst["metadata"]["name"], port)
 
 
-# -- the Dockerfile (static: no Docker engine here) ------------------------------------------------
+# -- the Dockerfile (static; scripts/smoke-image runs the built image) ------------------------------
 
 
 @functools.cache
@@ -1339,15 +1340,50 @@ def dockerfile_rules_dir() -> str:
     return dests[0].rstrip("/")
 
 
+def build_args() -> dict[str, str | None]:
+    """The ARGs declared after FROM: name to default, None for an ARG without one."""
+    words = [w for w, _ in dockerfile()]
+    declared: dict[str, str | None] = {}
+    for w, args in dockerfile()[words.index("FROM") + 1 :]:
+        if w == "ARG":
+            name, eq, default = args.partition("=")
+            declared[name] = default if eq else None
+    return declared
+
+
 def test_dockerfile_base_and_entrypoint() -> None:
-    [base] = instructions("FROM")
-    assert re.fullmatch(r"python:3\.11-slim(-[a-z]+)?", base), base
+    # The base is a build argument (a site's own copy, or scripts/build-image --local-base) whose
+    # default is the python image, so that a plain `docker build .` needs nothing else.
+    words = [w for w, _ in dockerfile()]
+    assert words[: words.index("FROM")] == ["ARG"], "only the base's ARG comes before FROM"
+    name, _, default = dockerfile()[0][1].partition("=")
+    assert instructions("FROM") == [f"${{{name}}}"]
+    assert re.fullmatch(r"python:3\.11-slim(-[a-z]+)?", default), default
     assert not instructions("ADD"), "ADD fetches URLs and unpacks archives: COPY says what it does"
     assert json.loads(instructions("ENTRYPOINT")[-1]) == ["gpuwarden"]  # exec form: signals reach it
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert "gpuwarden" in scripts
     for run in instructions("RUN"):
         assert not re.search(r"\b(curl|wget)\b", run), "the image must build from its context and PyPI"
+
+
+def test_a_plain_build_installs_from_pypi() -> None:
+    # pip reads PIP_* variables from the environment, and a RUN sees the build arguments: any
+    # default would follow every user's build, where only scripts/build-image --wheels wants one.
+    pip_args = {name: default for name, default in build_args().items() if name.startswith("PIP_")}
+    assert pip_args, "the offline build's pip settings are build arguments"
+    assert all(default is None for default in pip_args.values()), pip_args
+    assert not any("PIP_NO_INDEX" in env or "PIP_FIND_LINKS" in env for env in instructions("ENV"))
+
+
+def test_build_script_passes_only_declared_arguments() -> None:
+    # The builder ignores an undeclared --build-arg (a warning at most), so a name that drifts
+    # apart would quietly send the offline build to PyPI, or build on the wrong base.
+    script = (REPO / "scripts" / "build-image").read_text()
+    passed = set(re.findall(r"--build-arg \"?([A-Z_]+)=", script))
+    assert {"BASE", "PIP_NO_INDEX", "PIP_FIND_LINKS"} <= passed
+    assert dockerfile()[0][1].startswith("BASE=")
+    assert passed - {"BASE"} <= set(build_args()), passed
 
 
 def test_dockerfile_runs_as_the_manifests_user() -> None:
