@@ -21,6 +21,17 @@ Label choices, made to keep cardinality low and joins easy:
 A field the report has as null produces no sample: absent, never 0. Families with no samples are
 left out.
 
+Active probes (``agent.probes``) reach this module the way they reach the aggregator: in the
+reports' ``probes`` lists, so the runner needs no second path for them. From every cycle it sees
+(once per report ``seq``, like the event counters) ``AgentMetrics`` keeps a ``ProbeLedger``: the last
+result per (kind, peer) and run counts per (kind, result). Its size is bounded whatever the
+schedule: at most ``PROBE_PEERS_PER_KIND`` peers per kind, the least recently probed forgotten
+first, and a peer not probed for ``PROBE_FORGET_SECONDS`` is forgotten (measured on the reports'
+own clock). The local probe has no peer: its series carry ``peer=""``, which Prometheus treats as
+no peer label at all, as for a netdev's ``port``. A result that only says the node was busy
+(``skipped: ...``, ``stepped aside: ...``) is counted, but does not replace the last measurement:
+it says nothing about the link.
+
 Cost: the families built from one cycle's report are kept until the next cycle, so a scrape of an
 unchanged snapshot only re-renders text; only the few shipper and agent samples are rebuilt.
 """
@@ -31,6 +42,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Final
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import ProcessCollector, start_http_server
@@ -44,7 +56,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from agent import __version__
 from agent.errors import ConfigError
-from agent.report import Gpu, Nic, Report
+from agent.report import Gpu, Nic, Probe, Report
 from agent.state import CycleResult, ShipperStats
 
 log = logging.getLogger(__name__)
@@ -52,10 +64,16 @@ log = logging.getLogger(__name__)
 __all__ = [
     "CLOCK_EVENT_REASONS",
     "INFINIBAND_COUNTERS",
+    "PROBE_FORGET_SECONDS",
+    "PROBE_OUTCOMES",
+    "PROBE_PEERS_PER_KIND",
     "AgentMetrics",
     "AgentSnapshot",
     "MetricsServer",
+    "ProbeLast",
+    "ProbeLedger",
     "make_registry",
+    "probe_outcome",
     "serve",
 ]
 
@@ -562,6 +580,145 @@ def _shipper_families(stats: ShipperStats) -> list[Metric]:
     return families
 
 
+PROBE_PEERS_PER_KIND: Final = 32
+PROBE_FORGET_SECONDS: Final = 3600.0
+PROBE_OUTCOMES: Final = ("ok", "failed", "skipped")
+# The agent's own words for "the node was busy, nothing was measured" (docs/probes.md, Results);
+# the aggregator's scheduler reads the same prefixes (BUSY_ERROR_PREFIXES).
+_BUSY_PREFIXES: Final = ("skipped:", "stepped aside:")
+
+
+def probe_outcome(probe: Probe) -> str:
+    """``ok``, ``skipped`` (the node was busy: nothing measured) or ``failed``."""
+    if probe.ok:
+        return "ok"
+    if (probe.error or "").startswith(_BUSY_PREFIXES):
+        return "skipped"
+    return "failed"
+
+
+@dataclass(frozen=True)
+class ProbeLast:
+    """The last measurement of one (kind, peer), as exported; ``peer`` is "" for a local probe."""
+
+    kind: str
+    peer: str
+    time: float  # unix seconds the probe started
+    ok: bool
+    bandwidth_bytes_per_second: float | None  # None when it failed or measured no bandwidth
+
+
+class ProbeLedger:
+    """The last result per (kind, peer) and run counts per (kind, result), bounded.
+
+    Not thread-safe: ``AgentMetrics`` calls it under its lock. Results may arrive out of order
+    (the two halves of different probes finish in either order), so "last" means the latest
+    ``time``, and "most recent peers" the peers with the latest results.
+    """
+
+    def __init__(
+        self, *, max_peers: int = PROBE_PEERS_PER_KIND, forget_after_s: float = PROBE_FORGET_SECONDS
+    ) -> None:
+        if max_peers < 1 or forget_after_s <= 0:
+            raise ValueError(f"max_peers {max_peers} and forget_after_s {forget_after_s} must be positive")
+        self._max_peers = max_peers
+        self._forget_after = forget_after_s
+        self._last: dict[str, dict[str, ProbeLast]] = {}
+        self._runs: dict[tuple[str, str], int] = {}
+
+    def add(self, probe: Probe, now: float) -> None:
+        """Count one result, and keep it if it is a measurement newer than the peer's last."""
+        outcome = probe_outcome(probe)
+        if (probe.kind, "ok") not in self._runs:
+            # Every outcome of a kind from its first result on, so that rate() sees the first failure.
+            for name in PROBE_OUTCOMES:
+                self._runs[(probe.kind, name)] = 0
+        self._runs[(probe.kind, outcome)] += 1
+        if outcome == "skipped" or probe.time < now - self._forget_after:
+            return
+        peers = self._last.setdefault(probe.kind, {})
+        peer = probe.peer or ""
+        held = peers.get(peer)
+        if held is not None and held.time > probe.time:
+            return
+        bandwidth = probe.busbw_bytes_per_second if probe.ok else None
+        peers[peer] = ProbeLast(probe.kind, peer, probe.time, probe.ok, bandwidth)
+        if len(peers) > self._max_peers:
+            oldest = min(peers.values(), key=lambda last: (last.time, last.peer))
+            del peers[oldest.peer]
+            log.debug(
+                "probe peer forgotten: too many peers",
+                extra={"kind": probe.kind, "peer": oldest.peer, "max_peers": self._max_peers},
+            )
+
+    def expire(self, now: float) -> bool:
+        """Forget peers not probed within ``forget_after_s`` of ``now``; whether any was."""
+        cutoff = now - self._forget_after
+        changed = False
+        for kind, peers in list(self._last.items()):
+            stale = [peer for peer, last in peers.items() if last.time < cutoff]
+            for peer in stale:
+                del peers[peer]
+            changed = changed or bool(stale)
+            if not peers:
+                del self._last[kind]
+        return changed
+
+    def last(self) -> tuple[ProbeLast, ...]:
+        """An immutable copy of the kept results, sorted by kind and peer (a stable exposition)."""
+        return tuple(
+            sorted(
+                (last for peers in self._last.values() for last in peers.values()),
+                key=lambda x: (x.kind, x.peer),
+            )
+        )
+
+    def runs(self) -> dict[tuple[str, str], int]:
+        return dict(sorted(self._runs.items()))
+
+
+def _probe_families(last: Iterable[ProbeLast], runs: dict[tuple[str, str], int]) -> list[Metric]:
+    labels = ("kind", "peer")
+    bound = (
+        f'peer is "" for the local probe. At most the {PROBE_PEERS_PER_KIND} most recently probed '
+        f"peers per kind; a peer not probed for {PROBE_FORGET_SECONDS:.0f} s is dropped."
+    )
+    bandwidth = GaugeMetricFamily(
+        "gpuwarden_probe_last_bandwidth_bytes_per_second",
+        "Bandwidth the node's last probe of this kind with this peer measured, in bytes per second "
+        "(bus bandwidth for NCCL all-reduce, throughput for tcp_pair); absent when that probe failed. "
+        + bound,
+        labels=labels,
+    )
+    timestamp = GaugeMetricFamily(
+        "gpuwarden_probe_last_timestamp_seconds",
+        "Unix time the node's last probe of this kind with this peer started, in seconds "
+        "(probes skipped because the node was busy do not count). " + bound,
+        labels=labels,
+    )
+    ok = GaugeMetricFamily(
+        "gpuwarden_probe_last_ok",
+        "1 if the node's last probe of this kind with this peer succeeded, else 0. " + bound,
+        labels=labels,
+    )
+    for item in last:
+        ids = [item.kind, item.peer]
+        timestamp.add_metric(ids, item.time)
+        ok.add_metric(ids, 1.0 if item.ok else 0.0)
+        if item.bandwidth_bytes_per_second is not None:
+            bandwidth.add_metric(ids, item.bandwidth_bytes_per_second)
+    total = CounterMetricFamily(
+        "gpuwarden_probe_runs_total",
+        "Probe results this agent process reported (count), by kind and result: ok, failed, or "
+        "skipped (not run or stopped because the node was busy: errors starting skipped: or "
+        "stepped aside:).",
+        labels=("kind", "result"),
+    )
+    for (kind, outcome), count in runs.items():
+        total.add_metric([kind, outcome], float(count))
+    return [fam for fam in (bandwidth, timestamp, ok, total) if fam.samples]
+
+
 class AgentMetrics(Collector):
     """A prometheus_client collector over the agent's latest snapshot.
 
@@ -571,7 +728,8 @@ class AgentMetrics(Collector):
     Event counters (``gpuwarden_gpu_xid_events_total``, ``gpuwarden_agent_events_total``) count
     the events of every cycle this object saw, once per cycle (by report ``seq``). A scrape sees
     only the latest cycle, so the runner should also hand each cycle to ``record_cycle``; otherwise
-    events of cycles that finished between two scrapes are not counted.
+    events of cycles that finished between two scrapes are not counted. The probe results of the
+    reports (``gpuwarden_probe_*``) are taken the same way, into a ``ProbeLedger``.
     """
 
     def __init__(self, snapshot: Callable[[], AgentSnapshot]) -> None:
@@ -583,6 +741,8 @@ class AgentMetrics(Collector):
         self._cycle: CycleResult | None = None
         self._cycle_families: list[Metric] = []
         self._event_families: list[Metric] | None = None
+        self._probes = ProbeLedger()
+        self._probe_families: list[Metric] | None = None
 
     def record_cycle(self, cycle: CycleResult) -> None:
         """Count a finished cycle's events; a cycle seen before (same or older seq) counts nothing."""
@@ -595,6 +755,7 @@ class AgentMetrics(Collector):
         if report.seq <= self._last_seq:
             return
         self._last_seq = report.seq
+        self._count_probes(report)
         if not report.events:
             return
         for event in report.events:
@@ -603,6 +764,15 @@ class AgentMetrics(Collector):
                 key = (event.gpu, event.code)
                 self._xid_counts[key] = self._xid_counts.get(key, 0) + 1
         self._event_families = None
+
+    def _count_probes(self, report: Report) -> None:
+        # The report's own time is "now": forgetting follows the agent's (injectable) clock.
+        changed = self._probes.expire(report.time)
+        for probe in report.probes or ():
+            self._probes.add(probe, report.time)
+            changed = True
+        if changed:
+            self._probe_families = None
 
     def _build_event_families(self) -> list[Metric]:
         events = CounterMetricFamily(
@@ -642,11 +812,15 @@ class AgentMetrics(Collector):
             if self._event_families is None:
                 self._event_families = self._build_event_families()
             event_families = self._event_families
+            if self._probe_families is None:
+                self._probe_families = _probe_families(self._probes.last(), self._probes.runs())
+            probe_families = self._probe_families
         yield InfoMetricFamily(
             "gpuwarden_agent", "The gpuwarden agent, value always 1.", value={"version": snap.version}
         )
         yield from cycle_families
         yield from event_families
+        yield from probe_families
         if snap.shipper is not None:
             yield from _shipper_families(snap.shipper)
 

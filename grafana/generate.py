@@ -6,7 +6,8 @@ tests/test_grafana.py fails when they differ, so edit this file and regenerate, 
 
 Every query reads a metric the agent or the aggregator exports, or a recording rule of
 rules/prometheus/gpuwarden-recording.yml (the test checks this). Where the metric a panel needs does
-not exist yet, the panel is a text panel that says so, rather than a query that shows "No data".
+not exist yet, the panel is a text panel (``_text``) that says so, rather than a query that shows
+"No data".
 
 High availability: every aggregator replica receives every report, so each exports the whole
 fleet's figures (nodes by state, report rates, decisions, breaker, held nodes, probe coverage). A
@@ -15,7 +16,8 @@ never their sum, which would count everything once per replica; the test checks 
 writes come from the leader alone and are summed.
 
 Queries use ``$__rate_interval`` (Grafana's recommended window for rate(), at least four scrape
-intervals) and the template variables ``$datasource``, ``$node`` and ``$aggregator_url``;
+intervals) and the template variables ``$datasource``, ``$node``, ``$aggregator_url`` and
+``$probe_kind`` (network: one pair probe kind at a time);
 ``expand`` substitutes them for running a query outside Grafana (the end-to-end test does).
 
 Usage: ``python grafana/generate.py`` (write), ``python grafana/generate.py --check`` (exit 1 when
@@ -73,7 +75,7 @@ def _datasource_var() -> Json:
     }
 
 
-def _query_var(name: str, label: str, query: str, *, multi: bool = False) -> Json:
+def _query_var(name: str, label: str, query: str, *, multi: bool = False, regex: str = "") -> Json:
     var: Json = {
         "name": name,
         "label": label,
@@ -84,7 +86,7 @@ def _query_var(name: str, label: str, query: str, *, multi: bool = False) -> Jso
         "current": {},
         "hide": 0,
         "refresh": 2,  # on time range change: nodes come and go
-        "regex": "",
+        "regex": regex,
         "sort": 1,
         "multi": multi,
         "includeAll": multi,
@@ -203,17 +205,34 @@ def _heatmap(title: str, expr: str, *, description: str = "", w: int = 12, h: in
     }
 
 
-def _table(title: str, targets: Sequence[Json], *, description: str = "", w: int = 12, h: int = 8) -> Json:
+def _table(
+    title: str,
+    targets: Sequence[Json],
+    *,
+    description: str = "",
+    w: int = 12,
+    h: int = 8,
+    overrides: Sequence[Json] = (),
+    transformations: Sequence[Json] = (),
+) -> Json:
     return {
         "type": "table",
         "title": title,
         "description": description,
         "datasource": _DS,
         "targets": list(targets),
-        "fieldConfig": {"defaults": {}, "overrides": []},
+        "fieldConfig": {"defaults": {}, "overrides": list(overrides)},
         "options": {"showHeader": True},
-        "transformations": [{"id": "merge", "options": {}}],
+        "transformations": [{"id": "merge", "options": {}}, *transformations],
         "_size": (w, h),
+    }
+
+
+def _override(matcher: str, options: str, properties: Mapping[str, Any]) -> Json:
+    """A field override: ``properties`` (Grafana's ids, e.g. ``custom.cellOptions``) on matched fields."""
+    return {
+        "matcher": {"id": matcher, "options": options},
+        "properties": [{"id": key, "value": value} for key, value in properties.items()],
     }
 
 
@@ -227,16 +246,6 @@ def _text(title: str, markdown: str, *, w: int = 12, h: int = 4, links: Sequence
     if links:
         panel["links"] = list(links)
     return panel
-
-
-def _not_exported(title: str, what: str, *, w: int = 12) -> Json:
-    return _text(
-        title,
-        f"**Not available yet.** {what}\n\n"
-        "gpuwarden does not export this metric yet, so this panel has no query; it gets one when the "
-        "metric exists (grafana/generate.py).",
-        w=w,
-    )
 
 
 def _row(title: str) -> Json:
@@ -603,6 +612,187 @@ def _probe_panels() -> list[Json]:
     ]
 
 
+# Cell colours of the matrix, in percent of the fastest pair shown: under 70 % is where the
+# aggregator's scheduler re-probes a pair (probes.suspicious_ratio), from 90 % a node counts as a
+# known-good partner (probes.known_good_ratio).
+_PAIR_THRESHOLDS: Json = {
+    "mode": "percentage",
+    "steps": [
+        {"color": "red", "value": None},
+        {"color": "orange", "value": 70},
+        {"color": "green", "value": 90},
+    ],
+}
+_PAIR_BANDWIDTH = f'gpuwarden_probe_last_bandwidth_bytes_per_second{{kind="$probe_kind", {_NODES}}}'
+_PAIR_ABOUT = (
+    "Each agent exports the last result of its own probes per peer "
+    "(gpuwarden_probe_last_bandwidth_bytes_per_second{kind, peer}, at most 32 peers per kind, "
+    "forgotten after an hour without a probe). Both ends of a pair report it, so a pair appears "
+    "as node A with peer B and as node B with peer A."
+)
+
+
+def _pair_probe_panels() -> list[Json]:
+    """The agents' own view of their pair probes (agent/metrics.py, ProbeLedger)."""
+    matrix: Json = {
+        "type": "table",
+        "title": "Pair-probe bandwidth matrix",
+        "description": "Last bandwidth of the selected pair probe kind between each node (row) and "
+        "each peer it probed (column). " + _PAIR_ABOUT + " Colour: relative to the fastest pair "
+        "shown (red under 70 %, where the aggregator re-probes a pair; green from 90 %), so select "
+        "one pool's nodes in *Node* to compare a pool with itself. An empty cell is a pair not "
+        "probed in the last hour, or whose last probe failed (see *Pairs whose last probe failed*). "
+        "A table with Grafana's groupingToMatrix transformation (Grafana 10.4 or later): one row "
+        "per node, one column per peer, readable where a heatmap of node names is not.",
+        "datasource": _DS,
+        "targets": [_target(f"max by (node, peer) ({_PAIR_BANDWIDTH})", instant=True, fmt="table")],
+        "fieldConfig": {
+            "defaults": {
+                "unit": "Bps",
+                "decimals": 1,
+                # min 0 and max computed over every column (fieldMinMax off): a cell's percentage
+                # is its share of the fastest pair in the whole matrix, not of its own column.
+                "min": 0,
+                "fieldMinMax": False,
+                "thresholds": _PAIR_THRESHOLDS,
+                "color": {"mode": "thresholds"},
+                "custom": {"align": "center", "cellOptions": {"type": "color-background", "mode": "basic"}},
+            },
+            "overrides": [
+                # The row names: plain text, not coloured by a threshold.
+                _override(
+                    "byType",
+                    "string",
+                    {"custom.cellOptions": {"type": "auto"}, "custom.align": "left"},
+                )
+            ],
+        },
+        "options": {"showHeader": True, "cellHeight": "sm", "footer": {"show": False}},
+        "transformations": [
+            {
+                "id": "groupingToMatrix",
+                "options": {
+                    "rowField": "node",
+                    "columnField": "peer",
+                    "valueField": "Value",
+                    "emptyValue": "null",
+                },
+            }
+        ],
+        "_size": (24, 12),
+    }
+    slowest = f"bottomk(20, max by (node, peer) ({_PAIR_BANDWIDTH}))"
+    return [
+        _row("Pair probes"),
+        matrix,
+        _table(
+            "Slowest pairs now",
+            [
+                # refIds spelled out: the overrides below name the columns "Value #<refId>".
+                {**_target(slowest, instant=True, fmt="table"), "refId": "A"},
+                {
+                    **_target(
+                        f"{slowest} / scalar(quantile(0.5, max by (node, peer) ({_PAIR_BANDWIDTH})))",
+                        instant=True,
+                        fmt="table",
+                    ),
+                    "refId": "B",
+                },
+            ],
+            description="The 20 pairs with the lowest last bandwidth of the selected kind, and each as "
+            "a share of the median pair of the selected nodes. " + _PAIR_ABOUT,
+            overrides=[
+                _override("byName", "Value #A", {"displayName": "bandwidth", "unit": "Bps", "decimals": 1}),
+                _override(
+                    "byName",
+                    "Value #B",
+                    {
+                        "displayName": "share of the median pair",
+                        "unit": "percentunit",
+                        "thresholds": {
+                            "mode": "absolute",
+                            "steps": [
+                                {"color": "red", "value": None},
+                                {"color": "orange", "value": 0.7},
+                                {"color": "green", "value": 0.9},
+                            ],
+                        },
+                        "custom.cellOptions": {"type": "color-text"},
+                    },
+                ),
+            ],
+            transformations=[
+                {"id": "organize", "options": {"excludeByName": {"Time": True}}},
+                {"id": "sortBy", "options": {"sort": [{"field": "Value #A"}]}},
+            ],
+        ),
+        _table(
+            "Pairs by last result, failed first",
+            [
+                _target(
+                    f'bottomk(20, max by (node, kind, peer) (gpuwarden_probe_last_ok{{{_NODES}, peer!=""}}))',
+                    instant=True,
+                    fmt="table",
+                )
+            ],
+            description="Pairs (any kind) whose last probe did not complete come first: a refused "
+            "connection, a timeout, an NCCL error; probes skipped because the node was busy do not "
+            "count. The error itself is in the node's reports, the link detector's verdict in the "
+            "aggregator's API (GET /api/v1/decisions).",
+            overrides=[
+                _override(
+                    "byName",
+                    "Value",
+                    {
+                        "displayName": "last result",
+                        "mappings": [
+                            {
+                                "type": "value",
+                                "options": {
+                                    "0": {"text": "failed", "color": "red", "index": 0},
+                                    "1": {"text": "ok", "color": "green", "index": 1},
+                                },
+                            }
+                        ],
+                        "custom.cellOptions": {"type": "color-text"},
+                    },
+                )
+            ],
+            transformations=[
+                {"id": "organize", "options": {"excludeByName": {"Time": True}}},
+                {"id": "sortBy", "options": {"sort": [{"field": "Value"}]}},
+            ],
+        ),
+        _stat(
+            "Pairs whose last probe failed",
+            [
+                _target(
+                    "sum by (kind) "
+                    f'(1 - max by (node, kind, peer) (gpuwarden_probe_last_ok{{{_NODES}, peer!=""}}))',
+                    "{{kind}}",
+                    instant=True,
+                )
+            ],
+            description="Node and peer pairs of the selected nodes whose last probe failed, as their "
+            "agents see them (a pair counts once per end that reported it). 0 when all passed.",
+            w=6,
+        ),
+        _timeseries(
+            "Probe runs per second, by result",
+            [
+                _target(
+                    f"sum by (kind, result) (rate(gpuwarden_probe_runs_total{{{_NODES}}}[{_RI}]))",
+                    "{{kind}} {{result}}",
+                )
+            ],
+            description="Results the selected nodes' agents reported: ok, failed, or skipped (not run "
+            "or stopped because a job had the GPUs).",
+            minimum=0,
+            w=18,
+        ),
+    ]
+
+
 def node_drilldown() -> Json:
     panels = [
         _row("Node"),
@@ -894,13 +1084,7 @@ def network() -> Json:
             description="Ticks data waited for flow-control credits: congestion, not a broken link.",
             minimum=0,
         ),
-        _row("Pair probes"),
-        _not_exported(
-            "Pair-probe bandwidth matrix",
-            "A heatmap per pool of the bandwidth measured between node pairs needs the pair-probe "
-            "metrics, which the aggregator does not export yet.",
-            w=24,
-        ),
+        *_pair_probe_panels(),
         _row("NVLink"),
         _timeseries(
             "NVLink errors per second",
@@ -917,8 +1101,19 @@ def network() -> Json:
     return _dashboard(
         "gpuwarden-network",
         "gpuwarden / Network",
-        "InfiniBand and NIC ports across the fleet, NVLink errors, and the link detector's decisions.",
-        [_query_var("node", "Node", "label_values(gpuwarden_nic_info, node)", multi=True)],
+        "InfiniBand and NIC ports across the fleet, the pair-probe bandwidth between nodes, NVLink "
+        "errors, and the link detector's decisions.",
+        [
+            _query_var("node", "Node", "label_values(gpuwarden_nic_info, node)", multi=True),
+            # Bus bandwidth of an NCCL all-reduce and TCP throughput are different measures: one
+            # pair kind at a time. Sorted, so nccl_allreduce_pair comes first where NCCL runs.
+            _query_var(
+                "probe_kind",
+                "Pair probe",
+                "label_values(gpuwarden_probe_last_bandwidth_bytes_per_second, kind)",
+                regex="/_pair$/",
+            ),
+        ],
         panels,
     )
 

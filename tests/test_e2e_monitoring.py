@@ -12,6 +12,9 @@ that Prometheus, and the dcgm-exporter compatibility series must carry dcgm-expo
 The aggregator runs as it does in a cluster: remediation on (dry-run, against the in-process
 Kubernetes API-server double of tests/kube_double.py, served from a thread) and the probe
 scheduler on, so that the remediation and probe panels and rules read what it really exports.
+The agents run probes too (``tcp_pair`` over loopback, small and frequent): the network
+dashboard's pair-probe matrix reads the agents' own ``gpuwarden_probe_last_*`` series, so real
+pair results must be in Prometheus, from both ends, before the panels are checked.
 
 Without the binaries the test skips locally and fails in CI (CI=true), where scripts/setup
 installs them. Everything listens on 127.0.0.1 on free ports and lives in a temporary directory.
@@ -64,13 +67,24 @@ EXTERNAL_URL = "https://gpuwarden.example"
 # Health periods short enough for a test, long enough that each state is seen by a 1 s scrape.
 CLEAR_FOR_S = 2.0
 PROBATION_S = 4.0
+PROBE_KIND = "tcp_pair"  # NCCL needs GPUs; tcp_pair runs on loopback with fake ones
+# Probes as a small lab would run them: a round every 2 s, each probe 1 s after it is planned.
+PROBES = {
+    "pair_kind": PROBE_KIND,
+    "local_kind": None,
+    "round_seconds": 2,
+    "poll_seconds": 1,
+    "start_delay_seconds": 1,
+    "pair_size_bytes": 2 << 20,
+}
 
 # Panels whose series only appear after events this test does not cause; every other panel query
 # must return data. (dashboard, panel title): why.
 NO_DATA_EXPECTED: dict[tuple[str, str], str] = {
     ("node.json", "XID events"): "gpuwarden_gpu_xid_events_total{gpu,code} is created by the first XID",
     ("node.json", "XIDs in the last hour"): "recorded from gpuwarden_gpu_xid_events_total: no XID here",
-    ("network.json", "Link decisions (last 15 minutes)"): "link decisions need pair probes (none here)",
+    # Three nodes give each node two partners, under links.min_partners: no link verdict here.
+    ("network.json", "Link decisions (last 15 minutes)"): "the link detector needs more partners",
 }
 # The metrics those panels need, exported only after their event: a panel may lack data only for
 # these, never for a metric name that nothing exports.
@@ -286,6 +300,8 @@ class Stack:
     prometheus: str
     decisions: Path
     agent_ports: dict[str, int]
+    probe_ports: dict[str, int]
+    probe_key: Path
     agents: dict[str, Proc]
 
     def decision_log(self) -> list[dict[str, Any]]:
@@ -347,6 +363,12 @@ class Stack:
                 str(procfs),
                 "--kmsg-path",
                 str(kmsg),
+                "--probes",
+                "auto",
+                "--probe-listen",
+                f"127.0.0.1:{self.probe_ports[node]}",
+                "--probe-key-file",
+                str(self.probe_key),
             ],
         )
         self.agents[node] = proc
@@ -371,6 +393,8 @@ def stack(tmp_path: Path, processes: Processes, receiver: Receiver, kube: KubeSe
         prometheus=f"http://127.0.0.1:{prom_port}",
         decisions=tmp_path / "decisions.jsonl",
         agent_ports={node: _free_port() for node in NODES},
+        probe_ports={node: _free_port() for node in NODES},
+        probe_key=tmp_path / "probe-key",
         agents={},
     )
 
@@ -402,13 +426,13 @@ def stack(tmp_path: Path, processes: Processes, receiver: Receiver, kube: KubeSe
         ],
     )
 
-    probe_key = tmp_path / "probe-key"
-    probe_key.write_text("probe-key-of-the-e2e-test-0123456789\n")
+    s.probe_key.write_text("probe-key-of-the-e2e-test-0123456789\n")
     (tmp_path / "tokens").write_text("".join(f"{node} token-of-{node}-0123456789abcdef\n" for node in NODES))
     agg_config = _write_yaml(
         tmp_path / "aggregator.yml",
         {
-            "fleet": {"interval_seconds": 1},
+            "fleet": {"interval_seconds": 1},  # the agents' --interval
+            "probes": PROBES,
             "health": {
                 "suspect_for_seconds": 10,
                 "clear_for_seconds": CLEAR_FOR_S,
@@ -443,7 +467,7 @@ def stack(tmp_path: Path, processes: Processes, receiver: Receiver, kube: KubeSe
             "--identity",
             "gpuwarden-aggregator-0",
             "--probe-key-file",
-            str(probe_key),
+            str(s.probe_key),
         ],
     )
 
@@ -610,6 +634,9 @@ def test_hard_fault_is_quarantined_alerted_released_and_every_panel_has_data(
     # agents' pool, ...
     _check_remediation_and_probes(stack)
 
+    # ... the agents measured pairs and export what they measured, ...
+    _check_pair_probes(stack)
+
     # ... and every dashboard panel's query runs and returns data.
     _check_dashboards(stack, recorded)
 
@@ -634,6 +661,28 @@ def _check_remediation_and_probes(stack: Stack) -> None:
         "GpuwardenBreakerOpen",
         "GpuwardenRemediationWritesFailing",
     }, firing
+
+
+def _check_pair_probes(stack: Stack) -> None:
+    """A pair measured from both ends: each agent exports its own view, under its node label."""
+    bandwidth = f'gpuwarden_probe_last_bandwidth_bytes_per_second{{kind="{PROBE_KIND}"}}'
+
+    def both_ends() -> dict[tuple[str, str], float] | None:
+        seen = {
+            (r["metric"]["node"], r["metric"]["peer"]): float(r["value"][1])
+            for r in stack.query(bandwidth)["data"]["result"]
+        }
+        return seen if any((peer, node) in seen for node, peer in seen) else None
+
+    seen = _until("a pair probe measured from both ends", both_ends, stack.procs)
+    for (node, peer), value in seen.items():
+        assert node in NODES and peer in NODES and node != peer, seen
+        assert 0 < value < 1e12, (node, peer, value)  # bytes per second, loopback
+    stamps = stack.query(f'time() - gpuwarden_probe_last_timestamp_seconds{{kind="{PROBE_KIND}"}}')
+    ages = [float(r["value"][1]) for r in stamps["data"]["result"]]
+    assert ages and all(-5 < age < 120 for age in ages), ages  # unix seconds of this run's probes
+    ok = _value(stack, f'sum(gpuwarden_probe_runs_total{{kind="{PROBE_KIND}", result="ok"}})')
+    assert ok is not None and ok >= 2, ok
 
 
 def _by_gpu(stack: Stack, expr: str) -> dict[tuple[str, str], float]:
@@ -681,22 +730,32 @@ def _check_dashboards(stack: Stack, recorded: set[str]) -> None:
     seen_allowed: set[tuple[str, str]] = set()
     problems: list[str] = []
     for file, dashboard in generate.dashboards().items():
-        variables = {v["name"] for v in dashboard.get("templating", {}).get("list", ())}
+        variables = {v["name"]: v for v in dashboard.get("templating", {}).get("list", ())}
         for name, query in generate.variable_queries(dashboard):
             match = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", query)
             assert match, (file, name, query)
             metric, label = match.groups()
             url = f"{stack.prometheus}/api/v1/series?" + urllib.parse.urlencode({"match[]": metric})
-            series = _get_json(url)
-            assert {s.get(label) for s in series["data"]} == set(NODES), (file, name, query)
+            found = {s.get(label) for s in _get_json(url)["data"]}
+            if name == "probe_kind":
+                # Grafana offers what the variable's regex keeps: the pair kind the agents ran.
+                keep = re.compile(variables[name]["regex"].strip("/"))
+                assert {k for k in found if keep.search(k)} == {PROBE_KIND}, (file, name, found)
+            else:
+                assert found == set(NODES), (file, name, query)
 
         for title, expr in generate.panel_queries(dashboard):
             # A panel has data when it shows some for one node: the H100s have no retired pages
             # (they remap rows), the A10s no NVLink.
             results = []
             for node in NODES if "$node" in expr else NODES[:1]:
-                values = {"datasource": "prometheus", "node": node, "aggregator_url": stack.aggregator}
-                assert variables <= values.keys(), (file, variables)
+                values = {
+                    "datasource": "prometheus",
+                    "node": node,
+                    "aggregator_url": stack.aggregator,
+                    "probe_kind": PROBE_KIND,
+                }
+                assert variables.keys() <= values.keys(), (file, variables.keys())
                 promql = generate.expand(expr, values)
                 unknown = _series_names(promql, known) - known - EVENT_SERIES
                 if unknown:

@@ -39,7 +39,12 @@ RECORDING_FILES = [
 ]
 # Labels Prometheus attaches to every series of a target (the PodMonitor adds node).
 TARGET_LABELS = {"job", "instance", "node", "namespace", "pod", "container", "endpoint", "service"}
-VALUES = {"datasource": "prometheus", "node": "gpu-node-1", "aggregator_url": "http://localhost:8080"}
+VALUES = {
+    "datasource": "prometheus",
+    "node": "gpu-node-1",
+    "aggregator_url": "http://localhost:8080",
+    "probe_kind": "nccl_allreduce_pair",
+}
 
 PROMQL_FUNCTIONS = {
     "abs", "absent", "absent_over_time", "ceil", "changes", "clamp", "clamp_max", "clamp_min",
@@ -419,8 +424,8 @@ def test_panels_without_a_query_are_text_and_say_why() -> None:
                 texts += p["type"] == "text"
             else:
                 assert p["targets"], (name, p["title"])
-    # the pair-probe bandwidth matrix (no per-pair series, by design); and the decisions link
-    assert texts == 2
+    # the node's decisions: a link to the aggregator's API, which Prometheus does not have
+    assert texts == 1
 
 
 def test_node_dashboard_links_to_the_nodes_decisions_in_the_aggregator_api() -> None:
@@ -429,6 +434,49 @@ def test_node_dashboard_links_to_the_nodes_decisions_in_the_aggregator_api() -> 
     assert names == ["datasource", "node", "aggregator_url"]
     urls = [link["url"] for p in _panels(node) for link in p.get("links", ())]
     assert "${aggregator_url}/api/v1/nodes/${node}" in urls
+
+
+def test_network_dashboard_shows_the_pair_probe_matrix_per_kind_for_the_selected_nodes(
+    exported: dict[str, set[str]],
+) -> None:
+    network = generate.network()
+    variables = {v["name"]: v for v in network["templating"]["list"]}
+    kind = variables["probe_kind"]
+    assert kind["definition"] == "label_values(gpuwarden_probe_last_bandwidth_bytes_per_second, kind)"
+    # Only pair kinds: the local probe has no peer, so no column of a matrix.
+    pattern = re.compile(kind["regex"].strip("/"))
+    assert [k for k in ("nccl_allreduce_local", "nccl_allreduce_pair", "tcp_pair") if pattern.search(k)] == [
+        "nccl_allreduce_pair",
+        "tcp_pair",
+    ]
+    assert {"kind", "peer"} <= exported["gpuwarden_probe_last_bandwidth_bytes_per_second"]
+
+    panels = {p["title"]: p for p in _panels(network)}
+    matrix = panels["Pair-probe bandwidth matrix"]
+    assert matrix["type"] == "table"
+    [target] = matrix["targets"]
+    assert target["instant"] and target["format"] == "table"
+    [(name, labels)] = selectors(generate.expand(target["expr"], VALUES))
+    assert name == "gpuwarden_probe_last_bandwidth_bytes_per_second"
+    assert {"kind", "node"} <= set(labels)
+    assert "by (node, peer)" in target["expr"]  # the only labels left: the matrix's rows and columns
+    [grouping] = matrix["transformations"]
+    assert grouping == {
+        "id": "groupingToMatrix",
+        "options": {"rowField": "node", "columnField": "peer", "valueField": "Value", "emptyValue": "null"},
+    }
+    defaults = matrix["fieldConfig"]["defaults"]
+    assert defaults["unit"] == "Bps" and defaults["custom"]["cellOptions"]["type"] == "color-background"
+    # Colours relative to the fastest pair of the whole matrix (from 0), not per column.
+    assert defaults["thresholds"]["mode"] == "percentage"
+    assert defaults["min"] == 0 and defaults["fieldMinMax"] is False and "max" not in defaults
+    assert "groupingToMatrix" in matrix["description"]
+
+    slowest = panels["Slowest pairs now"]
+    assert [t["refId"] for t in slowest["targets"]] == ["A", "B"]
+    assert all(t["expr"].startswith("bottomk(20, ") for t in slowest["targets"])
+    named = {o["matcher"]["options"] for o in slowest["fieldConfig"]["overrides"]}
+    assert named == {"Value #A", "Value #B"}
 
 
 # --- provisioning -----------------------------------------------------------------------------------

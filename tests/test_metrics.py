@@ -18,8 +18,16 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.errors import ConfigError
-from agent.metrics import AgentMetrics, AgentSnapshot, make_registry, serve
-from agent.report import CollectorError, Event, Gpu, Nic, NvLink, Report
+from agent.metrics import (
+    PROBE_FORGET_SECONDS,
+    PROBE_PEERS_PER_KIND,
+    AgentMetrics,
+    AgentSnapshot,
+    ProbeLedger,
+    make_registry,
+    serve,
+)
+from agent.report import CollectorError, Event, Gpu, Nic, NvLink, Probe, Report
 from agent.state import CollectorStatus, CycleResult, ShipperStats
 
 GOLDEN = Path(__file__).parent / "fixtures" / "metrics" / "golden.prom"
@@ -77,11 +85,44 @@ def _gpu(index: int, **overrides: object) -> Gpu:
     return Gpu(**fields)  # type: ignore[arg-type]
 
 
-def _snapshot(*, seq: int = 7, events: list[Event] | None = None) -> AgentSnapshot:
+# One of each outcome: a pair measured, a pair failed, the local probe (no peer), a pair skipped
+# because the GPUs were busy (counted, but it measured nothing).
+PROBES = [
+    Probe(
+        kind="tcp_pair",
+        time=T0 - 40,
+        ok=True,
+        peer="gpu-0043",
+        size_bytes=1 << 30,
+        busbw_bytes_per_second=11.5e9,
+        duration_seconds=0.2,
+    ),
+    Probe(kind="nccl_allreduce_pair", time=T0 - 30, ok=False, peer="gpu-0044", error="NCCL timeout"),
+    Probe(
+        kind="nccl_allreduce_local",
+        time=T0 - 20,
+        ok=True,
+        size_bytes=1 << 30,
+        busbw_bytes_per_second=480e9,
+        duration_seconds=4.5,
+    ),
+    Probe(
+        kind="nccl_allreduce_pair",
+        time=T0 - 10,
+        ok=False,
+        peer="gpu-0045",
+        error="skipped: GPUs busy: compute process 4242 on GPU 3",
+    ),
+]
+
+
+def _snapshot(
+    *, seq: int = 7, events: list[Event] | None = None, probes: list[Probe] | None = None, time: float = T0
+) -> AgentSnapshot:
     report = Report(
         schema="gpuwarden/report/v1",
         node="gpu-0042",
-        time=T0,
+        time=time,
         seq=seq,
         boot_id="5f1c3c1e-8c1a-4c2e-9f52-0d3a7b1e2f10",
         agent_version="0.1.0",
@@ -138,6 +179,7 @@ def _snapshot(*, seq: int = 7, events: list[Event] | None = None) -> AgentSnapsh
             if events is None
             else events
         ),
+        probes=PROBES if probes is None else probes,
         errors=[CollectorError(collector="infiniband", message="mlx5_1: counters unreadable")],
     )
     statuses = (
@@ -326,6 +368,119 @@ def test_xid_events_are_counted_once_per_cycle() -> None:
         if name == "gpuwarden_agent_events_total"
     }
     assert kinds == {"xid": 6.0, "sxid": 0.0, "kernel": 0.0}
+
+
+def _probe_series(metrics: AgentMetrics) -> dict[str, dict[tuple[str, str], float]]:
+    """gpuwarden_probe_* family -> {(kind, peer or result): value}."""
+    out: dict[str, dict[tuple[str, str], float]] = {}
+    for (name, labels), value in _samples(
+        generate_latest(make_registry(metrics, process_metrics=False))
+    ).items():
+        if name.startswith("gpuwarden_probe_"):
+            d = dict(labels)
+            out.setdefault(name, {})[(d["kind"], d.get("peer", d.get("result", "")))] = value
+    return out
+
+
+def _probe(kind: str, peer: str | None, t: float, bw: float | None = None, error: str | None = None) -> Probe:
+    return Probe(kind=kind, time=t, ok=error is None, peer=peer, busbw_bytes_per_second=bw, error=error)  # type: ignore[arg-type]
+
+
+def test_probe_results_become_the_last_result_per_kind_and_peer() -> None:
+    series = _probe_series(AgentMetrics(_snapshot))
+    # The failed pair has a time and ok=0 but no bandwidth; the local probe has peer "".
+    assert series["gpuwarden_probe_last_bandwidth_bytes_per_second"] == {
+        ("tcp_pair", "gpu-0043"): 11.5e9,
+        ("nccl_allreduce_local", ""): 480e9,
+    }
+    assert series["gpuwarden_probe_last_ok"] == {
+        ("tcp_pair", "gpu-0043"): 1.0,
+        ("nccl_allreduce_pair", "gpu-0044"): 0.0,
+        ("nccl_allreduce_local", ""): 1.0,
+    }
+    assert series["gpuwarden_probe_last_timestamp_seconds"][("nccl_allreduce_pair", "gpu-0044")] == T0 - 30
+    # The skipped probe is counted but is no measurement of gpu-0045: no last-result series for it.
+    assert ("nccl_allreduce_pair", "gpu-0045") not in series["gpuwarden_probe_last_timestamp_seconds"]
+    runs = series["gpuwarden_probe_runs_total"]
+    assert runs[("nccl_allreduce_pair", "skipped")] == 1.0
+    assert runs[("nccl_allreduce_pair", "failed")] == 1.0
+    assert runs[("nccl_allreduce_pair", "ok")] == 0.0  # present from the kind's first result on
+    assert runs[("tcp_pair", "ok")] == 1.0
+
+
+def test_a_later_failure_removes_the_bandwidth_and_an_older_result_changes_nothing() -> None:
+    current = [_snapshot(seq=1, probes=[_probe("tcp_pair", "b", T0 - 5, bw=9e9)])]
+    metrics = AgentMetrics(lambda: current[0])
+    assert _probe_series(metrics)["gpuwarden_probe_last_bandwidth_bytes_per_second"] == {
+        ("tcp_pair", "b"): 9e9
+    }
+
+    # The next report has a failure of the same pair, and (out of order) an older success.
+    current[0] = _snapshot(
+        seq=2,
+        time=T0 + 10,
+        probes=[
+            _probe("tcp_pair", "b", T0 + 5, error="connection refused"),
+            _probe("tcp_pair", "b", T0, bw=8e9),
+        ],
+    )
+    series = _probe_series(metrics)
+    assert "gpuwarden_probe_last_bandwidth_bytes_per_second" not in series
+    assert series["gpuwarden_probe_last_ok"] == {("tcp_pair", "b"): 0.0}
+    assert series["gpuwarden_probe_last_timestamp_seconds"] == {("tcp_pair", "b"): T0 + 5}
+    # Both results of the report counted, once, however often it is scraped.
+    assert _probe_series(metrics)["gpuwarden_probe_runs_total"] == {
+        ("tcp_pair", "ok"): 2.0,
+        ("tcp_pair", "failed"): 1.0,
+        ("tcp_pair", "skipped"): 0.0,
+    }
+
+    # A busy node's skip neither counts as a failure nor hides the last measurement.
+    current[0] = _snapshot(
+        seq=3, time=T0 + 20, probes=[_probe("tcp_pair", "b", T0 + 15, error="stepped aside: a job started")]
+    )
+    series = _probe_series(metrics)
+    assert series["gpuwarden_probe_last_timestamp_seconds"] == {("tcp_pair", "b"): T0 + 5}
+    assert series["gpuwarden_probe_runs_total"][("tcp_pair", "skipped")] == 1.0
+    assert series["gpuwarden_probe_runs_total"][("tcp_pair", "failed")] == 1.0
+
+
+def test_probe_peers_are_bounded_per_kind_and_forgotten_after_an_hour() -> None:
+    n = PROBE_PEERS_PER_KIND + 8
+    current = [
+        _snapshot(
+            seq=1,
+            probes=[
+                *(_probe("tcp_pair", f"peer-{i:02d}", T0 - n + i, bw=1e9 + i) for i in range(n)),
+                _probe("nccl_allreduce_local", None, T0 - n, bw=4e11),
+            ],
+        )
+    ]
+    metrics = AgentMetrics(lambda: current[0])
+    ts = _probe_series(metrics)["gpuwarden_probe_last_timestamp_seconds"]
+    tcp_peers = {peer for kind, peer in ts if kind == "tcp_pair"}
+    # The most recently probed peers stay; another kind's entries do not count against the bound.
+    assert tcp_peers == {f"peer-{i:02d}" for i in range(8, n)}
+    assert ("nccl_allreduce_local", "") in ts
+
+    # An hour later, with one fresh result, only that peer is left; the counters remember them all.
+    later = T0 + PROBE_FORGET_SECONDS + 1
+    metrics.record_cycle(
+        _snapshot(seq=2, time=later, probes=[_probe("tcp_pair", "peer-00", later - 1, bw=2e9)]).cycle  # type: ignore[arg-type]
+    )
+    series = _probe_series(metrics)
+    assert series["gpuwarden_probe_last_timestamp_seconds"] == {("tcp_pair", "peer-00"): later - 1}
+    assert series["gpuwarden_probe_runs_total"][("tcp_pair", "ok")] == n + 1
+    # A result older than the hour when it arrives (a long-delayed report) is counted, not kept.
+    ledger = ProbeLedger()
+    ledger.add(_probe("tcp_pair", "x", T0, bw=1e9), now=later)
+    assert ledger.last() == ()
+    assert ledger.runs()[("tcp_pair", "ok")] == 1
+
+
+def test_probe_ledger_refuses_a_bound_that_cannot_hold_a_peer() -> None:
+    with pytest.raises(ValueError, match="max_peers 0"):
+        ProbeLedger(max_peers=0)
 
 
 def test_serve_answers_a_real_scrape() -> None:

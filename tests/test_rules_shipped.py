@@ -283,6 +283,19 @@ SCENARIOS: dict[str, Scenario] = {
             ),
         },
     ),
+    "gpu-power-brake": Scenario(
+        fires=gpu_series(3, 70, lambda i: {"clock_event_reasons": 0x80 | 0x1, "utilization_ratio": 0.0}),
+        key="gpu-power-brake:gpu3",
+        lookalikes={
+            "power brake in a third of the samples": gpu_series(
+                3, 70, lambda i: {"clock_event_reasons": 0x80 if i % 3 == 0 else 0}
+            ),
+            "hardware thermal slowdown at idle": gpu_series(
+                3, 70, lambda i: {"clock_event_reasons": 0x40, "utilization_ratio": 0.0}
+            ),
+            "software power cap": gpu_series(3, 70, lambda i: {"clock_event_reasons": 0x4}),
+        },
+    ),
     "gpu-temperature-high": Scenario(
         fires=gpu_series(2, 40, lambda i: {"temperature_celsius": 88.0}),
         key="gpu-temperature-high:gpu2",
