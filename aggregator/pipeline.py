@@ -25,6 +25,7 @@ from aggregator.config import Config
 from aggregator.decisions import Decision, DecisionLog
 from aggregator.detect import DETECTORS
 from aggregator.detect.links import LinkConfig, LinkLocalizer, SwitchAlert
+from aggregator.detect.localprobe import LocalProbeDetector
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import UNKNOWN_POOL, Placement, placement_of
@@ -123,6 +124,8 @@ class Pipeline:
             clear_for_seconds=lc.link_clear_for_seconds,
         )
         self._links_due = -math.inf
+        # Local all-reduce probes against the pool (aggregator/detect/localprobe.py).
+        self.local_probes = LocalProbeDetector()
         self.switches: list[SwitchAlert] = []  # shared-switch problems the probes point at now
         self._k8s_labels = k8s_labels or (lambda _node: {})
         self._on_decision = on_decision
@@ -165,6 +168,7 @@ class Pipeline:
             self.frames.record(view, placement, at=received)
             if report.probes:
                 self.links.observe(report, placement, received)
+                self.local_probes.observe(report, placement, received)
             if self.probes is not None:
                 self.probes.observe(
                     report.node,
@@ -244,6 +248,8 @@ class Pipeline:
                 self._emit(self.health.update(node, "link", found, tick))
             for d in self.link_health.update(verdict.links, tick):
                 self._emit(d)
+            for node, found in self.local_probes.run(tick).items():
+                self._emit(self.health.update(node, "probe", found, tick))
             self.switches = list(verdict.switches)
         if self.probes is not None:
             self.probes.tick(tick)
@@ -272,6 +278,7 @@ class Pipeline:
             self.engine.forget(node)
             self.fleet.forget(node)
             self.frames.forget(node)
+            self.local_probes.forget(node)
 
     # -- remediation ------------------------------------------------------------------------------
 
