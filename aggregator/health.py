@@ -349,9 +349,14 @@ class HealthMachine:
         come back as one ``restored`` group that holds the state for ``grace_seconds`` while the
         detectors warm up again; reboot-cleared ones are re-latched by the rule engine instead
         (the caller does that), so they stay until the node reboots."""
-        if node in self._nodes:
+        existing = self._nodes.get(node)
+        if existing is not None and (
+            existing.state in ("quarantined", "probation") or existing.tainted or existing.held
+        ):
             return False
         h = self._nodes[node] = NodeHealth(node=node, state=snap.state, since=snap.since)
+        if existing is not None:
+            h.groups.update(existing.groups)  # what live reports said since we started
         h.tainted = snap.tainted
         h.held = snap.held
         h.lemon = snap.lemon

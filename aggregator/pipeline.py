@@ -353,6 +353,7 @@ class Pipeline:
             since=now,
             rule="preflight",
             hard=True,
+            clears="reboot",  # restored after a restart until the node reboots (repaired)
             evidence={
                 **{k: v for k, v in evidence.items() if k != "note"},
                 "boot_id": rec.boot_id if rec else None,
@@ -382,6 +383,11 @@ class Pipeline:
         cfg = self.config.remediation
         state = h.state if h is not None else "healthy"
         active = h.active() if h is not None else []
+        if state == "suspect" and active and all(t.finding.detector == "silence" for t in active):
+            # We cannot hear it: leave the node as it is. When the aggregator loses the network,
+            # every node is silent, and writing a condition and an event to each would flood the
+            # API server with news about our own outage.
+            return None
         quarantine = sorted(
             (t for t in active if t.finding.action == "quarantine"),
             key=lambda t: (not t.finding.hard, t.first_seen, t.finding.key),
@@ -456,9 +462,12 @@ class Pipeline:
     def restore(
         self, node: str, snapshot: HealthSnapshot | None, taint_value: str | None, now: float
     ) -> None:
-        """Rebuild a node from what we left on it in the cluster (IntentSource.restore)."""
-        if node in self._nodes or self.health.get(node) is not None:
-            return
+        """Rebuild a node from what we left on it in the cluster (IntentSource.restore). A node
+        that reported before the cluster was first listed (ingestion starts at once) is merged:
+        a quarantine is never undone by a report that arrived first, since an XID 79 shows once."""
+        known = self.health.get(node)
+        if known is not None and (known.state in ("quarantined", "probation") or known.tainted or known.held):
+            return  # decided since we started: that decision stands
         if snapshot is None:
             if taint_value is None:
                 return
@@ -489,11 +498,16 @@ class Pipeline:
             node, snapshot, now, grace_seconds=self.config.remediation.restore_grace_seconds
         ):
             return
-        if snapshot.pool is not None:
+        if snapshot.tainted and snapshot.quarantines:
+            self.limits.remember_taint(max(snapshot.quarantines), now)
+        if snapshot.pool is not None and node not in self._nodes:
             self._restored_placement[node] = Placement(snapshot.pool, rack=snapshot.rack, leaf=snapshot.leaf)
-        if snapshot.boot_id is not None:
+        if snapshot.boot_id is not None and node not in self._nodes:
             self._restored_boot[node] = snapshot.boot_id
         latched = [f for f in snapshot.findings if f.clears == "reboot"]
+        rec = self._nodes.get(node)
+        if rec is not None and rec.boot_id != snapshot.boot_id:
+            latched = []  # it rebooted since the snapshot: reboot-cleared evidence is over
         if latched and snapshot.boot_id is not None:
             self.engine.restore_latched(
                 node, snapshot.boot_id, [finding_of_snapshot(f) for f in latched], now

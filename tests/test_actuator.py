@@ -460,12 +460,19 @@ async def test_condition_written_only_when_it_changes(world: World) -> None:
     await act.reconcile("n1")
     status_writes = [w for w in world.api.writes() if w[1].endswith("/status")]
     assert len(status_writes) == 1
+    # The same decision described with newer words (a measured value in the summary changes with
+    # every report): it is not a change, and a resync of it writes nothing.
     world.intents.by_node["n1"] = intent("n1", since=T0 + 10, message="XID 79 again")
+    await act.reconcile("n1")
+    status_writes = [w for w in world.api.writes() if w[1].endswith("/status")]
+    assert len(status_writes) == 1
+    # Another reason (a new decision): the condition says so.
+    world.intents.by_node["n1"] = intent("n1", since=T0 + 200, message="DBE on GPU 2", reason_code="dbe")
     await act.reconcile("n1")
     status_writes = [w for w in world.api.writes() if w[1].endswith("/status")]
     assert len(status_writes) == 2
     cond = condition(world.api, "n1")
-    assert cond is not None and cond["message"] == "XID 79 again"
+    assert cond is not None and cond["message"] == "DBE on GPU 2"
 
 
 async def test_held_quarantine_is_a_condition_and_a_warning_not_a_taint(world: World) -> None:

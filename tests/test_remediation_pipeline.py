@@ -292,3 +292,28 @@ def test_an_unreadable_snapshot_is_none_not_a_crash(text: str) -> None:
 def test_snapshot_round_trips() -> None:
     snap = HealthSnapshot(state="probation", since=T0, tainted=True, quarantines=[T0 - 5], boot_id="b")
     assert decode_snapshot(encode_snapshot(snap)) == snap
+
+
+def test_quarantines_restored_from_the_last_hour_count_toward_the_hourly_limit() -> None:
+    cfg = config(max_pool_share=1.0, max_per_domain=10, max_per_hour=2)
+    fleet = Fleet(cfg)
+    for node in ("n00", "n04"):
+        snap = HealthSnapshot(state="quarantined", since=T0 - 600, tainted=True, quarantines=[T0 - 600])
+        fleet.pipeline.restore(node, snap, "xid-79", T0)
+    fleet.round(T0)
+    fleet.round(T0 + 10, {"n08": [79]})
+    assert fleet.decisions("n08")[-1].action == "held"
+
+
+def test_a_node_we_cannot_hear_is_left_alone() -> None:
+    fleet = Fleet(config())
+    fleet.round(T0)
+    t = T0 + 10
+    while t < T0 + 200:  # n03 stops reporting; the others go on
+        for n in fleet.names:
+            if n != "n03":
+                fleet.pipeline.ingest(fleet.rep(n, t), t)
+        t += 10
+    h = fleet.pipeline.health.get("n03")
+    assert h is not None and h.state == "suspect"
+    assert fleet.pipeline.intent("n03") is None  # no condition, no event, no taint about our outage

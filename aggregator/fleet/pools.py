@@ -77,6 +77,11 @@ def _first(labels: Mapping[str, str], keys: tuple[str, ...]) -> str | None:
     return None
 
 
+def k8s_pool(labels: Mapping[str, str]) -> str | None:
+    """The pool a node's Kubernetes labels name (the first of ``K8S_POOL_LABELS`` set)."""
+    return _first(labels, K8S_POOL_LABELS)
+
+
 def placement_of(report: Report, k8s_labels: Mapping[str, str] | None = None) -> Placement:
     """The node's pool and failure domains from its report and its Kubernetes node labels."""
     own: Mapping[str, str] = report.labels if report.labels is not UNSET else {}

@@ -166,6 +166,12 @@ class LeaderElector:
         return self._observed.holder if self._observed is not None else None
 
     @property
+    def lease_read(self) -> bool:
+        """Whether this replica has read (or written) the Lease at least once: before that its
+        ``annotations`` say nothing about what the Lease holds."""
+        return self._lease is not None
+
+    @property
     def annotations(self) -> Mapping[str, str]:
         return MappingProxyType(dict(self._lease.annotations) if self._lease is not None else {})
 

@@ -139,17 +139,22 @@ def _parse_rfc3339(text: str) -> float:
 
 
 def _untimed(snapshot: HealthSnapshot) -> HealthSnapshot:
+    """The snapshot without what describes rather than decides: times, and the findings' words
+    and measured values (a suspect GPU's temperature changes with every report)."""
     return msgspec.structs.replace(
         snapshot,
         since=0.0,
         quarantines=[],
-        findings=[msgspec.structs.replace(f, since=0.0) for f in snapshot.findings],
+        message=None,
+        findings=[msgspec.structs.replace(f, since=0.0, summary="", evidence={}) for f in snapshot.findings],
     )
 
 
 def _same_episode(a: HealthSnapshot, b: HealthSnapshot) -> bool:
-    """The same decision, timed by two replicas: equal but for times within ``SAME_EPISODE_S``
-    (a new quarantine adds to ``quarantines``, so it is never the same episode)."""
+    """The same decision: timed by two replicas (within ``SAME_EPISODE_S``), or described again
+    with newer measurements. Equal state, taint, evidence keys and lemon count; a new quarantine
+    adds to ``quarantines``, so it is never the same episode. Keeping what the node already says
+    then costs no write: a resync of an unchanged fleet sends nothing."""
     return (
         abs(a.since - b.since) <= SAME_EPISODE_S
         and len(a.quarantines) == len(b.quarantines)
@@ -494,6 +499,8 @@ class Actuator:
                 if attempt == CONFLICT_ATTEMPTS - 1:
                     raise
                 await self._sleep(CONFLICT_BACKOFF_S * 2**attempt)
+                if not self._is_leader():
+                    return
                 # The intent may have moved on while we waited; always act on the newest one.
                 newer = self._intents.intent(node)
                 if newer is None:
@@ -550,11 +557,18 @@ class Actuator:
     def _restore(self, nodes: Sequence[Node]) -> None:
         now = self._clock.time()
         for n in nodes:
-            ours = self._our_taints(n)
             text = n.annotations.get(self._ann_health)
+            snapshot = decode_snapshot(text) if text is not None else None
+            # Only a taint we recorded applying is ours to restore from; a human's taint with our
+            # key on a node we never wrote is theirs, and the node is left to them.
+            we_applied = (
+                (snapshot is not None and snapshot.tainted)
+                or self._ann_taint in n.annotations
+                or (text is not None and snapshot is None)  # ours, if unreadable
+            )
+            ours = self._applied_taints(n, we_applied)
             if not ours and text is None:
                 continue
-            snapshot = decode_snapshot(text) if text is not None else None
             if text is not None and snapshot is None:
                 log.warning(
                     "unreadable health snapshot, restoring from the taint alone", extra={"node": n.name}
@@ -688,6 +702,8 @@ class Actuator:
     async def _reconcile_once(self, intent: NodeIntent) -> None:
         await self._bucket.acquire()
         node = await self._api.get_node(intent.node)
+        if not self._is_leader():
+            return  # lost the Lease while waiting: the new leader reconciles from here
         self._cache[node.name] = node
         if node.labels.get(self._config.managed_label) == "false":
             return
@@ -698,6 +714,8 @@ class Actuator:
 
         if plan.needs_patch:
             await self._bucket.acquire()
+            if not self._is_leader():
+                return  # every write re-checks: leadership can end while we wait for a token
             try:
                 written = await self._api.patch_node(
                     node.name,
@@ -730,6 +748,8 @@ class Actuator:
 
         if plan.condition is not None:
             await self._bucket.acquire()
+            if not self._is_leader():
+                return
             try:
                 written = await self._api.patch_node_condition(node.name, plan.condition)
             except KubeError:
@@ -741,6 +761,8 @@ class Actuator:
         if plan.preflight_timeout:
             self._preflight_warned.add(node.name)
         for ev in plan.events:
+            if not self._is_leader():
+                return
             await self._emit(node, ev)
 
     def _wrote(self, node: Node) -> None:
@@ -814,7 +836,18 @@ class Actuator:
     # -- planning (pure but for the NoExecute budget and preflight clocks) ------------------------
 
     def _our_taints(self, node: Node) -> list[Taint]:
+        """Taints with our key, whoever put them there."""
         return [t for t in node.taints if t.key == self._config.taint_key]
+
+    def _applied_taints(self, node: Node, we_applied: bool) -> list[Taint]:
+        """The taints with our key that we put there: the one ``<prefix>taint`` records, or, on a
+        node written before that annotation existed, any with our key if the snapshot says so."""
+        if not we_applied:
+            return []
+        recorded = node.annotations.get(self._ann_taint)
+        return [
+            t for t in self._our_taints(node) if recorded is None or recorded == f"{t.value or ''}:{t.effect}"
+        ]
 
     def _effect(self, intent: NodeIntent, current: Sequence[Taint]) -> tuple[TaintEffect | None, bool]:
         """The effect we apply, and whether it is a NoExecute new to this node."""
@@ -839,13 +872,20 @@ class Actuator:
     def _plan(self, node: Node, intent: NodeIntent) -> _Plan:
         cfg = self._config
         now = self._clock.time()
-        ours = self._our_taints(node)
         health_text = node.annotations.get(self._ann_health)
         old = decode_snapshot(health_text) if health_text is not None else None
         # The snapshot's ``tainted`` is the pipeline's (the decision took the node out); a
         # PreferNoSchedule taint for a suspect node is ours without that, so ``<prefix>taint``
         # records whatever taint we applied.
-        we_applied = (old is not None and old.tainted) or self._ann_taint in node.annotations
+        # An unreadable snapshot is still ours (hand-edited, another version): its taint is ours too.
+        we_applied = (
+            (old is not None and old.tainted)
+            or self._ann_taint in node.annotations
+            or (health_text is not None and old is None)
+        )
+        # Ours is the taint we recorded applying; a taint with our key that a human put there is
+        # theirs: kept as it is, never taken over, never removed by us.
+        ours = self._applied_taints(node, we_applied)
         override = _decode_override(node.name, node.annotations.get(self._ann_override))
         pf_key = cfg.preflight.taint_key
         has_preflight = cfg.preflight.enabled and any(t.key == pf_key for t in node.taints)
@@ -921,20 +961,23 @@ class Actuator:
         taints: list[Taint] = []
         placed = False
         for t in node.taints:
-            if t.key == cfg.taint_key:
-                if want is not None:
-                    if not placed:
-                        same = t.effect == want and t.value == value
-                        taints.append(t if same else Taint(key=cfg.taint_key, effect=want, value=value))
-                        placed = True
-                elif not we_applied:
-                    taints.append(t)  # a human's taint with our key: not ours to remove
+            if t in ours:
+                if want is not None and not placed:
+                    same = t.effect == want and t.value == value
+                    taints.append(t if same else Taint(key=cfg.taint_key, effect=want, value=value))
+                    placed = True
+                # else: ours and no longer wanted (or a duplicate of ours): removed
             elif drop_preflight and t.key == pf_key:
                 continue
             else:
-                taints.append(t)
+                taints.append(t)  # another controller's, or a human's with our key
         if want is not None and not placed:
-            taints.append(Taint(key=cfg.taint_key, effect=want, value=value))
+            if any(t.key == cfg.taint_key and t.effect == want for t in taints):
+                # A human's taint with our key and this effect already keeps the node out; taints
+                # are unique by key and effect, so ours cannot be added, and theirs stays theirs.
+                want, new_no_execute = None, False
+            else:
+                taints.append(Taint(key=cfg.taint_key, effect=want, value=value))
         new_taints = tuple(taints)
 
         if new_taints == node.taints:
@@ -957,7 +1000,9 @@ class Actuator:
             # every replica times it by its own receive clock. Keep what the node says, so that a
             # new leader neither patches every node nor announces every quarantine again.
             snapshot = old
-            intent = msgspec.structs.replace(intent, since=old.since)
+            intent = msgspec.structs.replace(
+                intent, since=old.since, message=node.annotations.get(self._ann_reason, intent.message)
+            )
         wanted_ann: dict[str, str | None] = {
             self._ann_health: encode_snapshot(snapshot),
             self._ann_reason: intent.message,

@@ -151,6 +151,13 @@ class SafetyLimits:
         )
         return hold
 
+    def remember_taint(self, at: float, now: float) -> None:
+        """A quarantine that tainted before we started (restored from the cluster) still counts
+        toward the hourly limit, so a restart does not double the hour's allowance."""
+        if now - at < HOUR:
+            self._taints.append(at)
+            self._taints = deque(sorted(self._taints))
+
     def reset(self, by: str, now: float) -> BreakerState:
         """A human closed the breaker; the hourly count starts over so that the backlog of held
         nodes is judged afresh (they still count against the pool and domain limits)."""

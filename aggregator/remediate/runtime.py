@@ -35,7 +35,7 @@ from agent.errors import ConfigError
 from aggregator.audit import AuditLog, AuditRecord
 from aggregator.config import RemediationConfig
 from aggregator.decisions import Decision
-from aggregator.fleet.pools import K8S_POOL_LABELS
+from aggregator.fleet.pools import k8s_pool
 from aggregator.kube.api import KubeApi
 from aggregator.kube.leader import LeaderElector
 from aggregator.kube.objects import KubeError
@@ -163,7 +163,7 @@ class Remediation:
     def _pool_size(self, pool: str) -> int:
         count = 0
         for n in self.actuator.cached_nodes():
-            if any(n.labels.get(k) == pool for k in K8S_POOL_LABELS):
+            if k8s_pool(n.labels) == pool:  # the same label precedence as placement_of
                 count += 1
         return count
 
@@ -191,6 +191,10 @@ class Remediation:
 
     async def sync_breaker(self) -> None:
         """Adopt what the Lease says, then write ours if it changed here."""
+        if not self.elector.lease_read:
+            # The Lease may hold an open breaker we have not seen yet: never write blind, or a
+            # starting replica would close it by itself.
+            return
         text = self.elector.annotations.get(BREAKER_ANNOTATION)
         stored = decode_breaker(text) if text else None
         if stored is not None and stored != self._written:

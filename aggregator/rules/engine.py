@@ -495,13 +495,18 @@ class RuleEngine:
 
     def restore_latched(self, node: str, boot_id: str, findings: Sequence[Finding], now: float) -> None:
         """After an aggregator restart: findings that clear only on reboot (an XID 79) are active
-        again for ``node`` until it reports a boot other than ``boot_id``. A node already seen
-        since the restart is left alone."""
-        if node in self._nodes or not findings:
+        again for ``node`` until it reports a boot other than ``boot_id``. A node that reported
+        since the restart keeps its live findings too, unless it is on another boot already."""
+        if not findings:
             return
-        state = self._nodes[node] = _NodeState(now)
-        state.boot_id = boot_id
-        state.active = {f.key: _Active(finding=f, until=math.inf, latched=True) for f in findings}
+        state = self._nodes.get(node)
+        if state is None:
+            state = self._nodes[node] = _NodeState(now)
+            state.boot_id = boot_id
+        elif state.boot_id != boot_id:
+            return  # rebooted since the snapshot: reboot-cleared evidence is over
+        for f in findings:
+            state.active.setdefault(f.key, _Active(finding=f, until=math.inf, latched=True))
 
     def forget(self, node: str) -> None:
         """Drop everything remembered about a node (it left the fleet)."""
