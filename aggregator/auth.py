@@ -55,6 +55,7 @@ __all__ = [
     "StaticTokens",
     "SupportsClose",
     "TokenReviewAuthenticator",
+    "bearer_token",
     "parse_token_file",
 ]
 
@@ -84,6 +85,18 @@ class AuthError(GpuwardenError):
         super().__init__(message)
         self.reason = reason
         self.status = status
+
+
+def bearer_token(header: str | None) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header; ``AuthError`` (401,
+    ``missing_token``) for none or another scheme."""
+    if header is None:
+        raise AuthError("an Authorization: Bearer <token> header is required", reason="missing_token")
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise AuthError("the Authorization header must be 'Bearer <token>'", reason="missing_token")
+    return token
 
 
 class AuthUnavailable(GpuwardenError):

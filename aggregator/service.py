@@ -62,7 +62,14 @@ from prometheus_client.registry import CollectorRegistry
 from agent.clock import Clock
 from agent.errors import ReportError
 from agent.report import SCHEMA_ID, Event, Gpu, Nic, NvLink, Probe, Report, decode
-from aggregator.auth import Authenticator, AuthError, AuthUnavailable, Identity, SupportsClose
+from aggregator.auth import (
+    Authenticator,
+    AuthError,
+    AuthUnavailable,
+    Identity,
+    SupportsClose,
+    bearer_token,
+)
 from aggregator.config import Config
 from aggregator.metrics import Metrics
 from aggregator.model import IngestOutcome
@@ -469,15 +476,8 @@ class _Ingest:
         return resp
 
     async def _authenticate(self, request: web.Request) -> Identity:
-        header = request.headers.get("Authorization")
-        if header is None:
-            raise _Reject(401, "missing_token", "an Authorization: Bearer <token> header is required")
-        scheme, _, token = header.strip().partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            raise _Reject(401, "missing_token", "the Authorization header must be 'Bearer <token>'")
         try:
-            return await self._auth.authenticate(token)
+            return await self._auth.authenticate(bearer_token(request.headers.get("Authorization")))
         except AuthError as exc:
             raise _Reject(exc.status, exc.reason, str(exc)) from exc
         except AuthUnavailable as exc:

@@ -29,6 +29,7 @@ from typing import Final
 import msgspec
 
 from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Nic, NvLink, Probe, Report
+from aggregator.probes.scheduler import circle_round  # the real scheduler's rotation
 from sim.profiles import (
     HGX_PCI_BUS_IDS,
     REASON_GPU_IDLE,
@@ -137,24 +138,6 @@ def _gpu_lost(faults: list[FaultSpec], s: Scenario, t: float) -> bool:
     return False
 
 
-def _circle_round(members: list[str], r: int) -> list[tuple[str, str]]:
-    """Round ``r`` of the circle method: every member meets every other once per n-1 rounds."""
-    players: list[str | None] = [*members, None] if len(members) % 2 else list(members)
-    n = len(players)
-    if n < 2:
-        return []
-    k = r % (n - 1)
-    rest = players[1:]
-    rest = rest[-k:] + rest[:-k] if k else rest
-    order = [players[0], *rest]
-    pairs = []
-    for i in range(n // 2):
-        a, b = order[i], order[n - 1 - i]
-        if a is not None and b is not None:
-            pairs.append((min(a, b), max(a, b)))
-    return pairs
-
-
 @dataclass
 class _PairProbe:
     true_time: float
@@ -202,7 +185,7 @@ def _plan_pair_probes(
         profile = next(p.profile for p in s.pools if p.name == pool_name)
         rotation: list[_PairProbe] = []
         for k in range(rounds):
-            for a, b in _circle_round(members, k):
+            for a, b in circle_round(members, k):
                 rng = random.Random(f"gpuwarden-sim-pair:{s.seed}:{a}:{b}:{k}")
                 t = s.start + (k + 0.5) * s.pair_every_s + rng.uniform(0.0, min(60.0, s.pair_every_s / 4))
                 noise = rng.gauss(1.0, profile.probe_noise_ratio)

@@ -37,7 +37,7 @@ from aiohttp import web
 
 from agent.clock import Clock
 from agent.probes.protocol import ASSIGNMENTS_PATH, PROTOCOL, RENDEZVOUS_PATH, AssignmentList
-from aggregator.auth import Authenticator, AuthError, AuthUnavailable, Identity
+from aggregator.auth import Authenticator, AuthError, AuthUnavailable, Identity, bearer_token
 from aggregator.probes.scheduler import ProbeScheduler
 
 log = logging.getLogger(__name__)
@@ -117,15 +117,8 @@ class Rendezvous:
 
 
 async def _identity(authenticator: Authenticator, request: web.Request) -> Identity:
-    header = request.headers.get("Authorization")
-    if header is None:
-        raise _Refuse(401, "missing_token", "an Authorization: Bearer <token> header is required")
-    scheme, _, token = header.strip().partition(" ")
-    token = token.strip()
-    if scheme.lower() != "bearer" or not token:
-        raise _Refuse(401, "missing_token", "the Authorization header must be 'Bearer <token>'")
     try:
-        identity = await authenticator.authenticate(token)
+        identity = await authenticator.authenticate(bearer_token(request.headers.get("Authorization")))
     except AuthError as exc:
         raise _Refuse(exc.status, exc.reason, str(exc)) from exc
     except AuthUnavailable as exc:

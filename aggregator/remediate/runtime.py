@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from agent.clock import Clock
 from agent.errors import ConfigError
 from aggregator.audit import AuditLog, AuditRecord
+from aggregator.auth import AuthError, bearer_token
 from aggregator.config import RemediationConfig
 from aggregator.decisions import Decision
 from aggregator.fleet.pools import k8s_pool
@@ -221,11 +222,10 @@ class Remediation:
     # -- operator API ---------------------------------------------------------------------------
 
     def _authorized(self, request: web.Request) -> bool:
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        try:
+            given = bearer_token(request.headers.get("Authorization")).encode()
+        except AuthError:
             return False
-        given = token.strip().encode()
         return any(hmac.compare_digest(given, t) for t in self._admin)
 
     def status(self) -> dict[str, Any]:
