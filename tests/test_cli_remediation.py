@@ -1,0 +1,165 @@
+"""``gpuwarden aggregator --remediation enforce`` and ``gpuwarden breaker`` as operators run them:
+the real processes, the real Kubernetes client, against the API-server double (tests/kube_double.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import FIXTURES, REPO
+from tests.kube_double import KubeApiDouble
+from tests.test_cli_end_to_end import _free_port
+
+GPWD = [sys.executable, "-m", "gpuwarden"]
+TOKEN = "3b8f0c2e9d7a4f61a5c0e2d4"
+ADMIN = "admin-token-0123456789abcdef"
+
+
+async def _run(*args: str, timeout: float = 60.0) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *GPWD, *args, cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def _get(url: str) -> dict[str, Any]:
+    def fetch() -> dict[str, Any]:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            data: dict[str, Any] = json.loads(r.read())
+            return data
+
+    return await asyncio.to_thread(fetch)
+
+
+async def _eventually(check: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if await check():
+                return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.2)
+
+
+async def test_the_aggregator_taints_through_the_real_client_and_the_breaker_cli_works(
+    tmp_path: Path,
+) -> None:
+    async with KubeApiDouble() as api:
+        api.add_node("node-1", labels={"gpuwarden.io/pool": "h100"})
+        api.add_node(
+            "node-2", labels={"gpuwarden.io/pool": "h100"}, taints=[{"key": "other", "effect": "NoSchedule"}]
+        )
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        (tmp_path / "tokens").write_text(f"node-1 {TOKEN}\n")
+        (tmp_path / "node-1.token").write_text(f"{TOKEN}\n")
+        (tmp_path / "admins").write_text(f"# on-call\n{ADMIN}\n")
+        (tmp_path / "admin.token").write_text(f"{ADMIN}\n")
+        port = _free_port()
+        base = f"http://127.0.0.1:{port}"
+        server = await asyncio.create_subprocess_exec(
+            *GPWD,
+            "aggregator",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--token-file",
+            str(tmp_path / "tokens"),
+            "--decisions",
+            str(tmp_path / "decisions.jsonl"),
+            "--remediation",
+            "enforce",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--identity",
+            "agg-test",
+            "--admin-token-file",
+            str(tmp_path / "admins"),
+            cwd=REPO,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+
+            async def leading() -> bool:
+                return bool((await _get(f"{base}/api/v1/remediation"))["is_leader"])
+
+            await _eventually(leading, "the aggregator to lead")
+            lease = api.lease("gpuwarden", "gpuwarden-aggregator")
+            assert lease is not None and lease["spec"]["holderIdentity"] == "agg-test"
+
+            code, _out, err = await _run(
+                "agent",
+                "--once",
+                "--node",
+                "node-1",
+                "--gpu-backend",
+                f"fake:{FIXTURES / 'gpus' / 'gpu_lost.json'}",
+                "--sysfs-root",
+                str(FIXTURES / "sysfs" / "h100" / "sys"),
+                "--aggregator",
+                base,
+                "--token-file",
+                str(tmp_path / "node-1.token"),
+            )
+            assert code == 0, err
+
+            async def tainted() -> bool:
+                return any(
+                    t["key"] == "gpuwarden.io/unhealthy" for t in api.node("node-1")["spec"].get("taints", [])
+                )
+
+            await _eventually(tainted, "node-1's taint")
+            [ours] = [t for t in api.node("node-1")["spec"]["taints"] if t["key"] == "gpuwarden.io/unhealthy"]
+            assert (ours["value"], ours["effect"]) == ("gpu-lost", "NoSchedule")
+            # The other node: never reported, so never touched.
+            assert api.node("node-2")["spec"]["taints"] == [{"key": "other", "effect": "NoSchedule"}]
+
+            code, out, err = await _run("breaker", "status", "--aggregator", base)
+            assert code == 0, err
+            status = json.loads(out)
+            assert status["mode"] == "enforce" and status["breaker"]["open"] is False
+
+            code, out, err = await _run(
+                "breaker",
+                "reset",
+                "--aggregator",
+                base,
+                "--token-file",
+                str(tmp_path / "node-1.token"),
+                "--by",
+                "eve",
+            )
+            assert code == 2 and "HTTP 401" in err  # an agent's token is not an admin's
+            code, out, err = await _run(
+                "breaker",
+                "reset",
+                "--aggregator",
+                base,
+                "--token-file",
+                str(tmp_path / "admin.token"),
+                "--by",
+                "alice",
+                "--reason",
+                "drill",
+            )
+            assert code == 0, err
+            assert json.loads(out)["reset"]["reset_by"] == "alice"
+        finally:
+            server.terminate()
+            await asyncio.wait_for(server.wait(), 20)
+        assert server.returncode == 0
+    audit = [json.loads(line) for line in (tmp_path / "decisions.audit.jsonl").read_text().splitlines()]
+    assert [(a["action"], a["by"], a["detail"]["reason"]) for a in audit] == [
+        ("breaker_reset", "alice", "drill")
+    ]
