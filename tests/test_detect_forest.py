@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from aggregator.config import FleetConfig
-from aggregator.detect.forest import ForestConfig, ForestDetector, pool_vectors
+from aggregator.detect.forest import (
+    ForestConfig,
+    ForestDetector,
+    distance_gate,
+    pool_vectors,
+    robust_distance,
+)
 from aggregator.fleet.frame import GPU_COLUMN, GPU_FIELDS, FleetFrames, PoolFrame
 from aggregator.model import Finding
 
@@ -45,6 +51,8 @@ class Pool:
     seed: int
     odd: list[Odd] = field(default_factory=list)
     prefix: str = "node"
+    late: tuple[int, ...] = ()  # nodes whose job starts at ``late_start``, heating up from cold
+    late_start: float = 500.0
 
     def frame(self, until: float = NOW) -> PoolFrame:
         rng = np.random.default_rng(self.seed)
@@ -70,10 +78,18 @@ class Pool:
         empty = np.zeros((0, 0), np.float32)
         t = 0.0
         while t < until:
-            busy = np.broadcast_to((t < idle_from)[:, None], shape)
+            waiting = np.zeros(self.nodes, bool)
+            waiting[list(self.late)] = t < self.late_start
+            busy = np.broadcast_to(((t < idle_from) & ~waiting)[:, None], shape)
             phase = rng.normal(0, 40.0)
             clock = np.where(busy, 0.95 + clock_off + rng.normal(0, 0.01, shape), 0.175)
             temp = np.where(busy, 65 + temp_off + rng.normal(0, 1.0, shape), 35.0)
+            if self.late and t >= self.late_start:
+                # Heat sinks take minutes: a GPU that just started is still far from its load
+                # temperature (first-order lag, 90 s time constant).
+                heat = 1.0 - np.exp(-(t - self.late_start) / 90.0)
+                rows = list(self.late)
+                temp[rows] = 35.0 + (temp[rows] - 35.0) * heat
             power = np.where(busy, 600 + phase + power_off + rng.normal(0, 40.0, shape), 70.0)
             block = np.full((self.nodes, GPUS, len(GPU_FIELDS)), np.nan, np.float32)
             block[..., C["utilization_ratio"]] = np.where(busy, rng.uniform(0.85, 1.0, shape), 0.02)
@@ -152,10 +168,60 @@ def test_findings_are_alerts_from_forest_with_evidence() -> None:
     assert f.severity == "warning"
     ev = f.evidence
     assert ev["gpu"] == 3 and ev["pool"] == "h100" and ev["peer_nodes"] >= 50
-    assert ev["score"] >= ev["threshold"] and ev["distance"] >= ForestConfig().min_distance
+    assert ev["score"] >= ev["threshold"]
+    assert ev["distance"] >= ev["distance_line"] >= ForestConfig().min_distance
     for d in ev["features"]:
         assert set(d) == {"feature", "value", "pool_median", "mads", "direction"}
     assert f.since == pytest.approx(300.0)
+
+
+@pytest.mark.parametrize(("nodes", "seed"), [(256, 1), (256, 2), (1000, 1)])
+def test_large_healthy_pool_stays_quiet_because_the_distance_line_grows(nodes: int, seed: int) -> None:
+    # A fixed distance line of 5 that is quiet at 500 GPUs is crossed by healthy GPUs at 8,000
+    # (the largest of n healthy distances grows with n): the line must grow with the pool.
+    frame = Pool(nodes=nodes, seed=seed).frame()
+    out = ForestDetector().run_pool(frame, NOW)
+    assert findings(out) == []
+    assert len(out) == nodes
+    distance = robust_distance(pool_vectors(frame, NOW, ForestConfig()).z)
+    line = distance_gate(distance, ForestConfig().healthy_exceedances, ForestConfig().min_distance)
+    assert distance.max() < line  # quiet on distance alone, not only thanks to the score gate
+    if nodes == 1000:
+        assert distance.max() > ForestConfig().min_distance  # the old fixed line would not hold
+
+
+def test_distance_line_is_calibrated_on_chi_distances() -> None:
+    # Healthy distances are roughly scaled chi with some degrees of freedom: whatever the scale
+    # and degrees, about `exceedances` GPUs per pool end up past the line, at any pool size.
+    rng = np.random.default_rng(3)
+    for features, scale in ((4, 1.0), (6, 0.7), (10, 1.6)):
+        for n, pools in ((500, 400), (8000, 50)):
+            past = 0
+            for _ in range(pools):
+                d = scale * np.sqrt((rng.normal(size=(n, features)) ** 2).sum(axis=1))
+                past += int((d >= distance_gate(d, 0.5, 0.0)).sum())
+            # Expected 0.5 per pool: 200 or 25 in all. Poisson spread, and Wilson-Hilferty's small
+            # bias in the far tail, stay well inside a factor of 2.
+            assert 0.25 * pools <= past <= 1.0 * pools, (features, n, past)
+    # A handful of outliers do not drag the line up with them.
+    d = np.sqrt((rng.normal(size=(500, 6)) ** 2).sum(axis=1))
+    line = distance_gate(d, 0.05, 0.0)
+    d[:5] = 50.0
+    assert distance_gate(d, 0.05, 0.0) == pytest.approx(line, rel=0.03)
+    assert distance_gate(d[:1], 0.05, 4.0) == 4.0  # one GPU has no pool to be compared with
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_gpus_still_heating_up_after_a_job_start_are_not_outliers(seed: int) -> None:
+    # Three nodes start a job 90 s before the window ends: 9 busy slots, far colder than settled
+    # peers. They are not loaded yet by the detector's measure (busy for settle_seconds first).
+    late = (4, 17, 30)
+    frame = Pool(64, seed, late=late).frame()
+    assert findings(ForestDetector().run_pool(frame, NOW)) == []
+    # Counting their busy slots at once, as before, calls some of them outliers.
+    unsettled = ForestDetector(ForestConfig(settle_seconds=0.0)).run_pool(frame, NOW)
+    flagged = {node for node, _ in findings(unsettled)}
+    assert flagged and flagged <= {f"node-{i:03d}" for i in late}
 
 
 def test_same_input_gives_the_same_output() -> None:
@@ -212,6 +278,8 @@ def test_bad_config_is_refused() -> None:
         ForestDetector(ForestConfig(min_gpus=1))
     with pytest.raises(ValueError, match="forest detector"):
         ForestDetector(ForestConfig(every_seconds=0))
+    with pytest.raises(ValueError, match="forest detector"):
+        ForestDetector(ForestConfig(healthy_exceedances=0))
 
 
 def test_pool_of_8000_gpus_scores_well_under_a_second() -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Final
 
 from aggregator.detect.base import Detector
+from aggregator.detect.forest import ForestDetector
 from aggregator.detect.peers import PeerDetector
 from aggregator.detect.trend import TrendConfig, TrendDetector
 
@@ -22,8 +23,8 @@ def _trend_bursts_only() -> TrendDetector:
     return TrendDetector(TrendConfig(drift_celsius=math.inf))
 
 
-# ForestDetector (forest.py) is built and tested but not enabled: its score gate does not yet
-# grow with pool size (docs/detection.md, "Multivariate model").
-DETECTORS: Final[tuple[Callable[[], Detector], ...]] = (PeerDetector, _trend_bursts_only)
+# The forest only ever raises suspicion (action "alert"); a quarantine needs evidence of one kind
+# that persists (docs/detection.md, "Multivariate model").
+DETECTORS: Final[tuple[Callable[[], Detector], ...]] = (PeerDetector, _trend_bursts_only, ForestDetector)
 
-__all__ = ["DETECTORS", "Detector", "PeerDetector", "TrendDetector"]
+__all__ = ["DETECTORS", "Detector", "ForestDetector", "PeerDetector", "TrendDetector"]

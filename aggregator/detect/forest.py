@@ -19,8 +19,15 @@ Per pool, every ``every_seconds`` (5 min), over the last ``window_seconds`` of c
 4. a GPU is flagged when its anomaly score is a robust outlier of the pool's scores (beyond
    ``median + score_mads * 1.4826 * MAD`` and at least ``min_score``) **and** its robust distance
    ``sqrt(z' R^-1 z)`` (``R`` the pool's correlation of clipped z-scores, see ``robust_distance``)
-   is at least ``min_distance``: the forest ranks, the distance makes sure the explanation (the
+   is past the distance line: the forest ranks, the distance makes sure the explanation (the
    GPU's largest signed z-scores) names a deviation worth reading, not one fact counted twice.
+
+The distance line grows with the pool. The largest of ``n`` healthy distances grows with ``n``
+(about ``sqrt(2 ln n)``), so a fixed line quiet at 500 GPUs is crossed by healthy GPUs at 8,000;
+the score gate does not make up for it, because isolation scores are bounded and their healthy
+maximum, in MADs, hardly grows with ``n``. The line is therefore ``max(min_distance, q)``, ``q``
+the ``1 - healthy_exceedances / n`` quantile of a tail fitted to the pool's own distances (see
+``distance_gate``): ``healthy_exceedances`` is the expected number of healthy GPUs past it per run.
 
 A finding is always an ``alert`` (the node becomes ``suspect``): an isolation score is a
 suspicion, not a diagnosis. Quarantine needs evidence a human can state in one line, such as the
@@ -34,6 +41,7 @@ import logging
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Final, Literal
 
 import numpy as np
@@ -117,6 +125,7 @@ class ForestConfig:
     window_seconds: float = 300.0  # the complete slots each run looks at
     load_threshold: float = 0.5  # utilization ratio at which a GPU counts as under load
     min_loaded_slots: int = 6  # loaded slots in the window for a GPU to have a vector (1 min at 10 s)
+    settle_seconds: float = 180.0  # busy this long before a slot counts as loaded (thermal settling)
     min_gpus: int = 16  # GPUs with a vector for the pool to be modelled at all ...
     min_nodes: int = 4  # ... on at least this many nodes
     n_estimators: int = 100
@@ -124,7 +133,10 @@ class ForestConfig:
     seed: int = 0
     score_mads: float = 6.0  # the score must be this many MADs above the pool's median score ...
     min_score: float = 0.6  # ... and at least this (0.5 is "as easy to isolate as any point")
-    min_distance: float = 5.0  # robust_distance for the explanation to be worth it
+    min_distance: float = 5.0  # robust_distance for the explanation to be worth it ...
+    # ... and beyond the pool's own healthy maximum: the expected number of healthy GPUs of a pool
+    # past the distance line in one run, under the tail fitted to that pool (``distance_gate``).
+    healthy_exceedances: float = 0.05
     top_features: int = 3  # features named in the explanation
 
 
@@ -146,12 +158,23 @@ class PoolVectors:
 def pool_vectors(frame: PoolFrame, now: float, config: ForestConfig) -> PoolVectors:
     """The per-GPU robust feature vectors of one pool over the window ending at the last complete slot."""
     slots = max(1, round(config.window_seconds / frame.interval_s))
+    settle = max(0, round(config.settle_seconds / frame.interval_s))
     t0, t1 = now - slots * frame.interval_s, now - frame.interval_s
-    nodes, gpu = frame.snapshot(t0, t1)
-    starts = frame.slot_starts(t0, t1)
+    nodes, history = frame.snapshot(t0 - settle * frame.interval_s, t1)
+    all_starts = frame.slot_starts(t0 - settle * frame.interval_s, t1)
+    util = history[..., GPU_COLUMN["utilization_ratio"]].astype(np.float64)
+    busy = util >= config.load_threshold  # NaN compares False: not reported is not loaded
+    # A slot counts as loaded once the GPU has been busy for ``settle_seconds`` before it: a GPU
+    # that started a job a minute ago is still heating up (heat sinks take minutes), and would
+    # look colder than every settled peer. Slots before the held history cannot vouch for it.
+    run = np.cumsum(busy, axis=0, dtype=np.int64)
+    before = np.concatenate([np.zeros((settle + 1, *busy.shape[1:]), np.int64), run], axis=0)[: busy.shape[0]]
+    settled = busy & (run - before >= settle + 1) & (np.arange(busy.shape[0]) >= settle)[:, None, None]
+    first = int(np.searchsorted(all_starts, t0 - 1e-9)) if all_starts.size else 0
+    gpu = history[first:]
+    loaded = settled[first:]
+    starts = all_starts[first:]
     window_start = float(starts[0]) if starts.size else t0
-    util = gpu[..., GPU_COLUMN["utilization_ratio"]].astype(np.float64)
-    loaded = util >= config.load_threshold  # NaN compares False: not reported is not loaded
     count = loaded.sum(axis=0)  # (nodes, gpus)
     eligible = count >= config.min_loaded_slots
     rows = np.argwhere(eligible)
@@ -213,6 +236,29 @@ def robust_distance(z: Float, clip: float = 3.0, shrink: float = 0.1) -> Float:
     return out
 
 
+def distance_gate(distance: Float, exceedances: float, floor: float) -> float:
+    """The distance a GPU must reach: ``floor``, or past what the pool's healthy GPUs reach if higher.
+
+    With ``n`` GPUs the largest healthy distance grows with ``n`` (about ``sqrt(2 ln n)`` for
+    Gaussian features), so a fixed line that is quiet at 500 GPUs is crossed at 8,000. The line is
+    instead the ``1 - exceedances / n`` quantile of the pool's own distances: ``exceedances`` is
+    the expected number of healthy GPUs past it per run. The quantile comes from a tail fitted to
+    the pool, not from its order statistics, which are too few and include the outliers sought:
+    ``d^2`` of a healthy GPU is roughly a scaled chi-square, and by Wilson and Hilferty the cube
+    root of a chi-square, here ``d^(2/3)``, is close to normal. Its median and 1.4826 * MAD are
+    that normal's mean and standard deviation whatever the scale and degrees of freedom, and a few
+    outliers barely move them.
+    """
+    n = distance.shape[0]
+    if n < 2:
+        return floor
+    t = distance ** (2.0 / 3.0)
+    centre = float(np.median(t))
+    spread = MAD_SCALE * float(np.median(np.abs(t - centre)))
+    z = NormalDist().inv_cdf(1.0 - exceedances / n)
+    return max(floor, float((centre + z * spread) ** 1.5))
+
+
 def _fmt(value: float, digits: int) -> str:
     return f"{value:.{digits}f}"
 
@@ -236,6 +282,7 @@ class ForestDetector:
             and c.top_features >= 1
             and c.score_mads >= 0
             and c.min_distance >= 0
+            and 0 < c.healthy_exceedances < 1
         ):
             raise ValueError(f"forest detector needs positive periods, sizes and thresholds; got {c}")
         self.every_seconds = c.every_seconds
@@ -262,7 +309,8 @@ class ForestDetector:
         mad = float(np.median(np.abs(scores - median)))
         threshold = max(c.min_score, median + c.score_mads * MAD_SCALE * mad)
         distance = robust_distance(v.z)
-        flagged = np.nonzero((scores >= threshold) & (distance >= c.min_distance))[0]
+        distance_line = distance_gate(distance, c.healthy_exceedances, c.min_distance)
+        flagged = np.nonzero((scores >= threshold) & (distance >= distance_line))[0]
         for i in flagged:
             node = v.nodes[int(v.rows[i, 0])]
             out[node].append(
@@ -272,6 +320,7 @@ class ForestDetector:
                     score=float(scores[i]),
                     threshold=threshold,
                     distance=float(distance[i]),
+                    distance_line=distance_line,
                     pool=frame.name,
                     pool_nodes=pool_nodes,
                 )
@@ -284,6 +333,8 @@ class ForestDetector:
                     "pool": frame.name,
                     "score": float(scores[i]),
                     "threshold": threshold,
+                    "distance": float(distance[i]),
+                    "distance_line": distance_line,
                 },
             )
         return out
@@ -308,6 +359,7 @@ class ForestDetector:
         score: float,
         threshold: float,
         distance: float,
+        distance_line: float,
         pool: str,
         pool_nodes: int,
     ) -> Finding:
@@ -350,6 +402,7 @@ class ForestDetector:
                 "score": round(score, 4),
                 "threshold": round(threshold, 4),
                 "distance": round(distance, 2),
+                "distance_line": round(distance_line, 2),
                 "features": drivers,
                 "all_mads": {f.key: round(float(z[j]), 2) for j, f in enumerate(v.features)},
                 "loaded_slots": int(v.loaded_slots[i]),
