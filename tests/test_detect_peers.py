@@ -279,7 +279,7 @@ def test_end_to_end_from_reports_through_the_fleet_frames() -> None:
     placement = Placement("h100")
     made = [make() for make in DETECTORS]
     detector = next(d for d in made if d.name == "peer")
-    assert {d.name for d in made} == {"peer", "trend"}
+    assert {d.name for d in made} == {"peer", "trend", "forest"}
     out: dict[str, list[Finding]] = {}
     for k in range(30):
         t = 1_000_000.0 + k * INTERVAL
