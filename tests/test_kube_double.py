@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
@@ -511,14 +513,38 @@ async def test_from_environment_with_nothing_configured_is_a_config_error(
 
 
 async def test_in_cluster_without_a_service_account_is_a_config_error(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
-    if Path("/var/run/secrets/kubernetes.io/serviceaccount/token").exists():
-        pytest.skip("this machine runs in a pod with a service account")
     with pytest.raises(ConfigError, match="in-cluster"):
-        await KubeClient.from_environment()
+        await KubeClient.from_environment(service_account_dir=tmp_path / "none")
+
+
+async def test_in_cluster_uses_the_service_account_and_the_service_address(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
+    (tmp_path / "token").write_text("sa-token-0123456789")
+    openssl = shutil.which("openssl")
+    assert openssl is not None, "openssl not installed: scripts/setup installs it"
+    subprocess.run(
+        [
+            *(openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kube-ca"),
+            *("-keyout", str(tmp_path / "ca.key"), "-out", str(tmp_path / "ca.crt")),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    client = await KubeClient.from_environment(service_account_dir=tmp_path)
+    try:
+        conf = client.configuration
+        assert conf.host == "https://10.0.0.1:6443"
+        assert conf.ssl_ca_cert == str(tmp_path / "ca.crt")
+        assert conf.api_key == {"BearerToken": "Bearer sa-token-0123456789"}
+    finally:
+        await client.close()
 
 
 # -- concurrent writers ---------------------------------------------------------------------------

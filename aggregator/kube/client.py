@@ -43,6 +43,7 @@ from kubernetes_asyncio.config import ConfigException, load_incluster_config, lo
 
 from agent.clock import Clock, SystemClock
 from agent.errors import ConfigError
+from aggregator.auth import SERVICE_ACCOUNT_DIR
 from aggregator.kube.objects import (
     Condition,
     ConditionStatus,
@@ -88,6 +89,12 @@ class KubeClient:
         self._timeout = request_timeout
         self._clock = clock or SystemClock()
 
+    @property
+    def configuration(self) -> Configuration:
+        """The connection settings as loaded (server, CA, credentials)."""
+        conf: Configuration = self._api_client.configuration
+        return conf
+
     @classmethod
     async def from_kubeconfig(
         cls,
@@ -117,16 +124,22 @@ class KubeClient:
         kubeconfig: Path | None = None,
         context: str | None = None,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+        service_account_dir: Path = SERVICE_ACCOUNT_DIR,
     ) -> KubeClient:
-        """An explicit ``kubeconfig`` first; else the pod's service account when running in a cluster
-        (``KUBERNETES_SERVICE_HOST`` set); else ``$KUBECONFIG`` (its first existing file), else
-        ``~/.kube/config``. ``ConfigError`` when none is usable."""
+        """An explicit ``kubeconfig`` first; else the pod's service account (token and ca.crt in
+        ``service_account_dir``) when running in a cluster (``KUBERNETES_SERVICE_HOST`` set); else
+        ``$KUBECONFIG`` (its first existing file), else ``~/.kube/config``. ``ConfigError`` when
+        none is usable."""
         if kubeconfig is not None:
             return await cls.from_kubeconfig(kubeconfig, context=context, request_timeout=request_timeout)
         if os.environ.get("KUBERNETES_SERVICE_HOST"):
             configuration = Configuration()
             try:
-                load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+                load_incluster_config(  # type: ignore[no-untyped-call]
+                    client_configuration=configuration,
+                    token_filename=str(service_account_dir / "token"),
+                    cert_filename=str(service_account_dir / "ca.crt"),
+                )
             except (ConfigException, OSError) as exc:
                 raise ConfigError(f"in-cluster Kubernetes configuration unusable: {exc}") from exc
             log.info("kubernetes client from the in-cluster service account")
