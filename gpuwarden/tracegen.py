@@ -69,6 +69,7 @@ import msgspec
 
 from agent.errors import ConfigError
 from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Nic, NvLink, Report, encode
+from sim.profiles import IB_PORT_COUNTERS
 
 __all__ = [
     "APP_XIDS",
@@ -128,35 +129,12 @@ _SW_POWER_CAP_BIT: Final = 0x4  # nvmlClocksEventReasonSwPowerCap
 _THERMAL_TIME_CONSTANT_S: Final = 90.0
 _GIB: Final = 1 << 30
 
-# Counters of an mlx5 port as the agent reads them (counters/ and hw_counters/ file names).
+# The simulator's port counters, and the RDMA transport errors the tests' rules also read.
 _IB_COUNTERS: Final = (
-    "symbol_error",
-    "link_error_recovery",
-    "link_downed",
-    "port_rcv_errors",
-    "port_rcv_remote_physical_errors",
-    "port_rcv_switch_relay_errors",
-    "port_xmit_discards",
-    "port_xmit_constraint_errors",
-    "port_rcv_constraint_errors",
-    "local_link_integrity_errors",
-    "excessive_buffer_overrun_errors",
-    "VL15_dropped",
-    "port_xmit_wait",
-    "port_xmit_data",
-    "port_rcv_data",
-    "port_xmit_packets",
-    "port_rcv_packets",
-    "unicast_xmit_packets",
-    "unicast_rcv_packets",
-    "multicast_xmit_packets",
-    "multicast_rcv_packets",
+    *IB_PORT_COUNTERS,
     "duplicate_request",
     "implied_nak_seq_err",
     "local_ack_timeout_err",
-    "out_of_buffer",
-    "out_of_sequence",
-    "packet_seq_err",
     "rnr_nak_retry_err",
 )
 

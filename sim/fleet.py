@@ -32,6 +32,7 @@ from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Nic, NvLink, Pro
 from aggregator.probes.scheduler import circle_round  # the real scheduler's rotation
 from sim.profiles import (
     HGX_PCI_BUS_IDS,
+    IB_PORT_COUNTERS,
     REASON_GPU_IDLE,
     REASON_HW_POWER_BRAKE,
     REASON_HW_SLOWDOWN,
@@ -44,32 +45,6 @@ from sim.scenario import FaultSpec, Scenario, node_name
 _THERMAL_TIME_CONSTANT_S: Final = 90.0
 _GIB: Final = 1 << 30
 _IB_MTU_BYTES: Final = 4096
-_IB_COUNTERS: Final = (
-    "symbol_error",
-    "link_error_recovery",
-    "link_downed",
-    "port_rcv_errors",
-    "port_rcv_remote_physical_errors",
-    "port_rcv_switch_relay_errors",
-    "port_xmit_discards",
-    "port_xmit_constraint_errors",
-    "port_rcv_constraint_errors",
-    "local_link_integrity_errors",
-    "excessive_buffer_overrun_errors",
-    "VL15_dropped",
-    "port_xmit_wait",
-    "port_xmit_data",
-    "port_rcv_data",
-    "port_xmit_packets",
-    "port_rcv_packets",
-    "unicast_xmit_packets",
-    "unicast_rcv_packets",
-    "multicast_xmit_packets",
-    "multicast_rcv_packets",
-    "out_of_buffer",
-    "out_of_sequence",
-    "packet_seq_err",
-)
 _APP_XID_TEXT: Final = {
     13: "Graphics SM Warp Exception on (GPC 1, TPC 2, SM 0): Out Of Range Address",
     31: "MMU Fault: ENGINE GRAPHICS GPCCLIENT_T1_0 faulted @ 0x7f3a_9e000000. Fault is of type FAULT_PDE",
@@ -437,7 +412,7 @@ class _Node:
             g.pcie_replay = 0
             g.nvlink_crc = {}
         self.lose_next.clear()
-        self.ports = [dict.fromkeys(_IB_COUNTERS, 0) for _ in range(self.profile.nics)]
+        self.ports = [dict.fromkeys(IB_PORT_COUNTERS, 0) for _ in range(self.profile.nics)]
 
     def _active(self, rel: float, kind: str) -> list[tuple[int, FaultSpec]]:
         return [(i, f) for i, f in self.faults if f.kind == kind and f.active(rel)]

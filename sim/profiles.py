@@ -130,3 +130,33 @@ A100_SXM_80GB: Final = NodeProfile(
 )
 
 PROFILES: Final[dict[str, NodeProfile]] = {p.name: p for p in (H100_SXM_80GB, A100_SXM_80GB)}
+
+
+# The counters of an mlx5 InfiniBand port as the agent reads them (counters/ and hw_counters/ file
+# names) that the generators fill in: the IBTA PortCounters and the mlx5 transport errors.
+IB_PORT_COUNTERS: Final = (
+    "symbol_error",
+    "link_error_recovery",
+    "link_downed",
+    "port_rcv_errors",
+    "port_rcv_remote_physical_errors",
+    "port_rcv_switch_relay_errors",
+    "port_xmit_discards",
+    "port_xmit_constraint_errors",
+    "port_rcv_constraint_errors",
+    "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors",
+    "VL15_dropped",
+    "port_xmit_wait",
+    "port_xmit_data",
+    "port_rcv_data",
+    "port_xmit_packets",
+    "port_rcv_packets",
+    "unicast_xmit_packets",
+    "unicast_rcv_packets",
+    "multicast_xmit_packets",
+    "multicast_rcv_packets",
+    "out_of_buffer",
+    "out_of_sequence",
+    "packet_seq_err",
+)
