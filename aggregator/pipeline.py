@@ -524,10 +524,6 @@ class Pipeline:
             },
         )
 
-    def set_findings(self, node: str, source: str, findings: list[Finding], now: float) -> None:
-        """For detectors outside the per-report path (peers, trend, links): replace their findings."""
-        self._emit(self.health.update(node, source, findings, now))
-
     def _emit(self, decision: Decision | None) -> None:
         if decision is None:
             return

@@ -30,7 +30,7 @@ import msgspec
 
 from agent.report import Probe
 from aggregator.fleet.pools import Placement
-from aggregator.probes.config import ProbesConfig
+from aggregator.config import ProbesConfig
 from aggregator.probes.scheduler import ProbeScheduler
 
 T0 = 1_764_441_600.0

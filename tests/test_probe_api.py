@@ -16,7 +16,7 @@ from agent.probes.protocol import ASSIGNMENTS_PATH, PROTOCOL, RENDEZVOUS_PATH, A
 from aggregator.auth import StaticTokens
 from aggregator.fleet.pools import Placement
 from aggregator.probes.api import probe_routes
-from aggregator.probes.config import ProbesConfig
+from aggregator.config import ProbesConfig
 from aggregator.probes.scheduler import ProbeScheduler
 
 KEY = b"probe-key-for-tests-0123456789ab"

@@ -76,7 +76,7 @@ from agent.errors import ConfigError
 from agent.probes.protocol import Assignment, ProbeKind, Role, sign
 from agent.report import Probe, Report
 from aggregator.fleet.pools import Placement
-from aggregator.probes.config import ProbesConfig
+from aggregator.config import ProbesConfig
 
 log = logging.getLogger(__name__)
 
