@@ -29,8 +29,8 @@ from pathlib import Path
 import msgspec
 
 from agent.report import Probe
-from aggregator.fleet.pools import Placement
 from aggregator.config import ProbesConfig
+from aggregator.fleet.pools import Placement
 from aggregator.probes.scheduler import ProbeScheduler
 
 T0 = 1_764_441_600.0

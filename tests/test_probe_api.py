@@ -14,9 +14,9 @@ from aiohttp.test_utils import TestClient
 from agent.clock import FakeClock
 from agent.probes.protocol import ASSIGNMENTS_PATH, PROTOCOL, RENDEZVOUS_PATH, AssignmentList, verify
 from aggregator.auth import StaticTokens
+from aggregator.config import ProbesConfig
 from aggregator.fleet.pools import Placement
 from aggregator.probes.api import probe_routes
-from aggregator.config import ProbesConfig
 from aggregator.probes.scheduler import ProbeScheduler
 
 KEY = b"probe-key-for-tests-0123456789ab"

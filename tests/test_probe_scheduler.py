@@ -21,8 +21,8 @@ from prometheus_client.registry import CollectorRegistry
 from agent.errors import ConfigError
 from agent.probes.protocol import Assignment, verify
 from agent.report import Gpu, Probe, Report
-from aggregator.fleet.pools import Placement
 from aggregator.config import ProbesConfig
+from aggregator.fleet.pools import Placement
 from aggregator.probes.metrics import ProbeMetrics
 from aggregator.probes.scheduler import ProbeScheduler, circle_round, report_is_idle
 

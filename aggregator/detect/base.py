@@ -2,9 +2,9 @@
 
 The pipeline builds one of each entry of ``aggregator.detect.DETECTORS``, runs each every
 ``every_seconds`` of its clock, and hands each node's list to the health machine
-(``HealthMachine.update(node, detector.name, findings, now)``). A detector answers for every node it looked at, with an empty list
-where it sees nothing: that is how its earlier findings on a node clear. A node it did not look at
-(not in any frame) keeps whatever it had until the node is forgotten.
+(``HealthMachine.update(node, detector.name, findings, now)``). A detector answers for every node
+it looked at, with an empty list where it sees nothing: that is how its earlier findings on a node
+clear. A node it did not look at (not in any frame) keeps whatever it had until it is forgotten.
 """
 
 from __future__ import annotations

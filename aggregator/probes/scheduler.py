@@ -75,8 +75,8 @@ import msgspec
 from agent.errors import ConfigError
 from agent.probes.protocol import Assignment, ProbeKind, Role, sign
 from agent.report import Probe, Report
-from aggregator.fleet.pools import Placement
 from aggregator.config import ProbesConfig
+from aggregator.fleet.pools import Placement
 
 log = logging.getLogger(__name__)
 
