@@ -98,6 +98,9 @@ class LinksConfig(_Section, frozen=True):
     min_low_probes: Annotated[int, Meta(ge=1)] = 2  # a verdict needs this many slow results
     node_ratio: Ratio = 0.85
     pair_ratio: Ratio = 0.85
+    # An end with too few other partners when its pair was last slow is judged on the first
+    # partners that follow within this long (the confirm step's fresh partners).
+    judge_after_seconds: Annotated[float, Meta(ge=0)] = 300.0
     # A degraded link returns to healthy after this long without slow results.
     link_clear_for_seconds: PositiveSeconds = 900.0
 
@@ -201,16 +204,17 @@ class ProbesConfig(_Section, frozen=True):
     max_concurrent_per_leaf: Positive = 8
     bandwidth_budget_bytes_per_second: Annotated[float, Meta(gt=0)] = 100e9
     bandwidth_window_seconds: PositiveSeconds = 60.0
-    # Confirm re-probes (sim/fleet.py's _plan_confirms): a pair result under suspicious_ratio of
-    # the pool's expected bandwidth, or a failed one, gets the pair again and fresh partners for
-    # each end, within confirm_within_rounds rounds; at most max_pending_confirms per node.
-    suspicious_ratio: Ratio = 0.7
+    # Confirm re-probes: a pair result under suspicious_ratio of the pool's expected bandwidth, or
+    # a failed one, gets the pair again and fresh partners for each end, within
+    # confirm_within_rounds rounds; at most max_pending_confirms per node. The ratio is the link
+    # localizer's (LinkConfig.node_ratio, pair_ratio): what it will count as slow is confirmed.
+    suspicious_ratio: Ratio = 0.85
     fresh_partners: NonNegative = 2
     confirm_within_rounds: Positive = 2
     max_pending_confirms: Positive = 3
-    # Both ends report one measurement; the link localizer merges copies 30 s apart, so the
-    # same pair is probed again only this much later.
-    pair_again_after_seconds: Annotated[float, Meta(ge=0)] = 60.0
+    # Both ends report one measurement; the link localizer merges copies up to 30 s apart
+    # (LinkConfig.dedupe_seconds), so a re-probe of the same pair starts this much later.
+    pair_again_after_seconds: Annotated[float, Meta(ge=0)] = 40.0
     # The pool's expected bandwidth: the median of this many recent ok results of a kind, once
     # there are at least expected_min_results of them.
     expected_results: Positive = 101

@@ -117,6 +117,7 @@ class Pipeline:
                 min_low_probes=lc.min_low_probes,
                 node_ratio=lc.node_ratio,
                 pair_ratio=lc.pair_ratio,
+                judge_after_seconds=lc.judge_after_seconds,
             )
         )
         self.link_health = LinkHealth(

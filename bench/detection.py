@@ -84,7 +84,7 @@ def _with_sweep(s: scenario_mod.Scenario, sweep: tuple[str, str, float] | None) 
 
 
 def _fault_outcome(
-    f: TruthFault, mine: list[sim_eval.Decision], base: list[sim_eval.Decision]
+    f: TruthFault, mine: list[sim_eval.Decision], base: list[sim_eval.Decision], end: float
 ) -> dict[str, Any]:
     # The evaluator's own matching rule, so the per-fault rows agree with its class totals.
     at = sim_eval._catch_time(f, mine)
@@ -100,6 +100,8 @@ def _fault_outcome(
         "caught_at": at,
         "ttd_s": None if at is None else sim_eval._ttd(f, at),
         "baseline_ttd_s": None if at_base is None else sim_eval._ttd(f, at_base),
+        # How long the trace ran after the fault first showed (None: it never showed).
+        "shown_for_s": None if f.first_seen is None else round(end - f.first_seen, 1),
     }
 
 
@@ -145,7 +147,9 @@ def run_job(job: Job) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - started, 1),
         "gpuwarden": sim_eval.score(truth, mine),
         "baseline": sim_eval.score(truth, base),
-        "faults": [_fault_outcome(f, mine, base) for f in truth.faults if f.fault_class != "lookalike"],
+        "faults": [
+            _fault_outcome(f, mine, base, truth.end) for f in truth.faults if f.fault_class != "lookalike"
+        ],
         "false_quarantines": _false_quarantines(truth, mine),
         "links_degraded": [
             {"node": d.node, "peer": d.peer, "at_s": d.time - truth.start}
@@ -293,10 +297,21 @@ def _sweep_rows(runs: list[dict[str, Any]]) -> list[str]:
     return rows
 
 
+def _why(f: dict[str, Any]) -> str:
+    """What the trace allowed: a fault no report ever showed, or one shown too near its end."""
+    shown = f.get("shown_for_s")
+    if f["first_seen"] is None:
+        return ": never shown in the trace"
+    target = {"hard": HARD_WITHIN_S, "soft": SOFT_WITHIN_S, "link": LINK_WITHIN_S}.get(f["class"])
+    if shown is not None and target is not None and shown < target:
+        return f": first shown {shown:.0f} s before the trace ended"
+    return ""
+
+
 def _detail(runs: list[dict[str, Any]]) -> list[str]:
     lines = []
     for r in runs:
-        missed = [f"{f['kind']} ({f['node']})" for f in r["faults"] if f["ttd_s"] is None]
+        missed = [f"{f['kind']} ({f['node']}{_why(f)})" for f in r["faults"] if f["ttd_s"] is None]
         slow = [
             f"{f['kind']} {f['ttd_s']:.0f} s"
             for f in r["faults"]

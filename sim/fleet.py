@@ -8,11 +8,11 @@ the pair and round of a probe, the node's network), so adding a node or a fault 
 change the readings of the others.
 
 Pair probes are planned before any report is made, because a pair probe needs both ends idle and
-up: job timelines are drawn up front per node from their own stream. Each probe's result goes into
+up: job timelines are drawn up front per node from their own stream, and ``sim.probing`` runs the
+real probe scheduler over them (rotation, confirm re-probes, caps). Each probe's result goes into
 the reports of *both* ends (the same measurement, the same time on each end's clock), so losing
 one end's report does not lose the measurement and a detector can count a pair once by its sorted
-names. A suspicious pair result gets re-probes planned the same way (``_plan_confirms``): the probe
-scheduler's confirm step.
+names.
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ import heapq
 import math
 import random
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec
 
 from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Nic, NvLink, Probe, Report
-from aggregator.probes.scheduler import circle_round  # the real scheduler's rotation
+from aggregator.fleet.pools import Placement
+from sim.probing import PairProbe, plan_pair_probes
 from sim.profiles import (
     HGX_PCI_BUS_IDS,
     IB_PORT_COUNTERS,
@@ -113,31 +114,30 @@ def _gpu_lost(faults: list[FaultSpec], s: Scenario, t: float) -> bool:
     return False
 
 
-@dataclass
-class _PairProbe:
-    true_time: float
-    a: str
-    b: str
-    probe_a: Probe
-    probe_b: Probe
-    shows: frozenset[int]
-
-
 def _plan_pair_probes(
-    s: Scenario, timelines: dict[str, _Timeline], by_node: dict[str, list[tuple[int, FaultSpec]]]
-) -> dict[str, list[_PairProbe]]:
-    groups: dict[tuple[str, str], list[str]] = {}
-    for i, name in enumerate(s.node_names()):
-        groups.setdefault((s.leaf_of(i), s.pool_of(i).name), []).append(name)
-    skews = {name: _skew_at(by_node.get(name, []), s) for name in s.node_names()}
-    downs = {name: _down_windows([f for _, f in by_node.get(name, [])], s) for name in s.node_names()}
+    s: Scenario,
+    timelines: dict[str, _Timeline],
+    by_node: dict[str, list[tuple[int, FaultSpec]]],
+    silences: dict[str, list[FaultSpec]],
+) -> dict[str, list[PairProbe]]:
+    """Every node's pair probes, planned by the real scheduler (``sim.probing``)."""
+    names = s.node_names()
+    skews = {name: _skew_at(by_node.get(name, []), s) for name in names}
+    downs = {name: _down_windows([f for _, f in by_node.get(name, [])], s) for name in names}
+    quiet = {name: _quiet_windows(silences.get(name, []), s) for name in names}
+    profiles = {name: s.pool_of(i).profile for i, name in enumerate(names)}
+
+    def heard(n: str, t: float) -> bool:
+        return not any(t0 <= t < t1 for t0, t1 in downs[n]) and not any(t0 <= t < t1 for t0, t1 in quiet[n])
 
     def free(n: str, t: float) -> bool:
-        # The scheduler runs probes only on idle nodes that are up.
         return not timelines[n].busy(t) and not any(t0 <= t < t1 for t0, t1 in downs[n])
 
-    def make(profile: NodeProfile, a: str, b: str, t: float, noise: float) -> _PairProbe:
-        probe = _pair_result(s, profile, a=a, b=b, t=t, noise=noise, by_node=by_node)
+    def measure(a: str, b: str, t: float) -> PairProbe:
+        noise = random.Random(f"gpuwarden-sim-pair:{s.seed}:{a}:{b}:{t:.3f}").gauss(
+            1.0, profiles[a].probe_noise_ratio
+        )
+        probe = _pair_result(s, profiles[a], a=a, b=b, t=t, noise=noise, by_node=by_node)
         shows = frozenset(
             idx
             for n in (a, b)
@@ -145,7 +145,7 @@ def _plan_pair_probes(
             if f.active(t - s.start)
             and (f.kind == "slow_nic" or (f.kind == "degraded_link" and {f.node, f.peer} == {a, b}))
         )
-        return _PairProbe(
+        return PairProbe(
             t,
             a,
             b,
@@ -154,128 +154,23 @@ def _plan_pair_probes(
             shows,
         )
 
-    plans: dict[str, list[_PairProbe]] = {}
-    rounds = int(s.duration_s // s.pair_every_s)
-    for (_, pool_name), members in sorted(groups.items()):
-        profile = next(p.profile for p in s.pools if p.name == pool_name)
-        rotation: list[_PairProbe] = []
-        for k in range(rounds):
-            for a, b in circle_round(members, k):
-                rng = random.Random(f"gpuwarden-sim-pair:{s.seed}:{a}:{b}:{k}")
-                t = s.start + (k + 0.5) * s.pair_every_s + rng.uniform(0.0, min(60.0, s.pair_every_s / 4))
-                noise = rng.gauss(1.0, profile.probe_noise_ratio)
-                if free(a, t) and free(b, t):
-                    rotation.append(make(profile, a, b, t, noise))
-        confirms = _plan_confirms(
-            s, profile=profile, members=members, rotation=rotation, free=free, make=make
-        )
-        for plan in rotation + confirms:
-            plans.setdefault(plan.a, []).append(plan)
-            plans.setdefault(plan.b, []).append(plan)
-    for lst in plans.values():
-        lst.sort(key=lambda p: p.true_time)
-    return plans
+    return plan_pair_probes(
+        s,
+        phases={name: _phase(s, name) for name in names},
+        placements={
+            name: Placement(pool=s.pool_of(i).name, rack=s.rack_of(i), leaf=s.leaf_of(i))
+            for i, name in enumerate(names)
+        },
+        heard=heard,
+        free=free,
+        measure=measure,
+    )
 
 
-# The probe scheduler's confirm step (issue 6): a suspicious pair result is re-probed before the
-# link/node localizer may act on it. What counts as suspicious is what an aggregator can know (the
-# pool's expected pair bandwidth), never the fault that caused it.
-SUSPICIOUS_RATIO: Final = 0.85  # busbw below this share of the profile's expected pair busbw
-REPROBE_WITHIN_ROUNDS: Final = 2  # a re-probe not run within this many pair intervals is dropped
-REPROBE_MAX_PENDING: Final = 3  # outstanding re-probe requests per node: no re-probe storms
-REPROBE_FRESH_PARTNERS: Final = 2  # each end of a suspicious pair is tried with this many new partners
-_PROBE_HOLD_S: Final = 30.0  # a probe holds both nodes up to this long (setup, warm-up, the timed loop)
-# The same pair again only this much later: the aggregator takes both ends' copies of one probe
-# landing within 30 s (LinkConfig.dedupe_seconds) for one measurement.
-_PAIR_AGAIN_AFTER_S: Final = 60.0
-
-
-def _plan_confirms(
-    s: Scenario,
-    *,
-    profile: NodeProfile,
-    members: list[str],
-    rotation: list[_PairProbe],
-    free: Callable[[str, float], bool],
-    make: Callable[[NodeProfile, str, str, float, float], _PairProbe],
-) -> list[_PairProbe]:
-    """Re-probes of one (leaf, pool) group: the suspicious pair again, each end with fresh partners.
-
-    Only rotation probes trigger them (a confirm probe confirms; it does not start another round
-    of confirming). Each request is served at the first agent cycle after the suspicious result
-    when its nodes are idle, up and not in another probe, and is dropped after
-    ``REPROBE_WITHIN_ROUNDS`` pair intervals. Greedy in the order of the suspicious results, so
-    the plan is deterministic.
-    """
-    expected = profile.pair_busbw_bytes_per_second
-    held: dict[str, list[float]] = {n: [] for n in members}
-    met: dict[tuple[str, str], list[float]] = {}
-    for plan in rotation:
-        held[plan.a].append(plan.true_time)
-        held[plan.b].append(plan.true_time)
-        met.setdefault((plan.a, plan.b), []).append(plan.true_time)
-    pending: dict[str, list[float]] = {n: [] for n in members}  # when each request stops being pending
-    window = s.pair_every_s * max(1, len(members) - 1)  # "recently": within one full rotation
-    hold = min(_PROBE_HOLD_S, s.pair_every_s / 4)  # short rounds plan probes closer together
-
-    def usable(n: str, t: float) -> bool:
-        return free(n, t) and all(abs(t - h) >= hold for h in held[n])
-
-    def recent(x: str, y: str, t: float) -> bool:
-        return any(t - window <= h <= t for h in met.get((min(x, y), max(x, y)), ()))
-
-    out: list[_PairProbe] = []
-    suspicious = [
-        p
-        for p in rotation
-        if p.probe_a.ok and (p.probe_a.busbw_bytes_per_second or 0.0) < SUSPICIOUS_RATIO * expected
+def _quiet_windows(silences: list[FaultSpec], s: Scenario) -> list[tuple[float, float]]:
+    return [
+        (s.start + f.at_s, s.start + (f.until_s if f.until_s is not None else math.inf)) for f in silences
     ]
-    for trigger in sorted(suspicious, key=lambda p: (p.true_time, p.a, p.b)):
-        t0, deadline = trigger.true_time, trigger.true_time + REPROBE_WITHIN_ROUNDS * s.pair_every_s
-        requests: list[tuple[str, str | None]] = [(trigger.a, trigger.b)]
-        for end in (trigger.a, trigger.b):
-            requests += [(end, None)] * REPROBE_FRESH_PARTNERS
-        chosen: dict[str, set[str]] = {trigger.a: {trigger.b}, trigger.b: {trigger.a}}
-        for number, (x, peer) in enumerate(requests):
-            ends = (x,) if peer is None else (x, peer)
-            if any(sum(1 for until in pending[n] if until > t0) >= REPROBE_MAX_PENDING for n in ends):
-                continue
-            rng = random.Random(f"gpuwarden-sim-reprobe:{s.seed}:{x}:{t0:.3f}:{number}")
-            served: tuple[str, float] | None = None
-            j = 1
-            while served is None and t0 + j * s.interval_s <= deadline:
-                t = round(t0 + j * s.interval_s, 3)
-                j += 1
-                if not usable(x, t):
-                    continue
-                if peer is not None:
-                    served = (peer, t) if usable(peer, t) and t - t0 >= _PAIR_AGAIN_AFTER_S else None
-                    continue
-                fresh = [
-                    m
-                    for m in members
-                    if m not in chosen[x] and m != x and usable(m, t) and not recent(x, m, t)
-                ]
-                if fresh:
-                    served = (rng.choice(fresh), t)
-            if served is None:
-                for n in ends:
-                    pending[n].append(deadline)
-                continue
-            y, t = served
-            chosen[x].add(y)
-            for n in ends:
-                pending[n].append(t)
-            a, b = min(x, y), max(x, y)
-            noise = random.Random(f"gpuwarden-sim-reprobe:{s.seed}:{a}:{b}:{t:.3f}").gauss(
-                1.0, profile.probe_noise_ratio
-            )
-            plan = make(profile, a, b, t, noise)
-            held[a].append(t)
-            held[b].append(t)
-            met.setdefault((a, b), []).append(t)
-            out.append(plan)
-    return out
 
 
 def _pair_result(
@@ -321,6 +216,19 @@ def _pair_result(
     )
 
 
+def _node_rng(s: Scenario, name: str) -> random.Random:
+    return random.Random(f"gpuwarden-sim:{s.seed}:{name}")
+
+
+def _draw_phase(rng: random.Random, s: Scenario) -> float:
+    """The node's report phase: the first draw of its own stream."""
+    return round(rng.uniform(0.0, s.interval_s), 3)
+
+
+def _phase(s: Scenario, name: str) -> float:
+    return _draw_phase(_node_rng(s, name), s)
+
+
 def _skew_at(faults: list[tuple[int, FaultSpec]], s: Scenario) -> _Skew:
     return _Skew([f for _, f in faults if f.kind == "clock_skew"], s.start)
 
@@ -364,14 +272,14 @@ class _Node:
         index: int,
         faults: list[tuple[int, FaultSpec]],
         timeline: _Timeline,
-        pair_probes: list[_PairProbe],
+        pair_probes: list[PairProbe],
     ) -> None:
         self.s = s
         self.name = node_name(index)
         self.profile = s.pool_of(index).profile
         self.labels = s.labels_of(index)
-        self.rng = random.Random(f"gpuwarden-sim:{s.seed}:{self.name}")
-        self.phase = round(self.rng.uniform(0.0, s.interval_s), 3)
+        self.rng = _node_rng(s, self.name)
+        self.phase = _draw_phase(self.rng, s)
         self.faults = sorted(faults, key=lambda item: item[1].at_s)
         self.applied: set[int] = set()
         self.timeline = timeline
@@ -759,13 +667,11 @@ def _node_stream(
     faults: list[tuple[int, FaultSpec]],
     silences: list[FaultSpec],
     timeline: _Timeline,
-    pair_probes: list[_PairProbe],
+    pair_probes: list[PairProbe],
 ) -> Iterator[tuple[float, str, Delivery]]:
     node = _Node(s, index, faults, timeline, pair_probes)
     net = random.Random(f"gpuwarden-sim-net:{s.seed}:{node.name}")
-    quiet = [
-        (s.start + f.at_s, s.start + (f.until_s if f.until_s is not None else math.inf)) for f in silences
-    ]
+    quiet = _quiet_windows(silences, s)
     end = s.start + s.duration_s
     pending: list[tuple[float, int, Delivery]] = []
     order = 0
@@ -817,7 +723,7 @@ def simulate(s: Scenario) -> Iterator[Delivery]:
             if end is not None:
                 by_node.setdefault(end, []).append((idx, f))
     timelines = {name: _timeline(s, name) for name in names}
-    pairs = _plan_pair_probes(s, timelines, by_node)
+    pairs = _plan_pair_probes(s, timelines, by_node, silences)
     streams = [
         _node_stream(
             s,

@@ -186,7 +186,10 @@ SIX_PLACE = Placement("p", rack="r0", leaf="l0")
 
 def _sparse(samples: list[tuple[int, int, float, float]]) -> LinkLocalizer:
     """(a, b, time, MB/s) probes of tcp_pair, reported by both ends."""
-    loc = LinkLocalizer(LinkConfig(half_life_seconds=60, max_age_seconds=40, dedupe_seconds=1))
+    # Time runs 30x fast here: ages, half-life, dedupe and the judging window are scaled alike.
+    loc = LinkLocalizer(
+        LinkConfig(half_life_seconds=60, max_age_seconds=40, dedupe_seconds=1, judge_after_seconds=10)
+    )
     for a, b, t, mbps in samples:
         for me, peer in ((SIX[a], SIX[b]), (SIX[b], SIX[a])):
             p = Probe(kind="tcp_pair", time=T0 + t, ok=True, peer=peer, busbw_bytes_per_second=mbps * 1e6)
@@ -231,3 +234,45 @@ def test_a_fixed_nodes_stale_slow_pairs_are_not_degraded_links() -> None:
     ]
     verdict = _sparse(old + new).run(T0 + 180)
     assert ("node2", "node3") not in verdict.links
+
+
+def test_an_end_busy_until_just_before_is_judged_on_the_partners_that_follow() -> None:
+    # node1 ran a job until t=150, so it has no past with anyone. Its first probe (with node0)
+    # is slow, and so is the re-probe; the confirm step's fresh partners that follow within
+    # minutes are all normal, as node0's partners were before. That is a degraded link.
+    base = [(0, 2, 0), (0, 3, 40), (0, 4, 80), (2, 3, 10), (2, 4, 50), (3, 5, 90), (4, 5, 120)]
+    slow = [(0, 1, 160), (0, 1, 205)]
+    after = [(1, 2, 240), (1, 3, 275), (1, 4, 310)]
+
+    def fed(loc: LinkLocalizer) -> LinkLocalizer:
+        for a, b, t in base + slow + after:
+            mbps = 78.0 if (a, b) == (0, 1) else 120.0
+            for me, peer in ((SIX[a], SIX[b]), (SIX[b], SIX[a])):
+                p = Probe(kind="tcp_pair", time=T0 + t, ok=True, peer=peer, busbw_bytes_per_second=mbps * 1e6)
+                loc.observe(report(me, T0 + t, [p]), SIX_PLACE, received=T0 + t + 1.0)
+        return loc
+
+    verdict = fed(LinkLocalizer()).run(T0 + 330)
+    assert set(verdict.links) == {(SIX[0], SIX[1])}
+    assert not quarantined(verdict)
+    # Judged only on what it had by the pair's last slow result, node1 had no other partner and
+    # nothing could be said.
+    assert not fed(LinkLocalizer(LinkConfig(judge_after_seconds=0.0))).run(T0 + 330).links
+
+
+def test_a_node_that_recovers_soon_after_its_first_slow_pair_does_not_make_it_a_link() -> None:
+    # node1 starts slow with everyone, and its first probe ever is (1, 4), slow twice. The fresh
+    # partners that follow are slow too; then it recovers, and its later results are all normal.
+    # Judged on everything in the five minutes after, the recovery would outvote its slow past
+    # and call (1, 4) a link; judged on the earliest partners that follow, it was slow then.
+    base = [(0, 2, 0), (0, 3, 40), (0, 4, 80), (2, 3, 10), (2, 4, 50), (3, 5, 90), (4, 5, 120)]
+    bad = [(1, 4, 100), (1, 4, 145), (1, 2, 170), (1, 3, 200)]
+    healed = [(1, 5, 230), (0, 1, 260), (1, 2, 290), (1, 3, 320), (1, 2, 380), (1, 3, 410)]
+    loc = LinkLocalizer()
+    for a, b, t in base + bad + healed:
+        mbps = 78.0 if (a, b, t) in bad else 120.0
+        for me, peer in ((SIX[a], SIX[b]), (SIX[b], SIX[a])):
+            p = Probe(kind="tcp_pair", time=T0 + t, ok=True, peer=peer, busbw_bytes_per_second=mbps * 1e6)
+            loc.observe(report(me, T0 + t, [p]), SIX_PLACE, received=T0 + t + 1.0)
+    verdict = loc.run(T0 + 450)
+    assert (SIX[1], SIX[4]) not in verdict.links

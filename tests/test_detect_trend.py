@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from aggregator.detect.peers import nanmedian
-from aggregator.detect.trend import TrendDetector
+from aggregator.detect.trend import TrendConfig, TrendDetector
 from aggregator.fleet.frame import GPU_COLUMN, GPU_FIELDS, NIC_COLUMN, NIC_FIELDS, PoolFrame
 from aggregator.model import Finding
 
@@ -34,11 +34,15 @@ class SmallPool:
         heat: dict[tuple[int, int], float] | None = None,
         power: dict[tuple[int, int], float] | None = None,
         ambient: float = 0.0,
+        idle: frozenset[tuple[int, int]] = frozenset(),
     ) -> None:
         rng = self.rng
         for i, name in enumerate(self.names):
             gpu = np.full((GPUS, len(GPU_FIELDS)), np.nan, np.float32)
             gpu[:, GPU_COLUMN["utilization_ratio"]] = rng.uniform(0.85, 1.0, GPUS)
+            for g in range(GPUS):
+                if (i, g) in idle:
+                    gpu[g, GPU_COLUMN["utilization_ratio"]] = 0.0
             temp = 65 + ambient + self.temp_offset[i] + rng.normal(0, 1.0, GPUS)
             watts = 600 + rng.normal(0, 40.0, GPUS)
             for g in range(GPUS):
@@ -164,3 +168,19 @@ def test_nanmedian_matches_numpy_and_gives_nan_for_empty_lanes() -> None:
     for ax in (0, 1, 2):
         np.testing.assert_allclose(nanmedian(a, ax), expected[ax], equal_nan=True)
     assert np.isnan(nanmedian(a, 1)[2, 1])
+
+
+def test_a_gpu_heating_up_after_its_job_started_is_not_drift() -> None:
+    # GPU 2 of n1 idles at 35 C, then starts a job: its temperature climbs towards its loaded
+    # level with the heat sink's time constant (90 s), at constant power. The minutes right after
+    # the start are cooler than the minutes after them; that is settling, not worse cooling.
+    pool = SmallPool(12)
+    detector = TrendDetector()
+    for _ in range(30):
+        pool.step(idle=frozenset({(1, 2)}), heat={(1, 2): -30.0}, power={(1, 2): 0.15})
+    for k in range(22):
+        pool.step(heat={(1, 2): -30.0 * float(np.exp(-k * INTERVAL / 90.0))})
+    assert findings(detector.run_pool(pool.frame, pool.t)) == []
+    # The same trace judged without waiting for settling calls it a drift: the check matters.
+    eager = TrendDetector(TrendConfig(settle_seconds=0.0))
+    assert {f.key for _, f in findings(eager.run_pool(pool.frame, pool.t))} >= {"trend-temperature:gpu2"}

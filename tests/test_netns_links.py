@@ -71,6 +71,7 @@ links:
   half_life_seconds: 60.0        # longer than max_age: every partner weighs about the same
   max_age_seconds: 40.0          # two rotations of a pair; what the healing waits for
   dedupe_seconds: 1.0            # both ends' copies of one probe land within ~0.1 s
+  judge_after_seconds: 4.0       # one round: a fresh end is judged on the partners that follow
   min_partners: 3
   min_low_probes: 2
   link_clear_for_seconds: 6.0

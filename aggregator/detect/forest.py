@@ -48,6 +48,7 @@ import numpy as np
 import numpy.typing as npt
 from sklearn.ensemble import IsolationForest  # type: ignore[import-untyped]  # no stubs shipped
 
+from aggregator.detect.load import settled
 from aggregator.detect.peers import MAD_SCALE, nanmedian
 from aggregator.fleet.frame import GPU_COLUMN, FleetFrames, PoolFrame
 from aggregator.model import Finding
@@ -167,12 +168,10 @@ def pool_vectors(frame: PoolFrame, now: float, config: ForestConfig) -> PoolVect
     # A slot counts as loaded once the GPU has been busy for ``settle_seconds`` before it: a GPU
     # that started a job a minute ago is still heating up (heat sinks take minutes), and would
     # look colder than every settled peer. Slots before the held history cannot vouch for it.
-    run = np.cumsum(busy, axis=0, dtype=np.int64)
-    before = np.concatenate([np.zeros((settle + 1, *busy.shape[1:]), np.int64), run], axis=0)[: busy.shape[0]]
-    settled = busy & (run - before >= settle + 1) & (np.arange(busy.shape[0]) >= settle)[:, None, None]
+    loaded_all = settled(busy, settle)
     first = int(np.searchsorted(all_starts, t0 - 1e-9)) if all_starts.size else 0
     gpu = history[first:]
-    loaded = settled[first:]
+    loaded = loaded_all[first:]
     starts = all_starts[first:]
     window_start = float(starts[0]) if starts.size else t0
     count = loaded.sum(axis=0)  # (nodes, gpus)

@@ -65,6 +65,10 @@ class LinkConfig:
     z: float = 3.0  # how many standard errors below normal an effect must be
     spread_floor: float = 0.02  # lower bound of the robust spread of log bandwidth (2 %)
     switch_min_culprits: int = 3  # culprits in one rack/leaf that make a switch alert
+    # An end of a slow pair with too few other partners by the pair's last slow result (it ran a
+    # job until just before) is judged "normal then" on those that follow within this long: the
+    # confirm step's fresh partners come minutes later.
+    judge_after_seconds: float = 300.0
     polish_iterations: int = 30
 
 
@@ -278,7 +282,11 @@ class LinkLocalizer:
         """Whether ``end`` was normal with its other partners when ``pair`` was last slow. A node
         that was slow with everyone and has since been fixed is normal now, but its old slow
         pairs are its own past, not slow links: judged on today's effects alone they would be.
-        One vote per other partner (its probes up to then); slow with most of them is not normal."""
+        One vote per other partner (its probes up to then); slow with most of them is not normal.
+        An end with too few partners by then (it ran a job until just before) is judged on the
+        partners that follow within ``judge_after_seconds``: the confirm step's fresh partners.
+        Never both: a node that was slow with many partners and recovered right after must not
+        have its recovery vote for its own slow past."""
         cfg = self.config
         last_slow = max(
             (t for o in mine for x, t in zip(o.ratios, o.times, strict=True) if x < cfg.pair_ratio),
@@ -286,20 +294,39 @@ class LinkLocalizer:
         )
         if last_slow is None:
             return True
+        need = max(1, cfg.min_partners - 1)
         until = last_slow + cfg.dedupe_seconds
+        then = self._votes(end, pair, involving, until)
+        if len(then) < need:
+            # The earliest moment it had enough partners, if that came soon enough: the nearest
+            # evidence in time, so a recovery that came later does not vote.
+            first: dict[str, float] = {}
+            for o in involving:
+                if o.pair != pair:
+                    other = o.pair[1] if o.pair[0] == end else o.pair[0]
+                    first[other] = min(*o.times, first.get(other, math.inf))
+            later = sorted(t for t in first.values() if t > until)
+            missing = need - len(then)
+            enough_at = later[missing - 1] if len(later) >= missing else math.inf
+            if enough_at <= last_slow + cfg.judge_after_seconds:
+                then = self._votes(end, pair, involving, enough_at)
+        if len(then) < need:
+            # Its other partners of that time have aged out (or there were none): as with too
+            # few partners, a slow pair and a slow end cannot be told apart.
+            return False
+        slow = sum(1 for m in then if m < math.log(cfg.node_ratio))
+        return 2 * slow <= len(then)
+
+    @staticmethod
+    def _votes(end: str, pair: Pair, involving: list[_Obs], until: float) -> list[float]:
+        """Per other partner of ``end``, the mean log ratio of its probes up to ``until``."""
         votes: dict[str, list[float]] = defaultdict(list)
         for o in involving:
             if o.pair == pair:
                 continue
             other = o.pair[1] if o.pair[0] == end else o.pair[0]
             votes[other] += [math.log(x) for x, t in zip(o.ratios, o.times, strict=True) if t <= until]
-        then = [sum(v) / len(v) for v in votes.values() if v]
-        if len(then) < max(1, cfg.min_partners - 1):
-            # Its other partners of that time have aged out (or there were none): as with too
-            # few partners, a slow pair and a slow end cannot be told apart.
-            return False
-        slow = sum(1 for m in then if m < math.log(cfg.node_ratio))
-        return 2 * slow <= len(then)
+        return [sum(v) / len(v) for v in votes.values() if v]
 
     def _polish(
         self, n: int, ii: npt.NDArray[np.int_], jj: npt.NDArray[np.int_], y: Float, w: Float

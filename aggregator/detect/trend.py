@@ -17,7 +17,9 @@ frame becomes the new normal here: levels are the rules' job, changes are this o
 over the last ``drift_slots`` slots against its median under load before them. The pool's median
 change is subtracted (the room warms up for everyone; in a one-node pool, the node's GPUs are the
 pool), and a GPU whose power under load rose by more than ``drift_power_ratio`` is left out (more
-power is more heat, not worse cooling). ``drift_celsius`` or more is an alert.
+power is more heat, not worse cooling). ``drift_celsius`` or more is an alert. A slot counts as
+under load only once the GPU has been busy for ``settle_seconds`` before it: a GPU still heating up
+after its job started is not drifting (``aggregator/detect/load.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from aggregator.detect.load import settled
 from aggregator.detect.peers import MAD_SCALE, nanmedian
 from aggregator.fleet.frame import GPU_COLUMN, NIC_COLUMN, FleetFrames, PoolFrame, nic_name
 from aggregator.model import Action, Finding
@@ -89,6 +92,9 @@ class TrendConfig:
     # the paste. Not yet a throttle (rules and peers see that), so an alert.
     drift_celsius: float = 10.0
     drift_power_ratio: float = 1.1
+    # A slot counts as loaded for the drift check only once the GPU was busy for this long before
+    # it (aggregator/detect/load.py): a GPU still heating up after its job started is not a drift.
+    settle_seconds: float = 180.0
 
 
 @dataclass(frozen=True)
@@ -251,7 +257,8 @@ class TrendDetector:
         slots = gpu.shape[0]
         if slots - c.drift_slots < c.min_drift_samples:
             return
-        loaded = gpu[..., GPU_COLUMN["utilization_ratio"]].astype(np.float64) >= c.load_threshold
+        busy = gpu[..., GPU_COLUMN["utilization_ratio"]].astype(np.float64) >= c.load_threshold
+        loaded = settled(busy, max(0, round(c.settle_seconds / interval)))
         power = np.where(loaded, gpu[..., GPU_COLUMN["power_watts"]].astype(np.float64), np.nan)
         split = slots - c.drift_slots
         power_before = nanmedian(power[:split], axis=0)

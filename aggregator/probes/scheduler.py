@@ -35,17 +35,19 @@ spend a bandwidth budget: the bytes of pair probes started in any window of
 ones). Local probes use no network and count only fleet-wide. What does not fit waits for a later
 dispatch in the same round, in the order: preflight, confirm, rotation, local.
 
-**Confirm re-probes** (the semantics of ``sim/fleet.py``'s ``_plan_confirms``). A rotation or
-unscheduled pair result that failed, or whose bandwidth is under ``suspicious_ratio`` of the
-pool's expected bandwidth (the median of its recent ok results of that kind), asks for the pair
-again (not before ``pair_again_after_seconds``: the localizer merges copies closer than that) and
-for ``fresh_partners`` new partners for each end: idle, in the same group if possible, not paired
-with it within one full rotation. Requests not served within ``confirm_within_rounds`` rounds
-are dropped; a node has at most ``max_pending_confirms`` outstanding. A confirm result never asks
-for more confirms, so a bad node cannot start a storm. A probe during which an end turned busy
-("interrupted": the agent steps aside for the job) says nothing about the hardware and is ignored
-for confirms and for known-good, as is a result whose error starts with the agent's
-``skipped:`` or ``stepped aside:`` (``BUSY_ERROR_PREFIXES``).
+**Confirm re-probes.** A rotation or unscheduled pair result that failed, or whose bandwidth is
+under ``suspicious_ratio`` of the pool's expected bandwidth (the median of its recent ok results of
+that kind), asks for the pair again first (planned at once, holding both ends, starting
+``pair_again_after_seconds`` after the result: the link localizer merges copies closer than its
+``dedupe_seconds``, and a link verdict needs two slow results of the pair itself), then for
+``fresh_partners`` new partners for each end: idle, in the same group if possible, not paired with
+it within one full rotation; they wait for the repeat while both its ends are idle. Requests not
+served within ``confirm_within_rounds`` rounds are dropped; a node has at most
+``max_pending_confirms`` outstanding. A confirm result never asks for more confirms, so a bad node
+cannot start a storm. A probe during which an end turned busy ("interrupted": the agent steps
+aside for the job) says nothing about the hardware and is ignored for confirms and for known-good,
+as is a result whose error starts with the agent's ``skipped:`` or ``stepped aside:``
+(``BUSY_ERROR_PREFIXES``).
 
 **Preflight.** A node observed with ``preflight=True`` leaves the rotation until it has a verdict:
 first its local probe (when ``local_kind`` is set), then a pair probe with a known-good partner
@@ -281,6 +283,9 @@ class _Confirm:
     not_before: float
     expires: float
     exclude: set[str]  # shared by the requests of one trigger: partners already chosen
+    start_at: float | None = None  # the pair again: its probe starts no earlier than this
+    repeat: _Confirm | None = None  # a fresh partner's: the trigger's pair-again request
+    done: bool = False  # served or expired
 
 
 class ProbeScheduler:
@@ -661,7 +666,14 @@ class ProbeScheduler:
         return tuple(sorted({d for d in (da, db) if d is not None}))
 
     def _try_pair(
-        self, a: str, b: str, reason: Reason, now: float, preflight_node: str | None = None
+        self,
+        a: str,
+        b: str,
+        reason: Reason,
+        now: float,
+        preflight_node: str | None = None,
+        *,
+        start_at: float | None = None,
     ) -> bool:
         na, nb = self._nodes.get(a), self._nodes.get(b)
         if na is None or nb is None:
@@ -676,7 +688,7 @@ class ProbeScheduler:
             return False
         if not self._fits(self._pair_domains(a, b), True, now):
             return False
-        self._launch(self.config.pair_kind, reason, (a, b), now, preflight_node)
+        self._launch(self.config.pair_kind, reason, (a, b), now, preflight_node, start_at=start_at)
         return True
 
     def _idle_now(self, n: _Node, now: float) -> bool:
@@ -767,6 +779,7 @@ class ProbeScheduler:
         for req in self._confirms:
             # Served or expired, a request stops counting against its nodes' pending limit.
             if now >= req.expires or (now >= req.not_before and self._serve_confirm(req, now)):
+                req.done = True
                 self._release_confirm(req)
             else:
                 keep.append(req)
@@ -776,13 +789,22 @@ class ProbeScheduler:
         x = self._nodes.get(req.node)
         if x is None or not self._ready(x, now):
             return False
+        rep = req.repeat
+        if rep is not None and not rep.done and rep.peer is not None and self._repeat_possible(rep, now):
+            return False  # the pair again goes first
         if req.peer is not None:
-            return self._try_pair(req.node, req.peer, "confirm", now)
+            return self._try_pair(req.node, req.peer, "confirm", now, start_at=req.start_at)
         partner = self._fresh_partner(x, req.exclude, now)
         if partner is None or not self._try_pair(req.node, partner, "confirm", now):
             return False
         req.exclude.add(partner)
         return True
+
+    def _repeat_possible(self, rep: _Confirm, now: float) -> bool:
+        """Whether the pair-again request can still run soon: both ends idle and heard from (one
+        may be held for a few seconds more by the probe that triggered it)."""
+        ends = (self._nodes.get(rep.node), self._nodes.get(rep.peer or ""))
+        return all(n is not None and self._idle_now(n, now) for n in ends)
 
     def _fresh_partner(self, x: _Node, exclude: set[str], now: float) -> str | None:
         """Idle, not excluded, not paired with ``x`` within one full rotation of its group; the
@@ -833,6 +855,8 @@ class ProbeScheduler:
         nodes: tuple[str, ...],
         now: float,
         preflight_node: str | None = None,
+        *,
+        start_at: float | None = None,
     ) -> _Probe:
         cfg = self.config
         if self._id_prefix is None:
@@ -841,7 +865,7 @@ class ProbeScheduler:
         self._seq += 1
         pid = f"{self._id_prefix}-{self._seq:x}"
         pair = len(nodes) == 2
-        not_before = now + cfg.start_delay_seconds
+        not_before = max(now + cfg.start_delay_seconds, start_at if start_at is not None else -math.inf)
         deadline = not_before + (cfg.pair_deadline_seconds if pair else cfg.local_deadline_seconds)
         size = cfg.pair_size_bytes if pair else cfg.local_size_bytes
         base = Assignment(
@@ -1011,16 +1035,27 @@ class ProbeScheduler:
         cfg = self.config
         expires = now + cfg.confirm_within_rounds * cfg.round_seconds
         exclude = {a, b}
-        requests: list[tuple[str, str | None, float]] = [(a, b, now + cfg.pair_again_after_seconds)]
+        # The pair again is what a link verdict needs most (the localizer wants two slow results
+        # of the pair itself), and its ends may be busy again soon: it is planned first and at
+        # once, holding both ends, with its start pair_again_after_seconds after this result so
+        # the localizer does not take it for a copy. The fresh partners wait for it while both
+        # ends are idle (one end may still be held by the probe that triggered this, until its
+        # own copy of the result is in); an end that is busy lets the other end's go on.
+        requests: list[tuple[str, str | None]] = [(a, b)]
         for end in (a, b):
-            requests += [(end, None, now)] * cfg.fresh_partners
-        for x, peer, not_before in requests:
+            requests += [(end, None)] * cfg.fresh_partners
+        repeat: _Confirm | None = None
+        for x, peer in requests:
             ends = (x,) if peer is None else (x, peer)
             if any(self._pending[e] >= cfg.max_pending_confirms for e in ends):
                 continue
             for e in ends:
                 self._pending[e] += 1
-            self._confirms.append(_Confirm(x, peer, not_before, expires, exclude))
+            if peer is not None:
+                repeat = _Confirm(x, peer, now, expires, exclude, start_at=now + cfg.pair_again_after_seconds)
+                self._confirms.append(repeat)
+            else:
+                self._confirms.append(_Confirm(x, None, now, expires, exclude, repeat=repeat))
         self._next_dispatch = now  # confirms go out at the next tick, not the next second
 
     def _preflight_result(
