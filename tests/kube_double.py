@@ -69,7 +69,8 @@ import logging
 import re
 import secrets
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -77,6 +78,9 @@ from types import TracebackType
 from typing import Any
 
 from aiohttp import web
+
+from aggregator.kube.client import KubeClient
+from aggregator.kube.objects import Condition, EventRecord, Lease, Node, NodeEvent, NodeList, Taint
 
 log = logging.getLogger(__name__)
 
@@ -989,3 +993,83 @@ def _watch_event(change: _Change, requirements: list[Requirement]) -> tuple[str,
         gone["metadata"]["resourceVersion"] = str(change.resource_version)
         return ("DELETED", gone)
     return None
+
+
+class Intercepted:
+    """A ``KubeApi`` that forwards every call to a real client, calling ``before(op)`` first (to
+    record it, or to fail it as a lost connection would) and ``after_get(name)`` right after each
+    node read (to play a writer that slips in between our read and our patch). ``watch_from``
+    replaces the first watch's resourceVersion (to start a watch from a compacted version)."""
+
+    def __init__(self, inner: KubeClient) -> None:
+        self.inner = inner
+        self.after_get: Callable[[str], None] | None = None
+        self.watch_from: str | None = None
+
+    def before(self, op: str) -> None:
+        """Called before each call: ``get``, ``list``, ``watch`` (and each event), ``patch``,
+        ``condition``, ``event``, ``get lease``, ``create lease``, ``replace lease``."""
+
+    async def get_node(self, name: str) -> Node:
+        self.before("get")
+        node = await self.inner.get_node(name)
+        if self.after_get is not None:
+            self.after_get(name)
+        return node
+
+    async def list_nodes(self, *, label_selector: str | None = None) -> NodeList:
+        self.before("list")
+        return await self.inner.list_nodes(label_selector=label_selector)
+
+    async def watch_nodes(
+        self, *, resource_version: str, timeout_seconds: int = 300, label_selector: str | None = None
+    ) -> AsyncGenerator[NodeEvent, None]:
+        self.before("watch")
+        if self.watch_from is not None:
+            resource_version, self.watch_from = self.watch_from, None
+        async with aclosing(
+            self.inner.watch_nodes(
+                resource_version=resource_version,
+                timeout_seconds=timeout_seconds,
+                label_selector=label_selector,
+            )
+        ) as events:
+            async for event in events:
+                self.before("watch")
+                yield event
+
+    async def patch_node(
+        self,
+        name: str,
+        *,
+        resource_version: str,
+        taints: Sequence[Taint] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+    ) -> Node:
+        self.before("patch")
+        return await self.inner.patch_node(
+            name, resource_version=resource_version, taints=taints, annotations=annotations
+        )
+
+    async def patch_node_condition(self, name: str, condition: Condition) -> Node:
+        self.before("condition")
+        return await self.inner.patch_node_condition(name, condition)
+
+    async def create_event(self, namespace: str, event: EventRecord) -> None:
+        self.before("event")
+        await self.inner.create_event(namespace, event)
+
+    async def get_lease(self, namespace: str, name: str) -> Lease:
+        self.before("get lease")
+        return await self.inner.get_lease(namespace, name)
+
+    async def create_lease(self, lease: Lease) -> Lease:
+        self.before("create lease")
+        return await self.inner.create_lease(lease)
+
+    async def replace_lease(self, lease: Lease) -> Lease:
+        self.before("replace lease")
+        return await self.inner.replace_lease(lease)
+
+    async def close(self) -> None:
+        await self.inner.close()

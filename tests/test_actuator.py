@@ -13,7 +13,7 @@ import json
 import logging
 import random
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -25,18 +25,12 @@ from agent.clock import FakeClock
 from aggregator.config import PreflightConfig, RemediationConfig
 from aggregator.kube.client import KubeClient
 from aggregator.kube.objects import (
-    Condition,
-    EventRecord,
     KubeConflict,
-    Node,
-    NodeEvent,
-    NodeList,
-    Taint,
     TaintEffect,
 )
 from aggregator.remediate.actuator import Actuator, ActuatorMetrics, label_value, rfc3339
 from aggregator.remediate.model import HealthSnapshot, NodeIntent, decode_snapshot
-from tests.kube_double import KubeApiDouble
+from tests.kube_double import Intercepted, KubeApiDouble
 
 OURS = "gpuwarden.io/unhealthy"
 PREFLIGHT = "gpuwarden.io/preflight"
@@ -119,72 +113,20 @@ class Timers:
         self._parked = keep
 
 
-class Recording:
-    """A KubeApi wrapper that records the fake time of every call and can run a hook after a read
-    (to play a writer that slips in between our read and our patch)."""
+class Recording(Intercepted):
+    """The client, recording the fake time of every node read and write (the actuator's own
+    calls: lists and watches are the informer's); the actuator never touches leases."""
 
     def __init__(self, inner: KubeClient, clock: FakeClock) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.clock = clock
         self.calls: list[tuple[float, str]] = []
-        self.after_get: Callable[[str], None] | None = None
-        self.watch_from: str | None = None  # replaces the first watch's resourceVersion
 
-    def _note(self, what: str) -> None:
-        self.calls.append((self.clock.monotonic(), what))
-
-    async def get_node(self, name: str) -> Node:
-        self._note("get")
-        node = await self.inner.get_node(name)
-        if self.after_get is not None:
-            self.after_get(name)
-        return node
-
-    async def list_nodes(self, *, label_selector: str | None = None) -> NodeList:
-        return await self.inner.list_nodes(label_selector=label_selector)
-
-    async def watch_nodes(
-        self, *, resource_version: str, timeout_seconds: int = 300, label_selector: str | None = None
-    ) -> AsyncGenerator[NodeEvent, None]:
-        if self.watch_from is not None:
-            resource_version, self.watch_from = self.watch_from, None
-        async for event in self.inner.watch_nodes(
-            resource_version=resource_version, timeout_seconds=timeout_seconds
-        ):
-            yield event
-
-    async def patch_node(
-        self,
-        name: str,
-        *,
-        resource_version: str,
-        taints: Sequence[Taint] | None = None,
-        annotations: Mapping[str, str | None] | None = None,
-    ) -> Node:
-        self._note("patch")
-        return await self.inner.patch_node(
-            name, resource_version=resource_version, taints=taints, annotations=annotations
-        )
-
-    async def patch_node_condition(self, name: str, condition: Condition) -> Node:
-        self._note("condition")
-        return await self.inner.patch_node_condition(name, condition)
-
-    async def create_event(self, namespace: str, event: EventRecord) -> None:
-        self._note("event")
-        await self.inner.create_event(namespace, event)
-
-    async def get_lease(self, namespace: str, name: str) -> Any:
-        raise AssertionError("the actuator never reads leases")
-
-    async def create_lease(self, lease: Any) -> Any:
-        raise AssertionError("the actuator never writes leases")
-
-    async def replace_lease(self, lease: Any) -> Any:
-        raise AssertionError("the actuator never writes leases")
-
-    async def close(self) -> None:
-        await self.inner.close()
+    def before(self, op: str) -> None:
+        if "lease" in op:
+            raise AssertionError(f"the actuator never touches leases ({op})")
+        if op in ("get", "patch", "condition", "event"):
+            self.calls.append((self.clock.monotonic(), op))
 
 
 # -- helpers --------------------------------------------------------------------------------------

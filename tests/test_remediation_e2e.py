@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,14 +47,7 @@ from aggregator.config import (
 from aggregator.decisions import Decision, DecisionLog
 from aggregator.kube.client import KubeClient
 from aggregator.kube.objects import (
-    Condition,
-    EventRecord,
     KubeUnavailable,
-    Lease,
-    Node,
-    NodeEvent,
-    NodeList,
-    Taint,
 )
 from aggregator.metrics import Metrics
 from aggregator.notify import make_dispatcher
@@ -65,7 +58,7 @@ from aggregator.remediate.runtime import BREAKER_ANNOTATION, BREAKER_RESET_PATH,
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.rules.model import Rule
 from aggregator.service import REPORTS_PATH, create_app, serve
-from tests.kube_double import KubeApiDouble
+from tests.kube_double import Intercepted, KubeApiDouble
 from tests.rulekit import report, xid
 
 NS = "gpuwarden"
@@ -104,80 +97,17 @@ def config(
 # -- the replicas' Kubernetes client --------------------------------------------------------------
 
 
-class Severable:
-    """A KubeClient that can be cut off from the API server (a crash or a partition: every call
+class Severable(Intercepted):
+    """The client, cut off from the API server on demand (a crash or a partition: every call
     fails as an unreachable server does), with a hook run right after each node read."""
 
     def __init__(self, inner: KubeClient) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.severed = False
-        self.after_get: Callable[[str], None] | None = None
 
-    def _check(self, what: str) -> None:
+    def before(self, op: str) -> None:
         if self.severed:
-            raise KubeUnavailable(f"{what}: connection refused (severed by the test)")
-
-    async def get_node(self, name: str) -> Node:
-        self._check("get node")
-        node = await self.inner.get_node(name)
-        if self.after_get is not None:
-            self.after_get(name)
-        return node
-
-    async def list_nodes(self, *, label_selector: str | None = None) -> NodeList:
-        self._check("list nodes")
-        return await self.inner.list_nodes(label_selector=label_selector)
-
-    async def watch_nodes(
-        self, *, resource_version: str, timeout_seconds: int = 300, label_selector: str | None = None
-    ) -> AsyncGenerator[NodeEvent, None]:
-        self._check("watch nodes")
-        async with aclosing(
-            self.inner.watch_nodes(
-                resource_version=resource_version,
-                timeout_seconds=timeout_seconds,
-                label_selector=label_selector,
-            )
-        ) as events:
-            async for event in events:
-                self._check("watch nodes")
-                yield event
-
-    async def patch_node(
-        self,
-        name: str,
-        *,
-        resource_version: str,
-        taints: Sequence[Taint] | None = None,
-        annotations: Mapping[str, str | None] | None = None,
-    ) -> Node:
-        self._check("patch node")
-        return await self.inner.patch_node(
-            name, resource_version=resource_version, taints=taints, annotations=annotations
-        )
-
-    async def patch_node_condition(self, name: str, condition: Condition) -> Node:
-        self._check("patch node status")
-        return await self.inner.patch_node_condition(name, condition)
-
-    async def create_event(self, namespace: str, event: EventRecord) -> None:
-        self._check("create event")
-        await self.inner.create_event(namespace, event)
-
-    async def get_lease(self, namespace: str, name: str) -> Lease:
-        self._check("get lease")
-        return await self.inner.get_lease(namespace, name)
-
-    async def create_lease(self, lease: Lease) -> Lease:
-        self._check("create lease")
-        return await self.inner.create_lease(lease)
-
-    async def replace_lease(self, lease: Lease) -> Lease:
-        self._check("replace lease")
-        return await self.inner.replace_lease(lease)
-
-    async def close(self) -> None:
-        await self.inner.close()
+            raise KubeUnavailable(f"{op}: connection refused (severed by the test)")
 
 
 # -- one replica, wired as aggregator.cli._serve wires it -----------------------------------------
