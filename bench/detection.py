@@ -57,6 +57,7 @@ HARD_WITHIN_S: Final = 30.0
 SOFT_WITHIN_S: Final = 600.0
 SOFT_RECALL: Final = 0.85
 LINK_WITHIN_S: Final = 600.0
+WITHIN_S: Final = {"hard": HARD_WITHIN_S, "soft": SOFT_WITHIN_S, "link": LINK_WITHIN_S}
 MAX_FALSE_QUARANTINES: Final = 1
 CLASS_ORDER: Final = ("hard", "soft", "link", "silent")
 
@@ -302,7 +303,7 @@ def _why(f: dict[str, Any]) -> str:
     shown = f.get("shown_for_s")
     if f["first_seen"] is None:
         return ": never shown in the trace"
-    target = {"hard": HARD_WITHIN_S, "soft": SOFT_WITHIN_S, "link": LINK_WITHIN_S}.get(f["class"])
+    target = WITHIN_S.get(f["class"])
     if shown is not None and target is not None and shown < target:
         return f": first shown {shown:.0f} s before the trace ended"
     return ""
@@ -315,9 +316,7 @@ def _detail(runs: list[dict[str, Any]]) -> list[str]:
         slow = [
             f"{f['kind']} {f['ttd_s']:.0f} s"
             for f in r["faults"]
-            if f["ttd_s"] is not None
-            and f["ttd_s"]
-            > {"hard": HARD_WITHIN_S, "soft": SOFT_WITHIN_S, "link": LINK_WITHIN_S}.get(f["class"], 1e9)
+            if f["ttd_s"] is not None and f["ttd_s"] > WITHIN_S.get(f["class"], 1e9)
         ]
         fq = [f"{q['node']} ({q['cause']}, {'+'.join(q['detectors'])})" for q in r["false_quarantines"]]
         lines.append(

@@ -130,8 +130,8 @@ def _plan_pair_probes(
     def heard(n: str, t: float) -> bool:
         return not any(t0 <= t < t1 for t0, t1 in downs[n]) and not any(t0 <= t < t1 for t0, t1 in quiet[n])
 
-    def free(n: str, t: float) -> bool:
-        return not timelines[n].busy(t) and not any(t0 <= t < t1 for t0, t1 in downs[n])
+    def free(n: str, t: float) -> bool:  # asked only while the node is heard: up
+        return not timelines[n].busy(t)
 
     def measure(a: str, b: str, t: float) -> PairProbe:
         noise = random.Random(f"gpuwarden-sim-pair:{s.seed}:{a}:{b}:{t:.3f}").gauss(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 from agent.report import Probe
@@ -111,10 +111,7 @@ def plan_pair_probes(
             if run > end or run > assignment.deadline or not _both(free, heard, name, peer, run):
                 continue
             a, b = sorted((name, peer))
-            plan = measure(a, b, round(run, 3))
-            plan = PairProbe(
-                plan.true_time, a, b, plan.probe_a, plan.probe_b, plan.shows, _reason(sched, assignment.id)
-            )
+            plan = replace(measure(a, b, round(run, 3)), reason=_reason(sched, assignment.id))
             for node, copy in ((a, plan.probe_a), (b, plan.probe_b)):
                 heapq.heappush(to_report[node], (plan.true_time, order, copy))
                 order += 1

@@ -790,7 +790,7 @@ class ProbeScheduler:
         if x is None or not self._ready(x, now):
             return False
         rep = req.repeat
-        if rep is not None and not rep.done and rep.peer is not None and self._repeat_possible(rep, now):
+        if rep is not None and not rep.done and self._repeat_possible(rep, now):
             return False  # the pair again goes first
         if req.peer is not None:
             return self._try_pair(req.node, req.peer, "confirm", now, start_at=req.start_at)
@@ -803,7 +803,7 @@ class ProbeScheduler:
     def _repeat_possible(self, rep: _Confirm, now: float) -> bool:
         """Whether the pair-again request can still run soon: both ends idle and heard from (one
         may be held for a few seconds more by the probe that triggered it)."""
-        ends = (self._nodes.get(rep.node), self._nodes.get(rep.peer or ""))
+        ends = [self._nodes.get(name) for name in (rep.node, rep.peer) if name is not None]
         return all(n is not None and self._idle_now(n, now) for n in ends)
 
     def _fresh_partner(self, x: _Node, exclude: set[str], now: float) -> str | None:
