@@ -6,7 +6,8 @@ directory)::
     .venv/bin/python bench/detection.py [SCENARIO ...] [--seeds 5] [--jobs 2]
         [--sweep slow_gpu.ratio=0.92,0.88,0.80] [--sweep-seeds 3] [--json FILE]
 
-What it does, for every scenario (default ``scenarios/fleet64.yaml``) and seed 1..``--seeds``:
+What it does, for every scenario (default ``scenarios/fleet64.yaml``; ``othergen`` for traces of
+``bench/othergen.py``, the second generator) and seed 1..``--seeds``:
 ``sim.cli.write_trace`` writes the trace and the truth, ``aggregator.replay.replay`` runs the
 live pipeline over it with the default configuration and shipped rules, and ``sim.eval`` scores
 the decisions and the baseline (critical XIDs, DBE, remap failure, >= 85 C, IB port down) on the
@@ -24,6 +25,7 @@ a build; the published table is in docs/detection.md ("Results").
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import logging
 import os
@@ -39,6 +41,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
+import othergen  # bench/othergen.py, beside this script
+
 from agent.errors import ConfigError
 from aggregator.config import Config
 from aggregator.replay import replay
@@ -51,6 +55,10 @@ from sim.truth import Truth, TruthFault
 log = logging.getLogger("bench.detection")
 
 DEFAULT_SCENARIO: Final = Path("scenarios/fleet64.yaml")
+# In place of a scenario file: traces from bench/othergen.py, a second generator written apart from
+# sim/ (its own job model, prober and fault magnitudes), so the detectors meet data they were not
+# tuned on.
+OTHERGEN: Final = "othergen"
 DEFAULT_SWEEP: Final = "slow_gpu.ratio=0.92,0.88,0.80"
 # The issue's targets (issue 4, "Targets").
 HARD_WITHIN_S: Final = 30.0
@@ -127,12 +135,16 @@ def run_job(job: Job) -> dict[str, Any]:
     # The pipeline logs every decision and systemic event; the table is the output here.
     logging.getLogger().setLevel(logging.ERROR)
     started = time.perf_counter()
-    s = scenario_mod.load(Path(job.scenario)).with_overrides(seed=job.seed, nodes=None, minutes=None)
-    s = _with_sweep(s, job.sweep)
     with tempfile.TemporaryDirectory(prefix="gpuwarden-detection-") as tmp:
         trace = Path(tmp) / "trace.jsonl.gz"
         decisions_path = Path(tmp) / "decisions.jsonl"
-        reports, truth = write_trace(s, trace)
+        if job.scenario == OTHERGEN:
+            truth = othergen.write(job.seed, trace, Path(tmp) / "truth.json")
+            with gzip.open(trace, "rt", encoding="utf-8") as f:
+                reports = sum(1 for _ in f)
+        else:
+            s = scenario_mod.load(Path(job.scenario)).with_overrides(seed=job.seed, nodes=None, minutes=None)
+            reports, truth = write_trace(_with_sweep(s, job.sweep), trace)
         config = Config()
         rules = load_rules([Path(config.rules_dir) if config.rules_dir else default_rules_dir()])
         replay(trace, decisions_path, config, rules)
@@ -193,38 +205,79 @@ def _class_rows(runs: list[dict[str, Any]]) -> list[str]:
     return rows
 
 
-def _targets(runs: list[dict[str, Any]]) -> list[str]:
-    """The issue's targets, judged per run and counted over runs."""
-    n = len(runs)
-    hard_ok = soft_ok = link_ok = fq_ok = 0
+def _in_time(f: dict[str, Any]) -> bool:
+    return f["ttd_s"] is not None and f["ttd_s"] <= WITHIN_S[f["class"]]
+
+
+def observable(f: dict[str, Any]) -> bool:
+    """Whether the trace gave a detector the fault's whole target window to catch it in.
+
+    A fault no report shows (a degraded link whose ends are never idle together, a load-only
+    fault on a node that never runs a job) cannot be caught by any detector; one first shown
+    less than its window before the trace ends is cut short. A fault caught in time counts as
+    observable whatever its window: the trace showed enough of it.
+    """
+    if _in_time(f):
+        return True
+    shown = f.get("shown_for_s")
+    return f["first_seen"] is not None and shown is not None and shown >= WITHIN_S[f["class"]]
+
+
+def _met(r: dict[str, Any], cls: str, faults: list[dict[str, Any]]) -> bool:
+    if cls == "soft":
+        return not faults or sum(map(_in_time, faults)) / len(faults) >= SOFT_RECALL
+    if cls == "link" and any(q["cause"] == "link_end" for q in r["false_quarantines"]):
+        return False  # an end was blamed for its link
+    return all(map(_in_time, faults))
+
+
+def _target_cells(runs: list[dict[str, Any]], cls: str) -> tuple[int, int, int]:
+    """Runs meeting the class's target; runs whose trace showed a fault of it; of those, meeting it
+    on the faults it showed (``observable``)."""
+    ok = seen = seen_ok = 0
     for r in runs:
-        hard = [f for f in r["faults"] if f["class"] == "hard"]
-        if all(f["ttd_s"] is not None and f["ttd_s"] <= HARD_WITHIN_S for f in hard):
-            hard_ok += 1
-        soft = [f for f in r["faults"] if f["class"] == "soft"]
-        in_time = sum(1 for f in soft if f["ttd_s"] is not None and f["ttd_s"] <= SOFT_WITHIN_S)
-        if not soft or in_time / len(soft) >= SOFT_RECALL:
-            soft_ok += 1
-        links = [f for f in r["faults"] if f["class"] == "link"]
-        attributed = r["gpuwarden"]["links"]["attributed"] == r["gpuwarden"]["links"]["faults"]
-        if attributed and all(f["ttd_s"] is not None and f["ttd_s"] <= LINK_WITHIN_S for f in links):
-            link_ok += 1
+        faults = [f for f in r["faults"] if f["class"] == cls]
+        ok += _met(r, cls, faults)
+        shown = [f for f in faults if observable(f)]
+        if shown:
+            seen += 1
+            seen_ok += _met(r, cls, shown)
+    return ok, seen, seen_ok
+
+
+def _targets(runs: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets, judged per run and counted over runs.
+
+    The last column judges each run on the faults its trace showed for their whole window
+    (``observable``); the faults it leaves out are named per seed below.
+    """
+    n = len(runs)
+    fq_ok = 0
+    for r in runs:
         fq = r["false_quarantines"]
         bad_cause = any(q["cause"] in ("lookalike", "silent_rack") for q in fq)
         if len(fq) <= MAX_FALSE_QUARANTINES and not bad_cause:
             fq_ok += 1
+    cells = {cls: _target_cells(runs, cls) for cls in ("hard", "soft", "link")}
+
+    def row(cls: str) -> str:
+        ok, seen, seen_ok = cells[cls]
+        return f"{ok}/{n} | {seen_ok}/{seen} |"
+
     soft_all = [f for r in runs for f in r["faults"] if f["class"] == "soft"]
-    soft_in = sum(1 for f in soft_all if f["ttd_s"] is not None and f["ttd_s"] <= SOFT_WITHIN_S)
+    soft_in = sum(map(_in_time, soft_all))
+    soft_seen = [f for f in soft_all if observable(f)]
     return [
-        "| target | runs meeting it |",
-        "|---|---|",
-        f"| every hard fault quarantined within {HARD_WITHIN_S:.0f} s of first showing | {hard_ok}/{n} |",
+        "| target | runs meeting it | of the runs whose trace showed it |",
+        "|---|---|---|",
+        f"| every hard fault quarantined within {HARD_WITHIN_S:.0f} s of first showing | {row('hard')}",
         f"| >= {100 * SOFT_RECALL:.0f}% of soft faults quarantined within {SOFT_WITHIN_S / 60:.0f} min "
-        f"(pooled: {_pct(soft_in, len(soft_all))}) | {soft_ok}/{n} |",
+        f"(pooled: {_pct(soft_in, len(soft_all))}; of those shown: "
+        f"{_pct(sum(map(_in_time, soft_seen)), len(soft_seen))}) | {row('soft')}",
         f"| degraded link reported as a link within {LINK_WITHIN_S / 60:.0f} min, neither end quarantined "
-        f"| {link_ok}/{n} |",
+        f"| {row('link')}",
         f"| at most {MAX_FALSE_QUARANTINES} false quarantine, none from look-alikes or the silent rack "
-        f"| {fq_ok}/{n} |",
+        f"| {fq_ok}/{n} | {fq_ok}/{n} |",
     ]
 
 
@@ -396,12 +449,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.seeds < 1 or args.sweep_seeds < 1 or args.jobs < 1:
         p.error("--seeds, --sweep-seeds and --jobs must be >= 1")
     for path in args.scenarios:
-        scenario_mod.load(path)  # a bad scenario fails here, before any worker starts
+        if str(path) != OTHERGEN:
+            scenario_mod.load(path)  # a bad scenario fails here, before any worker starts
     sweeps = (
         []
         if args.sweep == ["none"]
         else [pt for s in (args.sweep or [DEFAULT_SWEEP]) for pt in _parse_sweep(s)]
     )
+    if sweeps and str(args.scenarios[0]) == OTHERGEN:
+        p.error("--sweep needs a scenario file first (othergen draws its own magnitudes); add --sweep none")
     jobs = [Job(str(s), seed, None) for s in args.scenarios for seed in range(1, args.seeds + 1)]
     jobs += [
         Job(str(args.scenarios[0]), seed, pt) for pt in sweeps for seed in range(1, args.sweep_seeds + 1)

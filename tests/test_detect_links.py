@@ -276,3 +276,50 @@ def test_a_node_that_recovers_soon_after_its_first_slow_pair_does_not_make_it_a_
             loc.observe(report(me, T0 + t, [p]), SIX_PLACE, received=T0 + t + 1.0)
     verdict = loc.run(T0 + 450)
     assert (SIX[1], SIX[4]) not in verdict.links
+
+
+def sparse(loc: LinkLocalizer, factor: Factor, pairs: list[tuple[float, str, str]], seed: int = 0) -> float:
+    """Only the given (seconds after T0, a, b) probes, as a prober that tests one or two partners
+    per idle window leaves them; returns a moment after the last."""
+    rng = random.Random(seed)
+    for dt, a, b in pairs:
+        pt = T0 + dt
+        bw = BW * factor(a, b, pt) * rng.gauss(1.0, 0.015)
+        for me, peer in ((a, b), (b, a)):
+            p = Probe(kind="nccl_allreduce_pair", time=pt, ok=True, peer=peer, busbw_bytes_per_second=bw)
+            loc.observe(report(me, pt + 5, [p]), PLACE[me], received=pt + 5 + rng.uniform(0, 2))
+    return T0 + max(dt for dt, _, _ in pairs) + 60
+
+
+# Ends gpu-0004 and gpu-0005 meet twice; each has one other partner in between; the rest of the
+# leaf is probed around them so that the pool's expected bandwidth is known.
+SPARSE = [
+    (0.0, "gpu-0000", "gpu-0001"),
+    (0.0, "gpu-0002", "gpu-0003"),
+    (0.0, "gpu-0006", "gpu-0007"),
+    (280.0, "gpu-0004", "gpu-0002"),
+    (280.0, "gpu-0005", "gpu-0006"),
+    (285.0, "gpu-0004", "gpu-0005"),
+    (300.0, "gpu-0000", "gpu-0003"),
+    (300.0, "gpu-0001", "gpu-0007"),
+    (690.0, "gpu-0004", "gpu-0005"),
+]
+
+
+def test_sparse_prober_a_slow_pair_with_ends_normal_elsewhere_is_a_link() -> None:
+    # A prober that is not ours: two slow results for the pair, one normal partner per end.
+    loc = LinkLocalizer()
+    now = sparse(loc, lambda a, b, _t: 0.65 if {a, b} == {"gpu-0004", "gpu-0005"} else 1.0, SPARSE)
+    v = loc.run(now)
+    assert set(v.links) == {("gpu-0004", "gpu-0005")}
+    assert quarantined(v) == set()
+
+
+def test_sparse_prober_an_end_slow_with_its_other_partner_too_is_no_link() -> None:
+    # gpu-0004 is slow with everyone (a slow NIC): its pair with gpu-0005 is its own slowness.
+    loc = LinkLocalizer()
+    now = sparse(loc, lambda a, b, _t: 0.65 if "gpu-0004" in (a, b) else 1.0, SPARSE)
+    v = loc.run(now)
+    assert v.links == {}
+    # Two partners are too few to quarantine a node on: it waits for a third.
+    assert quarantined(v) == set()

@@ -31,6 +31,8 @@ class Fault:
     start: float  # seconds into the run
     slow: float = 0.0  # share of SM clock lost under load
     throttle: bool = False  # thermal: hot, HW/SW thermal slowdown, clocks down
+    power: float = 0.0  # share of power lost under load, clocks as its node-mates' (held back)
+    pcie_gen: float | None = None  # PCIe generation over max under load (a link trained low)
 
 
 @dataclass
@@ -48,6 +50,8 @@ class PoolSim:
     ambient_c_per_min: float = 0.0
     idle: bool = False
     faults: list[Fault] = field(default_factory=list)
+    # node -> power of the job it runs against the pool's usual one (every GPU of the node).
+    job_power: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         rng = np.random.default_rng(self.seed)
@@ -79,6 +83,9 @@ class PoolSim:
         power = np.where(
             busy, 600 + phase + self.power_offset + rng.normal(0, 40.0, shape), 70 + rng.normal(0, 3, shape)
         )
+        for node, scale in self.job_power.items():
+            power[node] = np.where(busy[node], power[node] * scale, power[node])
+        gen = np.where(busy, 1.0, 0.2)  # Gen5 under load, Gen1 at idle (power management)
         bits = np.zeros((*shape, 4))
         bits[..., 0] = rng.random(shape) < 0.001
         for f in self.faults:
@@ -86,6 +93,10 @@ class PoolSim:
                 continue
             if f.slow:
                 clock[f.node, f.gpu] *= 1 - f.slow
+            if f.power:
+                power[f.node, f.gpu] *= 1 - f.power
+            if f.pcie_gen is not None:
+                gen[f.node, f.gpu] = f.pcie_gen
             if f.throttle:
                 temp[f.node, f.gpu] = rng.uniform(86, 89)
                 clock[f.node, f.gpu] *= 0.85
@@ -102,6 +113,7 @@ class PoolSim:
         block[..., C["power_watts"]] = np.minimum(power, 700.0)
         block[..., C["power_limit_watts"]] = 700.0
         block[..., C["sw_power_cap"]] = 0.0
+        block[..., C["pcie_link_gen_ratio"]] = gen
         for i, col in enumerate(("hw_slowdown", "hw_thermal", "power_brake", "sw_thermal")):
             block[..., C[col]] = bits[..., i]
         empty = np.zeros((0, 0), np.float32)
@@ -192,6 +204,39 @@ def test_thermally_throttling_gpu_is_found(seed: int) -> None:
     assert t - 120.0 <= 180.0
     assert f.evidence["value"] >= 85.0 and f.evidence["direction"] == "high"
     assert any(f.action == "quarantine" for _, _, f in hits)
+
+
+def test_a_light_job_on_a_few_nodes_is_work_not_a_fault() -> None:
+    # Three nodes run a job that draws 55 % of the pool's usual power at full clocks (inference,
+    # a small model): against the pool they are many MADs low, against their node-mates nothing.
+    sim = PoolSim(nodes=64, seed=41, job_power={3: 0.55, 17: 0.55, 30: 0.6})
+    sim.busy_until[[3, 17, 30]] = 1e9  # the light job runs all along
+    assert found(simulate(sim, minutes=20)) == []
+
+
+@pytest.mark.parametrize("seed", [42, 43])
+def test_gpu_drawing_less_than_its_node_mates_is_found_by_power(seed: int) -> None:
+    sim = PoolSim(nodes=64, seed=seed, faults=[Fault(node=9, gpu=6, start=120.0, power=0.4)])
+    sim.busy_until[9] = 1e9
+    runs = simulate(sim, minutes=12)
+    assert {(node, f.key) for _, node, f in found(runs)} == {("node-009", "peer-power:gpu6")}
+    t, f = first(runs, "node-009", "peer-power:gpu6")
+    assert t - 120.0 <= 240.0
+    assert f.evidence["value"] == pytest.approx(0.6, abs=0.08)
+    assert f.summary.startswith("GPU 6 power 0.") and "of its node's median under load" in f.summary
+
+
+@pytest.mark.parametrize("ratio", [0.8, 0.75])  # Gen4 of Gen5, Gen3 of Gen4
+def test_pcie_link_a_generation_low_under_load_is_found(ratio: float) -> None:
+    # Width intact, so the width rule cannot see it; every healthy GPU drops to Gen1 at idle.
+    sim = PoolSim(nodes=64, seed=44, faults=[Fault(node=12, gpu=3, start=60.0, pcie_gen=ratio)])
+    sim.busy_until[12] = 1e9
+    runs = simulate(sim, minutes=10)
+    assert {(node, f.key) for _, node, f in found(runs)} == {("node-012", "peer-pcie-gen:gpu3")}
+    t, f = first(runs, "node-012", "peer-pcie-gen:gpu3")
+    assert t - 60.0 <= 120.0
+    assert f.evidence["value"] == pytest.approx(ratio) and f.evidence["pool_median"] == pytest.approx(1.0)
+    assert any(f.action == "quarantine" for _, _, f in found(runs))
 
 
 def test_whole_pool_warming_together_produces_nothing() -> None:

@@ -254,17 +254,35 @@ class LinkLocalizer:
             a, b = pair
             if a in bad_nodes or b in bad_nodes:
                 continue
-            if min(len(partners[a]), len(partners[b])) < cfg.min_partners:
-                continue  # with too few partners a slow pair and a slow end look the same
-            if min(float(eff[idx[a]]), float(eff[idx[b]])) < low_node:
-                continue
+            fewest = min(len(partners[a]), len(partners[b]))
+            if fewest < 2:
+                continue  # an end seen with this partner only: a slow pair and a slow end look the same
             wq = w[qs]
-            r = float(np.dot(wq, resid[qs]) / wq.sum())
-            ends = float(eff[idx[a]] + eff[idx[b]] + mu)
+            if fewest >= cfg.min_partners:
+                end_eff = (float(eff[idx[a]]), float(eff[idx[b]]))
+                ends = end_eff[0] + end_eff[1] + float(mu)
+                r = float(np.dot(wq, resid[qs]) / wq.sum())
+                need = cfg.min_partners - 1
+            else:
+                # Too few partners for the polish to tell a slow end from a slow pair (with two
+                # partners a node's effect is the midpoint of its slow and its normal pair): each
+                # end is judged on its other partners alone, leaving this pair out. A sparse
+                # prober (one or two partners per idle window) gives no more; each end still
+                # needs a normal result with someone else.
+                ea, eb = (float(np.median(self._votes(end, pair, involving[end], math.inf))) for end in pair)
+                end_eff = (ea, eb)
+                ends = ea + eb
+                own = float(np.dot(wq, y[qs]) / wq.sum())
+                if own >= low_pair:
+                    continue  # slow only against its ends, not against the pool: nothing to say
+                r = own - ends
+                need = 1
+            if min(end_eff) < low_node:
+                continue
             slow = sum(1 for q in qs for x in obs[q].ratios if math.log(x) - ends < low_pair)
             if r < low_pair and r < -cfg.z * spread and slow >= cfg.min_low_probes:
                 mine = [obs[q] for q in qs]
-                if not all(self._normal_then(end, pair, mine, involving[end]) for end in pair):
+                if not all(self._normal_then(end, pair, mine, involving[end], need) for end in pair):
                     continue
                 bad_pairs[pair] = self._pair_finding(
                     pool, pair=pair, resid=r, mine=[obs[q] for q in qs], slow=slow, now=now
@@ -278,11 +296,12 @@ class LinkLocalizer:
             if pair not in switched:
                 out.links[pair] = f
 
-    def _normal_then(self, end: str, pair: Pair, mine: list[_Obs], involving: list[_Obs]) -> bool:
+    def _normal_then(self, end: str, pair: Pair, mine: list[_Obs], involving: list[_Obs], need: int) -> bool:
         """Whether ``end`` was normal with its other partners when ``pair`` was last slow. A node
         that was slow with everyone and has since been fixed is normal now, but its old slow
         pairs are its own past, not slow links: judged on today's effects alone they would be.
-        One vote per other partner (its probes up to then); slow with most of them is not normal.
+        One vote per other partner (its probes up to then; ``need`` of them at least); slow with
+        most of them is not normal.
         An end with too few partners by then (it ran a job until just before) is judged on the
         partners that follow within ``judge_after_seconds``: the confirm step's fresh partners.
         Never both: a node that was slow with many partners and recovered right after must not
@@ -294,7 +313,6 @@ class LinkLocalizer:
         )
         if last_slow is None:
             return True
-        need = max(1, cfg.min_partners - 1)
         until = last_slow + cfg.dedupe_seconds
         then = self._votes(end, pair, involving, until)
         if len(then) < need:

@@ -58,6 +58,9 @@ class PeerFeature:
     z_quarantine: float  # mean z over the run needed for quarantine rather than alert
     unit: str  # how a value is printed after the number
     digits: int  # decimals printed
+    # "node": the value over the median of the node's own loaded GPUs in that slot first, for a
+    # quantity the work sets (every GPU of a node runs the same job; the pool runs many jobs).
+    relative_to: Literal["pool", "node"] = "pool"
 
 
 # Floors are the smallest deviation that means something physically, so that a pool whose GPUs
@@ -86,10 +89,20 @@ FEATURES: Final[tuple[PeerFeature, ...]] = (
         "C",
         0,
     ),
-    # Instantaneous power under load swings by tens of watts with the phase of a training step:
-    # 30 W floor (about 4 % of an H100's 700 W), k = 3. Low power at high utilization is a GPU
-    # held back (braked, throttled, capped) from doing the work its peers do.
-    PeerFeature("power", "power", ("power_watts",), "low", 30.0, 3.0, 5.0, "W", 0),
+    # Power under load is set by the work as much as by the GPU: a light job draws 400 W where a
+    # heavy one draws 650 W on the same healthy H100s, so a small job in a pool of big ones would
+    # look braked. The GPUs of one node run one job, so power is compared as a share of the
+    # node's own median first: a GPU held back (braked, throttled, capped) draws less than its
+    # node-mates, a light job draws less on all of them. Step-phase swings are a few % of that
+    # share: 4 % floor, k = 3.
+    PeerFeature("power", "power", ("power_watts",), "low", 0.04, 3.0, 5.0, "of its node's median", 2, "node"),
+    # The PCIe generation a loaded GPU runs at, over the GPU's own maximum. GPUs lower it at idle
+    # on purpose (power management), never under load; a GPU behind a Gen4-only slot shows it
+    # on every node of its platform, which the pool median absorbs. A link that trained one
+    # generation low under load (0.8 of a Gen5 maximum, 0.75 of Gen4) halves its host-device
+    # bandwidth: floor 0.05 makes that 4-5 MADs, k = 1 lets a one-slot lag after a job starts
+    # (the link retrains as the load arrives) drain away.
+    PeerFeature("pcie-gen", "PCIe generation", ("pcie_link_gen_ratio",), "low", 0.05, 1.0, 3.0, "of max", 2),
     # Hardware slowdown, HW thermal, power brake and SW thermal are never part of healthy work:
     # a 0/1 per slot whose pool median is 0. Floor 0.25 makes one throttled slot 4 MADs, k = 1
     # drains one per calm slot, so the statistic climbs when the GPU is throttled more than a
@@ -114,6 +127,7 @@ class PeerConfig:
     load_threshold: float = 0.5  # utilization ratio at which a GPU counts as under load
     min_gpus: int = 8  # loaded GPUs in a slot for it to be scored
     min_nodes: int = 3  # ... on at least this many nodes
+    min_node_gpus: int = 4  # loaded GPUs on a node for a node-relative feature to be scored
     # Accumulated excess in MADs. 30 is 10 slots of a 5-MAD deviation with k = 2 (100 s), 7.5 of
     # a 6-MAD one; a 60-slot healthy frame stays far below it (see docs/detection.md).
     h_alert: float = 30.0
@@ -136,6 +150,16 @@ def nanmedian(a: npt.NDArray[np.floating], axis: int) -> Float:
         return np.full(moved.shape[:-1], np.nan)
     mid = (np.take_along_axis(moved, lo, -1) + np.take_along_axis(moved, hi, -1))[..., 0] / 2
     out: Float = np.where(count > 0, mid, np.nan)
+    return out
+
+
+def _node_relative(x: Float, min_gpus: int) -> Float:
+    """Each GPU's value over the median of its node's loaded GPUs in the slot; NaN on nodes with
+    fewer than ``min_gpus`` of them (too few node-mates to say which one is off)."""
+    node_median = nanmedian(x, axis=2)
+    enough = (~np.isnan(x)).sum(axis=2) >= min_gpus
+    node_median = np.where(enough & (node_median > 0), node_median, np.nan)
+    out: Float = x / node_median[..., None]
     return out
 
 
@@ -184,6 +208,8 @@ class PeerDetector:
                 warnings.simplefilter("ignore", RuntimeWarning)
                 value: Float = np.nanmax(raw, axis=-1) if len(cols) > 1 else raw[..., 0]
             x = np.where(loaded, value, np.nan)  # (slots, nodes, gpus)
+            if feature.relative_to == "node":
+                x = _node_relative(x, c.min_node_gpus)
             self._feature(feature=feature, frame=frame, nodes=nodes, starts=starts, x=x, now=now, out=out)
         return out
 

@@ -99,6 +99,7 @@ _GPU_GAUGES: Final[tuple[tuple[str, Callable[[Gpu], float]], ...]] = (
     ("hw_thermal", _bit(0x40)),
     ("power_brake", _bit(0x80)),
     ("pcie_link_width_ratio", lambda g: _ratio(g.pcie_link_width, g.pcie_link_width_max)),
+    ("pcie_link_gen_ratio", lambda g: _ratio(g.pcie_link_gen, g.pcie_link_gen_max)),
 )
 # (column, which rate of the view, the fields summed): per second over the last interval.
 _GPU_RATES: Final[tuple[tuple[str, Literal["gpu", "nvlink"], tuple[str, ...]], ...]] = (
