@@ -3,7 +3,11 @@
 Per unordered pair of nodes: ``healthy -> suspect -> degraded -> healthy``.
 
 - A pair the localizer (``aggregator.detect.links``) calls slow becomes ``suspect``.
-- It becomes ``degraded`` once it has been called slow continuously for ``suspect_for_seconds``;
+- It becomes ``degraded`` once it has been slow continuously for ``suspect_for_seconds``, counted
+  from the finding's ``since`` (the first of the pair's unbroken run of slow results: probes of
+  one pair may come minutes apart, and two slow ones ten minutes apart have persisted that long),
+  and the localizer has called it a link, not a slow end, for ``confirm_for_seconds`` (one more
+  run of it: a verdict that flickers once while a node recovers never degrades a link);
   evidence that comes and goes starts over, as for nodes.
 - A suspect or degraded pair returns to ``healthy`` only after ``clear_for_seconds`` without the
   evidence: probes of one pair come minutes apart, and a link must not flap with each of them.
@@ -35,6 +39,7 @@ class LinkStatus:
     state: LinkState = "healthy"
     since: float = 0.0  # when the current state began
     first_seen: float | None = None  # when the current run of evidence began
+    called_since: float | None = None  # when the localizer began calling it a link (this run)
     clear_since: float | None = None  # when the evidence last went away
     finding: Finding | None = None  # the latest evidence
 
@@ -43,6 +48,7 @@ class LinkStatus:
 class LinkHealth:
     suspect_for_seconds: float = 120.0
     clear_for_seconds: float = 900.0
+    confirm_for_seconds: float = 60.0  # the localizer's period: its verdict seen twice
     _links: dict[Pair, LinkStatus] = field(default_factory=dict)
 
     def get(self, a: str, b: str) -> LinkStatus | None:
@@ -56,35 +62,37 @@ class LinkHealth:
         out: list[Decision] = []
         keys = {(min(a, b), max(a, b)): f for (a, b), f in slow.items() if a != b}
         for pair in sorted(keys.keys() | self._links.keys()):
-            d = self._step(pair, keys.get(pair), now)
-            if d is not None:
-                out.append(d)
+            out += self._step(pair, keys.get(pair), now)
         return out
 
-    def _step(self, pair: Pair, finding: Finding | None, now: float) -> Decision | None:
+    def _step(self, pair: Pair, finding: Finding | None, now: float) -> list[Decision]:
         st = self._links.get(pair)
         if st is None:
             if finding is None:
-                return None
+                return []
             st = self._links[pair] = LinkStatus(pair[0], pair[1], since=now)
         if finding is not None:
+            out: list[Decision] = []
             st.finding = finding
             st.clear_since = None
             if st.first_seen is None:
-                st.first_seen = now
+                st.first_seen = min(now, finding.since)
+                st.called_since = now
             if st.state == "healthy":
-                return self._move(st, "suspect", now, finding.summary)
-            if st.state == "suspect" and now - st.first_seen >= self.suspect_for_seconds:
-                return self._move(st, "degraded", now, finding.summary)
-            return None
-        st.first_seen = None
+                out.append(self._move(st, "suspect", now, finding.summary))
+            called = now - (st.called_since if st.called_since is not None else now)
+            persisted = now - st.first_seen >= self.suspect_for_seconds
+            if st.state == "suspect" and persisted and called >= self.confirm_for_seconds:
+                out.append(self._move(st, "degraded", now, finding.summary))
+            return out
+        st.first_seen = st.called_since = None
         if st.clear_since is None:
             st.clear_since = now
         if now - st.clear_since < self.clear_for_seconds:
-            return None
+            return []
         gone = now - st.clear_since
         del self._links[pair]  # healthy pairs are not kept: a fleet has far more pairs than links
-        return self._move(st, "healthy", now, f"no slow probes for {gone:.0f} s: healthy")
+        return [self._move(st, "healthy", now, f"no slow probes for {gone:.0f} s: healthy")]
 
     def _move(self, st: LinkStatus, state: LinkState, now: float, summary: str) -> Decision:
         previous = st.state

@@ -123,6 +123,7 @@ class Pipeline:
         self.link_health = LinkHealth(
             suspect_for_seconds=config.health.suspect_for_seconds,
             clear_for_seconds=lc.link_clear_for_seconds,
+            confirm_for_seconds=lc.every_seconds,
         )
         self._links_due = -math.inf
         # Local all-reduce probes against the pool (aggregator/detect/localprobe.py).

@@ -313,6 +313,9 @@ def test_sparse_prober_a_slow_pair_with_ends_normal_elsewhere_is_a_link() -> Non
     v = loc.run(now)
     assert set(v.links) == {("gpu-0004", "gpu-0005")}
     assert quarantined(v) == set()
+    # Slow since the first of its two slow results (on the aggregator's clock: within the 2 s of
+    # delivery jitter), not since the localizer heard of the second.
+    assert v.links[("gpu-0004", "gpu-0005")].since == pytest.approx(T0 + 285.0, abs=2.5)
 
 
 def test_sparse_prober_an_end_slow_with_its_other_partner_too_is_no_link() -> None:
@@ -323,3 +326,68 @@ def test_sparse_prober_an_end_slow_with_its_other_partner_too_is_no_link() -> No
     assert v.links == {}
     # Two partners are too few to quarantine a node on: it waits for a third.
     assert quarantined(v) == set()
+
+
+def test_a_node_gone_slow_is_not_vouched_for_by_its_results_from_before() -> None:
+    # gpu-0004's NIC goes slow at 500 s. Before, it was normal with four partners; after, a sparse
+    # prober measures it with gpu-0005 twice and with gpu-0006 once, all slow. Its old normal
+    # results outnumber the new slow ones, but they are from before: they must not make its slow
+    # pair with gpu-0005 look like a link.
+    before = [
+        (dt, "gpu-0004", p)
+        for dt, p in ((0.0, "gpu-0001"), (40.0, "gpu-0002"), (80.0, "gpu-0003"), (120.0, "gpu-0008"))
+    ]
+    around = [
+        (0.0, "gpu-0005", "gpu-0006"),
+        (60.0, "gpu-0005", "gpu-0007"),
+        (120.0, "gpu-0005", "gpu-0000"),
+        (130.0, "gpu-0000", "gpu-0001"),
+        (140.0, "gpu-0002", "gpu-0003"),
+        (150.0, "gpu-0006", "gpu-0007"),
+        (160.0, "gpu-0008", "gpu-0009"),
+        (900.0, "gpu-0004", "gpu-0005"),
+        (905.0, "gpu-0004", "gpu-0006"),
+        (910.0, "gpu-0005", "gpu-0007"),
+        (1500.0, "gpu-0004", "gpu-0005"),
+        (1510.0, "gpu-0005", "gpu-0000"),
+    ]
+    loc = LinkLocalizer()
+    now = sparse(
+        loc,
+        lambda a, b, t: 0.65 if "gpu-0004" in (a, b) and t >= T0 + 500 else 1.0,
+        sorted(before + around),
+    )
+    assert loc.run(now).links == {}
+
+
+def test_a_slow_node_among_the_partners_does_not_hide_a_link() -> None:
+    # gpu-0002 is slow with everyone (found as the bad node); it is among the two partners each
+    # end of the slow pair gpu-0004/gpu-0005 met last. Its slowness is its own, not theirs: the
+    # pair is still a link.
+    pairs = [
+        (0.0, "gpu-0000", "gpu-0001"),
+        (0.0, "gpu-0006", "gpu-0007"),
+        (10.0, "gpu-0002", "gpu-0000"),
+        (10.0, "gpu-0003", "gpu-0001"),
+        (20.0, "gpu-0002", "gpu-0001"),
+        (30.0, "gpu-0002", "gpu-0006"),
+        (40.0, "gpu-0002", "gpu-0007"),
+        (100.0, "gpu-0004", "gpu-0003"),
+        (100.0, "gpu-0005", "gpu-0006"),
+        (200.0, "gpu-0004", "gpu-0002"),
+        (210.0, "gpu-0005", "gpu-0002"),
+        (300.0, "gpu-0004", "gpu-0005"),
+        (345.0, "gpu-0004", "gpu-0005"),
+        (400.0, "gpu-0004", "gpu-0000"),
+        (400.0, "gpu-0005", "gpu-0001"),
+    ]
+
+    def factor(a: str, b: str, _t: float) -> float:
+        if "gpu-0002" in (a, b):
+            return 0.5
+        return 0.65 if {a, b} == {"gpu-0004", "gpu-0005"} else 1.0
+
+    loc = LinkLocalizer()
+    v = loc.run(sparse(loc, factor, pairs))
+    assert quarantined(v) == {"gpu-0002"}
+    assert set(v.links) == {("gpu-0004", "gpu-0005")}

@@ -12,14 +12,14 @@ T0 = 1_764_000_000.0
 PAIR = ("gpu-0013", "gpu-0014")
 
 
-def slow(a: str = PAIR[0], b: str = PAIR[1]) -> Finding:
+def slow(a: str = PAIR[0], b: str = PAIR[1], since: float = T0) -> Finding:
     return Finding(
         detector="link",
         key=f"link-pair:{a}|{b}",
         severity="warning",
         action="none",
         summary=f"the path between {a} and {b} is 35 % slow",
-        since=T0,
+        since=since,
         peer=b,
         evidence={"residual_ratio": 0.65},
     )
@@ -49,6 +49,32 @@ def test_persistent_slow_pair_goes_suspect_then_degraded_without_taint() -> None
     assert msgspec.json.decode(msgspec.json.encode(d), type=Decision) == d
 
 
+def test_slow_results_already_minutes_apart_degrade_at_once() -> None:
+    # A prober that re-measures a pair ten minutes later: the localizer hears of the second slow
+    # result then, and the slowness has persisted since the first.
+    lh = LinkHealth(suspect_for_seconds=120.0, clear_for_seconds=900.0, confirm_for_seconds=60.0)
+    out = lh.update({PAIR: slow(since=T0 - 600)}, T0)
+    assert [(d.previous, d.state) for d in out] == [("healthy", "suspect")]
+    # The localizer's next run says it again: the slowness has lasted 11 minutes, degraded now.
+    out = lh.update({PAIR: slow(since=T0 - 600)}, T0 + 60)
+    assert [(d.previous, d.state) for d in out] == [("suspect", "degraded")]
+    assert out[0].reasons[0].evidence["persisted_seconds"] == 660.0
+    # Evidence whose run began just now still waits out the suspect period.
+    lh2 = LinkHealth(suspect_for_seconds=120.0, clear_for_seconds=900.0)
+    assert [d.state for d in lh2.update({PAIR: slow(since=T0 - 30)}, T0)] == ["suspect"]
+    assert [d.state for d in lh2.update({PAIR: slow(since=T0 - 30)}, T0 + 90)] == ["degraded"]
+
+
+def test_a_verdict_seen_once_never_degrades_however_old_its_slow_results() -> None:
+    # While a slow node recovers, the localizer may call one of its old slow pairs a link for one
+    # run; that pair's slow results are old, but the verdict is not confirmed.
+    lh = LinkHealth(suspect_for_seconds=120.0, clear_for_seconds=900.0, confirm_for_seconds=60.0)
+    out = lh.update({PAIR: slow(since=T0 - 600)}, T0)
+    for k in range(1, 20):
+        out += lh.update({}, T0 + 60 * k)
+    assert [d.state for d in out] == ["suspect", "healthy"]
+
+
 def test_ends_are_sorted_whichever_way_the_pair_is_given() -> None:
     lh = LinkHealth()
     (d,) = lh.update({(PAIR[1], PAIR[0]): slow()}, T0)
@@ -60,7 +86,8 @@ def test_evidence_that_comes_and_goes_never_degrades() -> None:
     lh = LinkHealth(suspect_for_seconds=120.0, clear_for_seconds=900.0)
     out: list[Decision] = []
     for k in range(20):  # slow every other minute: never 120 s in a row
-        out += lh.update({PAIR: slow()} if k % 2 == 0 else {}, T0 + 60 * k)
+        # Each return is a new run of slow results, with its own start.
+        out += lh.update({PAIR: slow(since=T0 + 60 * k)} if k % 2 == 0 else {}, T0 + 60 * k)
     assert [d.state for d in out] == ["suspect"]
 
 

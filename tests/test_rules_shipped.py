@@ -339,7 +339,7 @@ SCENARIOS: dict[str, Scenario] = {
         key="ib-port-down:mlx5_3/1",
         lookalikes={
             "a flap shorter than for:": nic_series(
-                "mlx5_3", 10, lambda i: {"state": "DOWN", "phys_state": "Polling"} if i in (3, 4) else {}
+                "mlx5_3", 10, lambda i: {"state": "DOWN", "phys_state": "Polling"} if i == 3 else {}
             ),
             "an IPoIB netdev down": series(
                 10, lambda i, r: _add_nics(r, [netdev("ib0", link_layer="InfiniBand", state="down")])
@@ -551,12 +551,29 @@ def test_for_timer_is_per_subject_and_reboot_resets_it() -> None:
         return edit_nic(rep, "mlx5_2", state="DOWN") if i >= 2 else rep
 
     history = feed(engine, timeline(8, make))
-    # mlx5_1 was down for 20 s before the reboot (at t=20 it had fired: mlx5_2 only went down
-    # then); the new boot starts both timers again at t=30.
+    # mlx5_1 was down from t=0 (fired at t=10, mlx5_2 down from t=20); the reboot at t=30 starts
+    # both timers again, so both fire at t=40.
     both = ["ib-port-down:mlx5_1/1", "ib-port-down:mlx5_2/1"]
-    assert [keys(f) for f in history] == [[], [], ["ib-port-down:mlx5_1/1"], [], [], both, both, both]
+    one = ["ib-port-down:mlx5_1/1"]
+    assert [keys(f) for f in history] == [[], one, one, [], both, both, both, both]
     assert [f.since for f in history[-1]] == [T0 + 30, T0 + 30]
-    assert history[-1][0].summary == "mlx5_1/1 is DOWN (LinkUp) for 20s; expected ACTIVE"
+    assert history[-1][0].summary == "mlx5_1/1 is DOWN (LinkUp) for 10s; expected ACTIVE"
+
+
+def test_for_period_is_met_by_reports_a_few_milliseconds_early() -> None:
+    # An agent's report times are its timer plus its collection time: the second report down may
+    # come 9.99 s after the first. Two reports down is the rule's 10 s, not a third report later.
+    engine = engine_for("ib-port-down")
+    times = [T0, T0 + 10.0, T0 + 19.99, T0 + 29.99]
+    reps = [
+        edit_nic(report(t, seq=i), "mlx5_1", state="DOWN") if i >= 1 else report(t, seq=i)
+        for i, t in enumerate(times)
+    ]
+    history = feed(engine, reps)
+    assert [keys(f) for f in history] == [[], [], ["ib-port-down:mlx5_1/1"], ["ib-port-down:mlx5_1/1"]]
+    # A single report down, however long the gap before the next report up, is not held.
+    flap = [report(T0), edit_nic(report(T0 + 10.0, seq=1), "mlx5_1", state="DOWN"), report(T0 + 19.99, seq=2)]
+    assert [keys(f) for f in feed(engine_for("ib-port-down"), flap)] == [[], [], []]
 
 
 def test_rate_finding_clears_once_the_window_has_passed() -> None:

@@ -269,7 +269,11 @@ class LinkLocalizer:
                 # end is judged on its other partners alone, leaving this pair out. A sparse
                 # prober (one or two partners per idle window) gives no more; each end still
                 # needs a normal result with someone else.
-                ea, eb = (float(np.median(self._votes(end, pair, involving[end], math.inf))) for end in pair)
+                # (When each end was normal is _normal_then's question, below.)
+                ea, eb = (
+                    float(np.median([m for _, m in self._votes(end, pair, involving[end], math.inf)]))
+                    for end in pair
+                )
                 end_eff = (ea, eb)
                 ends = ea + eb
                 own = float(np.dot(wq, y[qs]) / wq.sum())
@@ -282,7 +286,10 @@ class LinkLocalizer:
             slow = sum(1 for q in qs for x in obs[q].ratios if math.log(x) - ends < low_pair)
             if r < low_pair and r < -cfg.z * spread and slow >= cfg.min_low_probes:
                 mine = [obs[q] for q in qs]
-                if not all(self._normal_then(end, pair, mine, involving[end], need) for end in pair):
+                if not all(
+                    self._normal_then(end, pair, mine, involving[end], need=need, bad=set(bad_nodes))
+                    for end in pair
+                ):
                     continue
                 bad_pairs[pair] = self._pair_finding(
                     pool, pair=pair, resid=r, mine=[obs[q] for q in qs], slow=slow, now=now
@@ -296,26 +303,33 @@ class LinkLocalizer:
             if pair not in switched:
                 out.links[pair] = f
 
-    def _normal_then(self, end: str, pair: Pair, mine: list[_Obs], involving: list[_Obs], need: int) -> bool:
-        """Whether ``end`` was normal with its other partners when ``pair`` was last slow. A node
-        that was slow with everyone and has since been fixed is normal now, but its old slow
-        pairs are its own past, not slow links: judged on today's effects alone they would be.
-        One vote per other partner (its probes up to then; ``need`` of them at least); slow with
-        most of them is not normal.
+    def _normal_then(
+        self, end: str, pair: Pair, mine: list[_Obs], involving: list[_Obs], *, need: int, bad: set[str]
+    ) -> bool:
+        """Whether ``end`` was normal with its other partners when ``pair`` was last slow.
+
+        Judged on the ``need`` other partners measured nearest before that (each partner's
+        latest result up to then; partners found slow with everyone left out): a node whose NIC
+        went slow an hour ago still has its normal results from before in the window, and however
+        many they are they must not vouch for it now. Slow with half of them or more is not
+        normal. A node that was slow with everyone and has since been fixed is normal now, but
+        its old slow pairs are its own past, not slow links: judged on today's effects alone
+        they would be.
         An end with too few partners by then (it ran a job until just before) is judged on the
         partners that follow within ``judge_after_seconds``: the confirm step's fresh partners.
-        Never both: a node that was slow with many partners and recovered right after must not
-        have its recovery vote for its own slow past."""
+        Never both: a node that was slow with a partner and recovered right after must not have
+        its recovery vote for its slow past."""
         cfg = self.config
-        last_slow = max(
-            (t for o in mine for x, t in zip(o.ratios, o.times, strict=True) if x < cfg.pair_ratio),
-            default=None,
-        )
-        if last_slow is None:
+        run = self._slow_run(mine)
+        if run is None:
             return True
+        last_slow = run[1]
         until = last_slow + cfg.dedupe_seconds
-        then = self._votes(end, pair, involving, until)
+        then = self._votes(end, pair, involving, until, bad)
+        slow_line = math.log(cfg.node_ratio)
         if len(then) < need:
+            if any(m < slow_line for _, m in then):
+                return False  # slow near the time, too few to outvote: what follows may be recovery
             # The earliest moment it had enough partners, if that came soon enough: the nearest
             # evidence in time, so a recovery that came later does not vote.
             first: dict[str, float] = {}
@@ -327,24 +341,45 @@ class LinkLocalizer:
             missing = need - len(then)
             enough_at = later[missing - 1] if len(later) >= missing else math.inf
             if enough_at <= last_slow + cfg.judge_after_seconds:
-                then = self._votes(end, pair, involving, enough_at)
+                then = self._votes(end, pair, involving, enough_at, bad)
         if len(then) < need:
             # Its other partners of that time have aged out (or there were none): as with too
             # few partners, a slow pair and a slow end cannot be told apart.
             return False
-        slow = sum(1 for m in then if m < math.log(cfg.node_ratio))
-        return 2 * slow <= len(then)
+        nearest = sorted(then, reverse=True)[:need]
+        slow = sum(1 for _, m in nearest if m < slow_line)
+        return 2 * slow < len(nearest)
 
-    @staticmethod
-    def _votes(end: str, pair: Pair, involving: list[_Obs], until: float) -> list[float]:
-        """Per other partner of ``end``, the mean log ratio of its probes up to ``until``."""
-        votes: dict[str, list[float]] = defaultdict(list)
+    def _slow_run(self, mine: list[_Obs]) -> tuple[float, float] | None:
+        """First and last time of the pair's latest unbroken run of slow results (None: none slow)."""
+        results = sorted((t, x) for o in mine for x, t in zip(o.ratios, o.times, strict=True))
+        slow = [i for i, (_, x) in enumerate(results) if x < self.config.pair_ratio]
+        if not slow:
+            return None
+        i = slow[-1]
+        while i > 0 and results[i - 1][1] < self.config.pair_ratio:
+            i -= 1
+        return results[i][0], results[slow[-1]][0]
+
+    def _votes(
+        self, end: str, pair: Pair, involving: list[_Obs], until: float, bad: set[str] | None = None
+    ) -> list[tuple[float, float]]:
+        """Per other partner of ``end``: (when, log ratio) of its latest result up to ``until``.
+        A slow result with a partner in ``bad`` (found slow with everyone) does not vote: it is
+        slow through no fault of ``end``. A normal one still does (measured before that partner
+        went bad, it says ``end`` was fine)."""
+        slow_line = math.log(self.config.node_ratio)
+        latest: dict[str, tuple[float, float]] = {}
         for o in involving:
             if o.pair == pair:
                 continue
             other = o.pair[1] if o.pair[0] == end else o.pair[0]
-            votes[other] += [math.log(x) for x, t in zip(o.ratios, o.times, strict=True) if t <= until]
-        return [sum(v) / len(v) for v in votes.values() if v]
+            for x, t in zip(o.ratios, o.times, strict=True):
+                if t <= until and t >= latest.get(other, (-math.inf, 0.0))[0]:
+                    latest[other] = (t, math.log(x))
+        if bad:
+            latest = {n: v for n, v in latest.items() if n not in bad or v[1] >= slow_line}
+        return list(latest.values())
 
     def _polish(
         self, n: int, ii: npt.NDArray[np.int_], jj: npt.NDArray[np.int_], y: Float, w: Float
@@ -401,6 +436,10 @@ class LinkLocalizer:
     ) -> Finding:
         a, b = pair
         pct = (1 - math.exp(resid)) * 100
+        # Since the first of the pair's latest unbroken run of slow results: two slow results ten
+        # minutes apart have persisted for ten minutes, however late the localizer heard of them.
+        run = self._slow_run(mine)
+        since = now if run is None else min(now, run[0])
         return Finding(
             detector="link",
             key=f"link-pair:{a}|{b}",
@@ -410,7 +449,7 @@ class LinkLocalizer:
                 f"the path between {a} and {b} is {pct:.0f} % slow while both nodes are normal with "
                 f"their other partners ({slow} slow results): the link, not the nodes"
             ),
-            since=now,
+            since=since,
             peer=b,
             evidence={
                 "pool": pool,

@@ -57,6 +57,10 @@ from aggregator.rules.model import (
 )
 
 log = logging.getLogger(__name__)
+# Report times are an agent's timer plus its collection time, so "down on two reports 10 s apart"
+# may read 9.99 s; a for: period is met within this much, or a 10s hold on 10-s reports would
+# need a third report whenever the second came a few milliseconds early.
+HOLD_SLACK_SECONDS: Final = 0.5
 
 Test = Callable[[Any], bool]
 Evidence = dict[str, Any]
@@ -354,7 +358,7 @@ class _Pass:
         key = (rid, subject)
         start = self.state.pending.get(key, self.now)
         self.pending[key] = start
-        return start if self.now - start >= for_s else None
+        return start if self.now - start >= for_s - HOLD_SLACK_SECONDS else None
 
     def hit(
         self, key: str, rid: int, rule: Rule, since: float, evidence: Evidence, *, hold: float = 0.0
