@@ -309,9 +309,10 @@ class LinkLocalizer:
         """Whether ``end`` was normal with its other partners when ``pair`` was last slow.
 
         Judged on the ``need`` other partners measured nearest before that (each partner's
-        latest result up to then; partners found slow with everyone left out): a node whose NIC
-        went slow an hour ago still has its normal results from before in the window, and however
-        many they are they must not vouch for it now. Slow with half of them or more is not
+        latest result up to then; a slow one with a partner found slow with everyone left out,
+        that partner's fault): a node whose NIC went slow an hour ago still has its normal
+        results from before in the window, and however many they are they must not vouch for it
+        now. Slow with half of them or more is not
         normal. A node that was slow with everyone and has since been fixed is normal now, but
         its old slow pairs are its own past, not slow links: judged on today's effects alone
         they would be.
