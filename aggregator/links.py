@@ -39,7 +39,7 @@ class LinkStatus:
     state: LinkState = "healthy"
     since: float = 0.0  # when the current state began
     first_seen: float | None = None  # when the current run of evidence began
-    called_since: float | None = None  # when the localizer began calling it a link (this run)
+    called_since: float = 0.0  # when the localizer began calling it a link (set with first_seen)
     clear_since: float | None = None  # when the evidence last went away
     finding: Finding | None = None  # the latest evidence
 
@@ -80,12 +80,12 @@ class LinkHealth:
                 st.called_since = now
             if st.state == "healthy":
                 out.append(self._move(st, "suspect", now, finding.summary))
-            called = now - (st.called_since if st.called_since is not None else now)
+            called = now - st.called_since
             persisted = now - st.first_seen >= self.suspect_for_seconds
             if st.state == "suspect" and persisted and called >= self.confirm_for_seconds:
                 out.append(self._move(st, "degraded", now, finding.summary))
             return out
-        st.first_seen = st.called_since = None
+        st.first_seen = None
         if st.clear_since is None:
             st.clear_since = now
         if now - st.clear_since < self.clear_for_seconds:
