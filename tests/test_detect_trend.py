@@ -35,7 +35,9 @@ class SmallPool:
         power: dict[tuple[int, int], float] | None = None,
         ambient: float = 0.0,
         idle: frozenset[tuple[int, int]] = frozenset(),
+        errors: dict[tuple[str, int, int], float] | None = None,
     ) -> None:
+        """One report per node; ``errors`` adds a rate per second to (column, node, GPU)."""
         rng = self.rng
         for i, name in enumerate(self.names):
             gpu = np.full((GPUS, len(GPU_FIELDS)), np.nan, np.float32)
@@ -52,8 +54,16 @@ class SmallPool:
             gpu[:, GPU_COLUMN["memory_temperature_celsius"]] = np.round(temp + 5)
             gpu[:, GPU_COLUMN["power_watts"]] = watts
             # A healthy GPU or port sees an odd error now and then: one count in a 10-s interval.
-            for col in ("pcie_replay_per_second", "nvlink_crc_per_second", "ecc_sbe_per_second"):
+            for col in (
+                "pcie_replay_per_second",
+                "nvlink_crc_per_second",
+                "nvlink_replay_per_second",
+                "ecc_sbe_per_second",
+            ):
                 gpu[:, GPU_COLUMN[col]] = (rng.random(GPUS) < 0.01) / INTERVAL
+            for (col, node, g), rate in (errors or {}).items():
+                if node == i:
+                    gpu[g, GPU_COLUMN[col]] += rate
             nic = np.full((len(PORTS), len(NIC_FIELDS)), np.nan, np.float32)
             for col in (
                 "symbol_error_per_second",
@@ -184,3 +194,37 @@ def test_a_gpu_heating_up_after_its_job_started_is_not_drift() -> None:
     # The same trace judged without waiting for settling calls it a drift: the check matters.
     eager = TrendDetector(TrendConfig(settle_seconds=0.0))
     assert {f.key for _, f in findings(eager.run_pool(pool.frame, pool.t))} >= {"trend-temperature:gpu2"}
+
+
+REPLAY, CRC = "nvlink_replay_per_second", "nvlink_crc_per_second"
+
+
+def test_a_lasting_nvlink_replay_stream_quarantines_where_a_crc_trickle_only_alerts() -> None:
+    # DCGM fails a GPU on any NVLink replay; we wait for a stream (most reports for 3 minutes) but
+    # not for a large one: half a replay a second is a link resending flits all the time.
+    pool = SmallPool(11)
+    detector = TrendDetector()
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        pool.step()
+    for _ in range(19):
+        replays = rng.poisson(5) / INTERVAL  # 0.5/s, as counted per 10-s report
+        pool.step(errors={(REPLAY, 1, 3): replays, (CRC, 2, 6): rng.poisson(5) / INTERVAL})
+    hits = {(node, f.key): f for node, f in findings(detector.run_pool(pool.frame, pool.t))}
+    replay = hits.pop(("n1", "trend-nvlink-replay:gpu3"))
+    assert replay.action == "quarantine" and replay.severity == "critical"
+    assert "NVLink replays" in replay.summary and "above it for 180 s" in replay.summary
+    # CRC errors alone at the same rate: the link corrects them, and DCGM's CRC limit is 100/s.
+    crc = hits.pop(("n2", "trend-nvlink-crc:gpu6"))
+    assert crc.action == "alert"
+    assert hits == {}
+
+
+def test_replays_now_and_then_are_never_a_quarantine() -> None:
+    # A replay in one report of three, for ten minutes: the stray-error look-alike, just busier.
+    pool = SmallPool(12)
+    detector = TrendDetector()
+    for k in range(90):
+        pool.step(errors={(REPLAY, 0, 0): 0.3 if k % 3 == 0 else 0.0})
+        if k >= 30 and k % 3 == 2:
+            assert all(f.action != "quarantine" for _, f in findings(detector.run_pool(pool.frame, pool.t)))

@@ -9,7 +9,8 @@ compared with its own baseline: the slots of the frame older than ``long_slots``
 (median + ``burst_mads`` scaled MADs, and never less than median + the counter's ``floor``). A
 burst is at least ``alert_hits`` of the last ``recent_slots`` slots above that line (alert); a
 clear, persistent one is at least ``quarantine_share`` of the last ``long_slots`` slots above it
-at a median of at least ``quarantine_floors`` floors over the baseline (quarantine, not hard).
+at a median of at least ``quarantine_floors`` floors over the baseline, or the counter's own
+level where it has one (quarantine, not hard).
 The baseline is the port's own recent past, so a rate that has stayed high for longer than the
 frame becomes the new normal here: levels are the rules' job, changes are this one's.
 
@@ -48,6 +49,9 @@ class Counter:
     column: str  # GPU_COLUMN or NIC_COLUMN name of the rate
     label: str
     floor: float  # per second: the smallest excess over the baseline that is a burst
+    # A persistent burst quarantines at this many floors over the baseline; None: the config's
+    # ``quarantine_floors``.
+    quarantine_floors: float | None = None
 
 
 # The floor everywhere is one error per 10-s report, and a burst must exceed it: these counters
@@ -58,7 +62,12 @@ class Counter:
 GPU_COUNTERS: Final[tuple[Counter, ...]] = (
     Counter("pcie_replay_per_second", "PCIe replays", 0.1),
     Counter("nvlink_crc_per_second", "NVLink CRC errors", 0.1),
-    Counter("nvlink_replay_per_second", "NVLink replays", 0.1),
+    # DCGM fails a GPU on any NVLink replay (DCGM_LIMIT_MAX_NVLINK_ERROR = 1, rules/nvlink.yaml):
+    # a replay is a flit the receiver found corrupt and the sender sent again. We quarantine on a
+    # lasting stream instead of on one: replays above the GPU's own past in nine tenths of the
+    # persistence window, at a median of one per report or more. A stray replay stays an alert,
+    # and CRC errors that the link absorbs without replaying keep the general level.
+    Counter("nvlink_replay_per_second", "NVLink replays", 0.1, quarantine_floors=1.0),
     Counter("nvlink_recovery_per_second", "NVLink recoveries", 0.1),
     Counter("ecc_sbe_per_second", "corrected ECC errors", 0.1),
 )
@@ -135,7 +144,7 @@ class TrendDetector:
             return out
         seconds = self.config.recent_slots * frame.interval_s
         for counter in GPU_COUNTERS:
-            b = self._burst(gpu[..., GPU_COLUMN[counter.column]].astype(np.float64), counter.floor)
+            b = self._burst(gpu[..., GPU_COLUMN[counter.column]].astype(np.float64), counter)
             if b is None:
                 continue
             for n, g in zip(*np.nonzero(b.hit), strict=True):
@@ -152,7 +161,7 @@ class TrendDetector:
                 )
         if nic.shape[0] > 0:
             for counter in NIC_COUNTERS:
-                b = self._burst(nic[..., NIC_COLUMN[counter.column]].astype(np.float64), counter.floor)
+                b = self._burst(nic[..., NIC_COLUMN[counter.column]].astype(np.float64), counter)
                 if b is None:
                     continue
                 for n, p in zip(*np.nonzero(b.hit), strict=True):
@@ -175,9 +184,11 @@ class TrendDetector:
         self._drift(gpu, nodes, now, frame.interval_s, out)
         return out
 
-    def _burst(self, rate: Float, floor: float) -> _Burst | None:
+    def _burst(self, rate: Float, counter: Counter) -> _Burst | None:
         """Burst masks over ``rate`` ``(slots, nodes, devices)``; None when no baseline exists."""
         c = self.config
+        floor = counter.floor
+        floors = c.quarantine_floors if counter.quarantine_floors is None else counter.quarantine_floors
         slots = rate.shape[0]
         if slots - c.long_slots < c.min_baseline_slots:
             return None
@@ -196,7 +207,7 @@ class TrendDetector:
         quarantine = (
             hit
             & (long_hits >= c.quarantine_share * c.long_slots)
-            & (long_median >= median + c.quarantine_floors * floor)
+            & (long_median >= median + floors * floor * (1 - 1e-6))
         )
         if not hit.any():
             return _Burst(hit, quarantine, median, median, line)
