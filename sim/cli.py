@@ -13,7 +13,7 @@ from agent.errors import ConfigError
 from agent.report import encode
 from sim import scenario as scenario_mod
 from sim import truth as truth_mod
-from sim.fleet import simulate
+from sim.fleet import place, simulate
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def write_trace(scenario: scenario_mod.Scenario, out: Path) -> tuple[int, truth_mod.Truth]:
-    """Write the trace (receive order) and return the number of lines and the truth."""
+    """Write the trace (receive order) and return the number of lines and the truth.
+
+    Faults given by their leaf are placed first (``sim.fleet.place``): the truth names their nodes.
+    """
+    scenario = place(scenario)
     first_seen: dict[int, float] = {}
     count = 0
 

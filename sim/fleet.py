@@ -23,11 +23,12 @@ import math
 import random
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final
 
 import msgspec
 
+from agent.errors import ConfigError
 from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Nic, NvLink, Probe, Report
 from aggregator.fleet.pools import Placement
 from sim.probing import PairProbe, plan_pair_probes
@@ -707,9 +708,8 @@ def _node_stream(
         yield receive, node.name, due
 
 
-def simulate(s: Scenario) -> Iterator[Delivery]:
-    """Every delivery of the whole fleet in receive order (ties by node name)."""
-    s.validate()
+def _faults_by_node(s: Scenario) -> tuple[dict[str, list[tuple[int, FaultSpec]]], dict[str, list[FaultSpec]]]:
+    """Each node's faults (with their scenario index), and the silences of each silenced node."""
     names = s.node_names()
     by_node: dict[str, list[tuple[int, FaultSpec]]] = {}
     silences: dict[str, list[FaultSpec]] = {}
@@ -722,6 +722,61 @@ def simulate(s: Scenario) -> Iterator[Delivery]:
         for end in (f.node, f.peer):
             if end is not None:
                 by_node.setdefault(end, []).append((idx, f))
+    return by_node, silences
+
+
+def place(s: Scenario) -> Scenario:
+    """The scenario with every fault given by its leaf placed on two nodes (the same without any).
+
+    A degraded link given as ``leaf`` goes on a pair of that leaf, of one pool, whose ends have no
+    fault of their own and are not silenced, chosen (per seed) among the pairs the probe plan
+    measures at least twice after the onset, else once, else among them all. A link is found from
+    pair probes alone and probes run on idle nodes only: with its ends fixed, whether any probe
+    ever crosses the link depends on the seed's jobs (both ends idle at the same time), and a
+    benchmark over seeds would mostly count luck. The plan is the one without the placed links;
+    with them, a slow result only adds confirm re-probes.
+    """
+    todo = [i for i, f in enumerate(s.faults) if f.leaf is not None and f.node is None]
+    if not todo:
+        return s
+    base = replace(s, faults=tuple(f for i, f in enumerate(s.faults) if i not in todo))
+    by_node, silences = _faults_by_node(base)
+    names = s.node_names()
+    timelines = {name: _timeline(s, name) for name in names}
+    plans = _plan_pair_probes(base, timelines, by_node, silences)
+    taken = set(by_node) | set(silences)
+    faults = list(s.faults)
+    for i in todo:
+        f = faults[i]
+        members = [
+            (n, s.pool_of(k).name) for k, n in enumerate(names) if s.leaf_of(k) == f.leaf and n not in taken
+        ]
+        pairs = sorted((a, b) for j, (a, pa) in enumerate(members) for b, pb in members[j + 1 :] if pa == pb)
+        if not pairs:
+            raise ConfigError(f"{f.kind} on {f.leaf}: no two healthy nodes of one pool in that leaf")
+        window = (s.start + f.at_s, s.start + (f.until_s if f.until_s is not None else s.duration_s))
+        seen: dict[tuple[str, str], int] = {}
+        for lst in plans.values():
+            for p in lst:
+                if window[0] <= p.true_time < window[1]:
+                    seen[(p.a, p.b)] = seen.get((p.a, p.b), 0) + 1
+        # Each probe is in both ends' lists: two entries per measurement.
+        for least in (4, 2, 0):
+            chosen = [pair for pair in pairs if seen.get(pair, 0) >= least]
+            if chosen:
+                break
+        a, b = random.Random(f"gpuwarden-sim-place:{s.seed}:{i}").choice(chosen)
+        faults[i] = replace(f, node=a, peer=b)
+        taken.update((a, b))
+    return replace(s, faults=tuple(faults))
+
+
+def simulate(s: Scenario) -> Iterator[Delivery]:
+    """Every delivery of the whole fleet in receive order (ties by node name); ``place`` first."""
+    s.validate()
+    s = place(s)
+    names = s.node_names()
+    by_node, silences = _faults_by_node(s)
     timelines = {name: _timeline(s, name) for name in names}
     pairs = _plan_pair_probes(s, timelines, by_node, silences)
     streams = [

@@ -39,7 +39,10 @@ FAULT_KINDS: Final[Mapping[str, tuple[str, frozenset[str], Mapping[str, float]]]
     "reboot": ("lookalike", frozenset({"node"}), {"down_s": 180.0}),
     "clock_skew": ("lookalike", frozenset({"node"}), {"seconds": 30.0}),
 }
-_FAULT_FIELDS: Final = frozenset({"kind", "node", "peer", "gpu", "port", "rack", "at_s", "until_s"})
+_FAULT_FIELDS: Final = frozenset({"kind", "node", "peer", "gpu", "port", "rack", "leaf", "at_s", "until_s"})
+# Kinds that may name a leaf switch instead of their nodes: the simulator then places the fault on
+# a pair of that leaf that the probes measure (``sim.fleet.place``).
+_BY_LEAF: Final = frozenset({"degraded_link"})
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class FaultSpec:
     rack: str | None = None
     until_s: float | None = None
     params: Mapping[str, float] = field(default_factory=dict)
+    # A degraded link given by its leaf alone: placed per seed on two healthy nodes of the leaf
+    # (one pool) that the probe plan measures after the onset; ``node``/``peer`` stay None until then.
+    leaf: str | None = None
 
     @property
     def fault_class(self) -> str:
@@ -201,6 +207,10 @@ def _validate_fault(f: FaultSpec, where: str, s: Scenario, names: set[str], rack
         raise ConfigError(f"{where}: peer must differ from node")
     if f.rack is not None and f.rack not in racks:
         raise ConfigError(f"{where}: unknown rack {f.rack!r}")
+    if f.leaf is not None:
+        leaves = sorted({s.leaf_of(i) for i in range(len(names))})
+        if f.leaf not in leaves:
+            raise ConfigError(f"{where}: unknown leaf {f.leaf!r} (leaves are {leaves[0]}..{leaves[-1]})")
     index = int(f.node[4:]) if f.node else 0
     profile = s.pool_of(index).profile
     if f.gpu is not None and not 0 <= f.gpu < profile.gpus:
@@ -255,13 +265,21 @@ def _parse_fault(raw: Any, where: str) -> FaultSpec:
         raise ConfigError(f"{where}: kind must be one of {', '.join(sorted(FAULT_KINDS))}, got {kind!r}")
     _, required, defaults = FAULT_KINDS[kind]
     _check_keys(raw, _FAULT_FIELDS | set(defaults), where)
+    if kind in _BY_LEAF and raw.get("leaf") is not None:
+        if any(k in raw for k in required):
+            raise ConfigError(
+                f"{where} ({kind}): give either leaf or {' and '.join(sorted(required))}, not both"
+            )
+        required = frozenset({"leaf"})
     missing = sorted(k for k in required if raw.get(k) is None)
     if missing:
         raise ConfigError(f"{where} ({kind}): missing {', '.join(missing)}")
-    stray = sorted(k for k in ("node", "peer", "gpu", "port", "rack") if k in raw and k not in required)
+    stray = sorted(
+        k for k in ("node", "peer", "gpu", "port", "rack", "leaf") if k in raw and k not in required
+    )
     if stray:
         raise ConfigError(f"{where} ({kind}): {', '.join(stray)} does not apply to this kind")
-    for k in ("node", "peer", "rack"):
+    for k in ("node", "peer", "rack", "leaf"):
         if k in raw and not isinstance(raw[k], str):
             raise ConfigError(f"{where}: {k} must be a string")
     for k in ("gpu", "port"):
@@ -277,6 +295,7 @@ def _parse_fault(raw: Any, where: str) -> FaultSpec:
         gpu=raw.get("gpu"),
         port=raw.get("port"),
         rack=raw.get("rack"),
+        leaf=raw.get("leaf"),
         params={k: _number(raw, k, f"{where}.", v) for k, v in defaults.items()},
     )
 

@@ -93,7 +93,8 @@ def build(scenario: Scenario, first_seen: Mapping[int, float]) -> Truth:
                         TruthFault(idx, f.kind, f.fault_class, name, start, start, end, rack=f.rack)
                     )
             continue
-        assert f.node is not None  # every other kind names its node (checked when parsed)
+        if f.node is None:  # a fault given by its leaf: sim.fleet.place names its nodes
+            raise ValueError(f"faults[{idx}] ({f.kind}) on {f.leaf} is not placed: use sim.fleet.place first")
         faults.append(
             TruthFault(
                 idx,

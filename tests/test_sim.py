@@ -19,6 +19,7 @@ from agent.report import Report, decode, json_schema
 from aggregator.config import ProbesConfig
 from sim import fleet as fleet_mod
 from sim import scenario as scenario_mod
+from sim import truth as truth_mod
 from sim.cli import write_trace
 from sim.fleet import simulate
 from sim.probing import SETUP_SECONDS
@@ -277,6 +278,15 @@ def test_the_example_scenarios_load() -> None:
             {"faults": [{"kind": "degraded_link", "node": "gpu-0001", "peer": "gpu-0009", "at_s": 1}]},
             "same leaf",
         ),
+        (
+            {"faults": [{"kind": "degraded_link", "leaf": "leaf-01", "node": "gpu-0009", "at_s": 1}]},
+            "either leaf or node and peer",
+        ),
+        ({"faults": [{"kind": "degraded_link", "leaf": "leaf-07", "at_s": 1}]}, "unknown leaf 'leaf-07'"),
+        (
+            {"faults": [{"kind": "slow_nic", "node": "gpu-0001", "leaf": "leaf-00", "at_s": 1}]},
+            "leaf does not apply",
+        ),
         ({"pools": [{"name": "x", "profile": "b200", "nodes": 2}]}, "profile must be one of"),
         ({"colour": "blue"}, "unknown field(s) colour"),
     ],
@@ -396,3 +406,53 @@ def test_pair_probes_run_only_when_both_ends_are_idle_and_up(reports: list[Repor
     for t, a, b in pairs:
         assert not timelines[a].busy(t) and not timelines[b].busy(t), (t - START, a, b)
         assert not ("gpu-0000" in (a, b) and START + 1000 <= t < START + 1240), (t - START, a, b)
+
+
+# A link given by its leaf (scenarios/fleet64.yaml): placed where the probes can see it.
+BUSY_LEAF: dict[str, Any] = {
+    **BASE,
+    "minutes": 30,
+    "pools": [{"name": "h100", "profile": "h100-sxm-80gb", "nodes": 8}],
+    # Busy most of the time: a fixed pair is rarely idle at once, which is why placement exists.
+    "jobs": {"busy_mean_s": 1200, "idle_mean_s": 600},
+    "probes": {"local_every_s": 300, "pair_every_s": 60},
+}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_a_link_given_by_its_leaf_lands_on_healthy_ends_the_probes_measure(tmp_path: Path, seed: int) -> None:
+    faults = [
+        {"kind": "slow_nic", "node": "gpu-0002", "at_s": 0, "ratio": 0.7},
+        {"kind": "degraded_link", "leaf": "leaf-00", "at_s": 120, "ratio": 0.65},
+    ]
+    s = scenario_mod.parse({**BUSY_LEAF, "seed": seed, "faults": faults})
+    placed = fleet_mod.place(s)
+    assert fleet_mod.place(placed) == placed and fleet_mod.place(s) == placed  # once, and the same again
+    link = placed.faults[1]
+    assert link.node is not None and link.peer is not None and link.node < link.peer
+    assert "gpu-0002" not in (link.node, link.peer)  # the slow NIC's node is not a healthy end
+    _, truth = write_trace(s, tmp_path / "t.jsonl")
+    (found,) = [f for f in truth.faults if f.kind == "degraded_link"]
+    assert (found.node, found.peer) == (link.node, link.peer)
+    # Measured after the onset, and slow when it is.
+    assert found.first_seen is not None and found.first_seen >= START + 120
+    slow = [
+        (t, bw) for t, a, b, bw in _pair_results(s) if (a, b) == (link.node, link.peer) and t >= START + 120
+    ]
+    assert slow and all(bw < 0.7 * 380e9 for _, bw in slow)
+
+
+def test_a_link_given_by_its_leaf_is_placed_per_seed() -> None:
+    link = {"kind": "degraded_link", "leaf": "leaf-00", "at_s": 120}
+    ends = {
+        (f.node, f.peer)
+        for seed in range(1, 7)
+        for f in fleet_mod.place(scenario_mod.parse({**BUSY_LEAF, "seed": seed, "faults": [link]})).faults
+    }
+    assert len(ends) >= 3
+
+
+def test_truth_of_an_unplaced_scenario_is_refused() -> None:
+    s = scenario_mod.parse({**BUSY_LEAF, "faults": [{"kind": "degraded_link", "leaf": "leaf-00", "at_s": 1}]})
+    with pytest.raises(ValueError, match="not placed"):
+        truth_mod.build(s, {})
