@@ -132,7 +132,8 @@ def _plan_pair_probes(
         return not any(t0 <= t < t1 for t0, t1 in downs[n]) and not any(t0 <= t < t1 for t0, t1 in quiet[n])
 
     def free(n: str, t: float) -> bool:  # asked only while the node is heard: up
-        return not timelines[n].busy(t)
+        # A node with a lost GPU reports an NVML error: the scheduler counts it as busy.
+        return not timelines[n].busy(t) and not _gpu_lost([f for _, f in by_node.get(n, [])], s, t)
 
     def measure(a: str, b: str, t: float) -> PairProbe:
         noise = random.Random(f"gpuwarden-sim-pair:{s.seed}:{a}:{b}:{t:.3f}").gauss(

@@ -20,7 +20,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from agent.errors import ConfigError
 from agent.probes.protocol import Assignment, verify
-from agent.report import Gpu, Probe, Report
+from agent.report import CollectorError, Gpu, Probe, Report
 from aggregator.config import ProbesConfig
 from aggregator.fleet.pools import Placement
 from aggregator.probes.metrics import ProbeMetrics
@@ -582,6 +582,17 @@ def test_report_is_idle() -> None:
     assert not report_is_idle(_report([_gpu(0, 0.0, 0), _gpu(1, 0.6, 0)]), cfg)
     assert not report_is_idle(_report([_gpu(0, 0.0, 40 << 30)]), cfg)
     assert not report_is_idle(_report([_gpu(0, None, 0)]), cfg)  # unknown is busy
+    # A GPU that fell off the bus is left out of the report and named in its errors: the node's
+    # GPUs are not all accounted for, so nothing vouches that it is idle.
+    lost = msgspec.structs.replace(
+        _report([_gpu(0, 0.0, 0)]),
+        errors=[CollectorError(collector="nvml", message="GPU 1 (GPU-x, 00000000:1B:00.0): GPU is lost")],
+    )
+    assert not report_is_idle(lost, cfg)
+    other = msgspec.structs.replace(
+        lost, errors=[CollectorError(collector="infiniband", message="mlx5_3: gone")]
+    )
+    assert report_is_idle(other, cfg)
 
 
 def test_silent_or_non_polling_nodes_get_no_partner() -> None:

@@ -456,3 +456,20 @@ def test_truth_of_an_unplaced_scenario_is_refused() -> None:
     s = scenario_mod.parse({**BUSY_LEAF, "faults": [{"kind": "degraded_link", "leaf": "leaf-00", "at_s": 1}]})
     with pytest.raises(ValueError, match="not placed"):
         truth_mod.build(s, {})
+
+
+def test_a_node_whose_gpu_fell_off_gets_no_pair_probes(reports: list[Report]) -> None:
+    # gpu-0001 loses GPU 3 at 600 s (XID 79, no reboot after): its reports carry an NVML error
+    # from then on, which the probe scheduler reads as "not idle", so no partner's idle minutes go
+    # to an all-reduce that would fail.
+    lost_at = START + 600
+    before = [
+        p for r in reports if r.node == "gpu-0001" for p in r.probes or () if p.peer and p.time < lost_at
+    ]
+    after = [
+        p
+        for r in reports
+        for p in r.probes or ()
+        if p.peer is not None and "gpu-0001" in (r.node, p.peer) and p.time > lost_at + 60
+    ]
+    assert before and after == []

@@ -117,7 +117,12 @@ _RESCUE_MAX: Final = 64  # leftovers paired by oldest pair above this many: pair
 def report_is_idle(report: Report, config: ProbesConfig) -> bool:
     """Whether the node's GPUs are free for a probe: every GPU under ``idle_utilization_ratio``
     with at most ``idle_memory_bytes`` in use. A GPU that does not say (null) counts as busy:
-    a probe must never land on a job. A node without GPUs is idle (``tcp_pair`` nodes)."""
+    a probe must never land on a job. So does a node whose NVML collector reported an error: a
+    GPU it could not read (one that fell off the bus is left out of ``gpus`` altogether) may be
+    running a job, and an all-reduce over the node's GPUs would fail on a lost one anyway, wasting
+    a healthy partner's idle minutes. A node without GPUs is idle (``tcp_pair`` nodes)."""
+    if any(e.collector == "nvml" for e in report.errors or ()):
+        return False
     for gpu in report.gpus:
         util, used = gpu.utilization_ratio, gpu.memory_used_bytes
         if util is None or used is None:
