@@ -731,7 +731,9 @@ def place(s: Scenario) -> Scenario:
 
     A degraded link given as ``leaf`` goes on a pair of that leaf, of one pool, whose ends have no
     fault of their own and are not silenced, chosen (per seed) among the pairs the probe plan
-    measures at least twice after the onset, else once, else among them all. A link is found from
+    measures at least twice in the first half of the fault's time in the trace (so that its
+    detection window fits in the trace), else once then, else once at all, else among them all.
+    A link is found from
     pair probes alone and probes run on idle nodes only: with its ends fixed, whether any probe
     ever crosses the link depends on the seed's jobs (both ends idle at the same time), and a
     benchmark over seeds would mostly count luck. The plan is the one without the placed links;
@@ -755,15 +757,18 @@ def place(s: Scenario) -> Scenario:
         pairs = sorted((a, b) for j, (a, pa) in enumerate(members) for b, pb in members[j + 1 :] if pa == pb)
         if not pairs:
             raise ConfigError(f"{f.kind} on {f.leaf}: no two healthy nodes of one pool in that leaf")
-        window = (s.start + f.at_s, s.start + (f.until_s if f.until_s is not None else s.duration_s))
-        seen: dict[tuple[str, str], int] = {}
+        t0 = s.start + f.at_s
+        t1 = s.start + min(s.duration_s, f.until_s if f.until_s is not None else math.inf)
+        early: dict[tuple[str, str], int] = {}
+        ever: dict[tuple[str, str], int] = {}
         for lst in plans.values():
-            for p in lst:
-                if window[0] <= p.true_time < window[1]:
-                    seen[(p.a, p.b)] = seen.get((p.a, p.b), 0) + 1
-        # Each probe is in both ends' lists: two entries per measurement.
-        for least in (4, 2, 0):
-            chosen = [pair for pair in pairs if seen.get(pair, 0) >= least]
+            for p in lst:  # each probe is in both ends' lists: two entries per measurement
+                if t0 <= p.true_time < t1:
+                    ever[(p.a, p.b)] = ever.get((p.a, p.b), 0) + 1
+                    if p.true_time < (t0 + t1) / 2:
+                        early[(p.a, p.b)] = early.get((p.a, p.b), 0) + 1
+        for counts, least in ((early, 4), (early, 2), (ever, 2), (ever, 0)):
+            chosen = [pair for pair in pairs if counts.get(pair, 0) >= least]
             if chosen:
                 break
         a, b = random.Random(f"gpuwarden-sim-place:{s.seed}:{i}").choice(chosen)
