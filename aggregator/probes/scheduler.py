@@ -66,6 +66,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import re
 import statistics
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
@@ -114,14 +115,21 @@ _POLL_STALE_POLLS: Final = 3.0  # a node that has not polled for this many poll 
 _RESCUE_MAX: Final = 64  # leftovers paired by oldest pair above this many: pairs are O(n^2)
 
 
+# The agent's words for a GPU that fell off the bus (agent/collectors/nvml.py, NVML's
+# GPU_IS_LOST), as the shipped gpu-lost rule matches them.
+_LOST: Final = re.compile(r"(?i)gpu is lost")
+
+
 def report_is_idle(report: Report, config: ProbesConfig) -> bool:
     """Whether the node's GPUs are free for a probe: every GPU under ``idle_utilization_ratio``
     with at most ``idle_memory_bytes`` in use. A GPU that does not say (null) counts as busy:
-    a probe must never land on a job. So does a node whose NVML collector reported an error: a
-    GPU it could not read (one that fell off the bus is left out of ``gpus`` altogether) may be
-    running a job, and an all-reduce over the node's GPUs would fail on a lost one anyway, wasting
-    a healthy partner's idle minutes. A node without GPUs is idle (``tcp_pair`` nodes)."""
-    if any(e.collector == "nvml" for e in report.errors or ()):
+    a probe must never land on a job. So does a node whose NVML collector says a GPU is lost: the
+    agent leaves a GPU that fell off the bus out of ``gpus``, so nothing says it is idle, and an
+    all-reduce over the node's GPUs would fail on it anyway, wasting a healthy partner's idle
+    minutes. Other NVML errors (a field the agent may not read) do not count: the fields that
+    say "idle" are null when unreadable, which is busy already. A node without GPUs is idle
+    (``tcp_pair`` nodes)."""
+    if any(e.collector == "nvml" and _LOST.search(e.message) for e in report.errors or ()):
         return False
     for gpu in report.gpus:
         util, used = gpu.utilization_ratio, gpu.memory_used_bytes
