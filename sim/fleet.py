@@ -737,7 +737,8 @@ def place(s: Scenario) -> Scenario:
     pair probes alone and probes run on idle nodes only: with its ends fixed, whether any probe
     ever crosses the link depends on the seed's jobs (both ends idle at the same time), and a
     benchmark over seeds would mostly count luck. The plan is the one without the placed links;
-    with them, a slow result only adds confirm re-probes.
+    with them it differs by the confirm re-probes their slow results ask for (which can take a
+    rotation probe's place).
     """
     todo = [i for i, f in enumerate(s.faults) if f.leaf is not None and f.node is None]
     if not todo:

@@ -589,6 +589,10 @@ def test_report_is_idle() -> None:
         errors=[CollectorError(collector="nvml", message="GPU 1 (GPU-x, 00000000:1B:00.0): GPU is lost")],
     )
     assert not report_is_idle(lost, cfg)
+    no_handle = msgspec.structs.replace(
+        lost, errors=[CollectorError(collector="nvml", message="GPU 1: no device handle: Unknown Error")]
+    )
+    assert not report_is_idle(no_handle, cfg)
     # Other errors leave it to the GPUs' own fields: a field the agent may not read in this
     # container must not take the node out of every probe for good.
     for collector, message in (

@@ -63,11 +63,12 @@ GPU_COUNTERS: Final[tuple[Counter, ...]] = (
     Counter("pcie_replay_per_second", "PCIe replays", 0.1),
     Counter("nvlink_crc_per_second", "NVLink CRC errors", 0.1),
     # DCGM fails a GPU on any NVLink replay (DCGM_LIMIT_MAX_NVLINK_ERROR = 1, rules/nvlink.yaml):
-    # a replay is a flit the receiver found corrupt and the sender sent again. We quarantine on a
-    # lasting stream instead of on one: replays above the GPU's own past in nine tenths of the
-    # persistence window, at a median of one per report or more. A stray replay stays an alert,
-    # and CRC errors that the link absorbs without replaying keep the general level.
-    Counter("nvlink_replay_per_second", "NVLink replays", 0.1, quarantine_floors=1.0),
+    # a replay is a flit the receiver found corrupt and the sender sent again, and a healthy link
+    # does not replay. We quarantine on a lasting stream instead of on one: persistence alone
+    # decides (no level beyond the line), so more than one replay per report over the GPU's own
+    # past in nine tenths of the persistence window. A stray replay stays an alert, and CRC
+    # errors that the link absorbs without replaying keep the general level.
+    Counter("nvlink_replay_per_second", "NVLink replays", 0.1, quarantine_floors=0.0),
     Counter("nvlink_recovery_per_second", "NVLink recoveries", 0.1),
     Counter("ecc_sbe_per_second", "corrected ECC errors", 0.1),
 )
