@@ -184,13 +184,19 @@ class HardFault:
     rule: str
     evidence: dict[str, Any]
     shows: Callable[[Report], bool]  # the report shows the fault
+    also: tuple[str, ...] = ()  # other rules the same report fires
 
 
 @pytest.mark.parametrize(
     "fault",
     [
         pytest.param(HardFault("gpu-0001", 3, "xid-79", {"gpu": 3, "xid": 79}, has_xid(79)), id="xid79"),
-        pytest.param(HardFault("gpu-0005", 1, "xid-48", {"gpu": 1, "xid": 48}, has_xid(48)), id="dbe"),
+        pytest.param(
+            HardFault(
+                "gpu-0005", 1, "xid-48", {"gpu": 1, "xid": 48}, has_xid(48), ("gpu-ecc-uncorrectable",)
+            ),
+            id="dbe",
+        ),
         pytest.param(
             HardFault(
                 "gpu-0009",
@@ -209,14 +215,32 @@ def test_a_hard_fault_quarantines_from_the_report_that_shows_it(hard: Run, fault
     assert transitions(decisions) == [("healthy", "quarantined", "taint")]
     quarantine = decisions[0]
     assert quarantine.time == shown_at
-    assert [r.rule for r in quarantine.reasons] == [fault.rule]
-    reason = quarantine.reasons[0]
+    assert sorted(r.rule or "" for r in quarantine.reasons) == sorted((fault.rule, *fault.also))
+    (reason,) = [r for r in quarantine.reasons if r.rule == fault.rule]
     assert (reason.detector, reason.severity) == ("rule", "critical")
     assert fault.evidence.items() <= reason.evidence.items()
     # The reason names the board, as the report that showed the fault identified it.
     uuid = next(g.uuid for g in report.gpus if g.index == fault.gpu)
     assert reason.evidence["uuid"] == uuid
     assert f"GPU {fault.gpu}" in reason.summary
+
+
+def test_a_dbe_whose_xid_report_was_lost_still_quarantines_at_the_next_report() -> None:
+    # The XID is an event, in one report; the uncorrectable-error counter is in every report
+    # until the GPU is reset. Drop the report carrying XID 48 and the next one still takes the
+    # node out, at once and for the same fault.
+    run_all = run(HARD)
+    shown_at, with_xid = run_all.first("gpu-0005", has_xid(48))
+    deliveries = [(t, r) for t, r in run_all.deliveries if r is not with_xid]
+    decisions: list[Decision] = []
+    pipeline = Pipeline(DEFAULTS, RULES, DecisionLog(None), on_decision=decisions.append)
+    for received, report in deliveries:
+        pipeline.ingest(report, received)
+    mine = [d for d in decisions if d.node == "gpu-0005"]
+    assert transitions(mine) == [("healthy", "quarantined", "taint")]
+    next_at = min(t for t, r in deliveries if r.node == "gpu-0005" and t > shown_at)
+    assert mine[0].time == next_at
+    assert [(r.rule, r.evidence.get("gpu")) for r in mine[0].reasons] == [("gpu-ecc-uncorrectable", 1)]
 
 
 def test_a_lost_gpu_stays_quarantined_for_every_reason_it_shows(hard: Run) -> None:
