@@ -36,6 +36,7 @@ class SmallPool:
         ambient: float = 0.0,
         idle: frozenset[tuple[int, int]] = frozenset(),
         errors: dict[tuple[str, int, int], float] | None = None,
+        lost: frozenset[int] = frozenset(),
     ) -> None:
         """One report per node; ``errors`` adds a rate per second to (column, node, GPU)."""
         rng = self.rng
@@ -73,7 +74,9 @@ class SmallPool:
                 nic[:, NIC_COLUMN[col]] = (rng.random(len(PORTS)) < 0.01) / INTERVAL
             for p in range(len(PORTS)):
                 nic[p, NIC_COLUMN["symbol_error_per_second"]] += (symbol or {}).get((i, p), 0.0)
-            self.frame.write(name, self.t + rng.uniform(0, INTERVAL - 0.01), gpu, list(PORTS), nic)
+            at = self.t + rng.uniform(0, INTERVAL - 0.01)
+            if i not in lost:  # a lost report: the node's slot stays empty
+                self.frame.write(name, at, gpu, list(PORTS), nic)
         self.t += INTERVAL
 
 
@@ -235,3 +238,23 @@ def test_replays_that_come_and_go_or_stay_at_one_a_report_are_never_a_quarantine
             seen |= {f.action for node, f in findings(detector.run_pool(pool.frame, pool.t)) if node == "n0"}
     assert "quarantine" not in seen
     assert ("alert" in seen) == (per_report == 2)
+
+
+def test_lost_reports_neither_hide_a_persistent_burst_nor_make_one() -> None:
+    # One report in six lost for the whole window (the rate after a gap spans both intervals, as
+    # the frame computes it): the burst is as persistent as before and still quarantines.
+    pool = SmallPool(13)
+    detector = TrendDetector()
+    for _ in range(40):
+        pool.step()
+    for k in range(18):
+        pool.step(symbol={(0, 0): 5.0}, lost=frozenset({0}) if k % 6 == 3 else frozenset())
+    hits = [(node, f.key, f.action) for node, f in findings(detector.run_pool(pool.frame, pool.t))]
+    assert hits == [("n0", "trend-symbol-error:mlx5_0:1", "quarantine")]
+    # Most of the window lost: too little seen to call it lasting, an alert at most.
+    pool = SmallPool(14)
+    for _ in range(40):
+        pool.step()
+    for k in range(18):
+        pool.step(symbol={(0, 0): 5.0}, lost=frozenset({0}) if k % 2 == 0 and k < 16 else frozenset())
+    assert all(f.action == "alert" for _, f in findings(detector.run_pool(pool.frame, pool.t)))

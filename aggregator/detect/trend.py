@@ -8,7 +8,8 @@ recoveries; GPU PCIe replays, NVLink CRC/replay/recovery errors, corrected ECC e
 compared with its own baseline: the slots of the frame older than ``long_slots``, robustly
 (median + ``burst_mads`` scaled MADs, and never less than median + the counter's ``floor``). A
 burst is at least ``alert_hits`` of the last ``recent_slots`` slots above that line (alert); a
-clear, persistent one is at least ``quarantine_share`` of the last ``long_slots`` slots above it
+clear, persistent one is at least ``quarantine_share`` of the last ``long_slots`` slots (of those
+with a rate, at least ``min_long_share`` of them) above it
 at a median of at least ``quarantine_floors`` floors over the baseline, or the counter's own
 level where it has one (quarantine, not hard).
 The baseline is the port's own recent past, so a rate that has stayed high for longer than the
@@ -91,7 +92,8 @@ class TrendConfig:
     long_slots: int = 18  # the persistence window (3 min); the baseline is what is older
     min_baseline_slots: int = 6  # a port needs a minute of its own past to be judged
     burst_mads: float = 6.0
-    quarantine_share: float = 0.9
+    quarantine_share: float = 0.9  # of the persistence window's slots that have a rate
+    min_long_share: float = 2 / 3  # slots of the persistence window that must have a rate
     quarantine_floors: float = 10.0
     load_threshold: float = 0.5
     drift_slots: int = 12  # the drift window: 2 min
@@ -203,11 +205,15 @@ class TrendDetector:
         above = rate > line[None] * (1 + 1e-6)
         recent_hits = above[-c.recent_slots :].sum(axis=0)
         long_hits = above[-c.long_slots :].sum(axis=0)
+        # The share counts the slots with a rate: a lost report is no evidence either way, and at
+        # 1 % loss a 3-minute window misses one report a sixth of the time.
+        long_seen = (~np.isnan(rate[-c.long_slots :])).sum(axis=0)
         long_median = nanmedian(rate[-c.long_slots :], axis=0)
         hit = enough & (recent_hits >= c.alert_hits)
         quarantine = (
             hit
-            & (long_hits >= c.quarantine_share * c.long_slots)
+            & (long_seen >= c.min_long_share * c.long_slots)
+            & (long_hits >= c.quarantine_share * long_seen)
             & (long_median >= median + floors * floor * (1 - 1e-6))
         )
         if not hit.any():
