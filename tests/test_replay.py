@@ -158,7 +158,8 @@ def test_replay_writes_the_decision_log_and_a_summary(
     assert by_node["gpu-0002"][0] == ("quarantined", ["xid-79"])
     assert [s for s, _ in by_node["gpu-0002"]][-2:] == ["probation", "healthy"]
     assert ("quarantined", ["ib-port-down"]) in by_node["gpu-0006"]
-    assert by_node["gpu-0008"] == [("quarantined", ["xid-48"])]
+    # XID 48 and the uncorrectable-error counter it comes with, in the same report.
+    assert by_node["gpu-0008"] == [("quarantined", ["gpu-ecc-uncorrectable", "xid-48"])]
     assert [s for s, _ in by_node["gpu-0010"]] == ["suspect", "healthy"]
     assert by_node["gpu-0004"] == []  # an application XID
     assert {n for n, ds in by_node.items() if ds} == {"gpu-0002", "gpu-0006", "gpu-0008", "gpu-0010"}
