@@ -121,7 +121,7 @@ def _false_quarantines(truth: Truth, ds: list[sim_eval.Decision]) -> list[dict[s
             continue
         mine = [f for f in truth.faults if d.node in (f.node, f.peer)]
         real = [f for f in mine if f.fault_class in sim_eval.NODE_CLASSES and f.node == d.node]
-        if any(f.start <= d.time for f in real):
+        if any(sim_eval.began(f) <= d.time for f in real):
             continue
         cause = sim_eval._false_cause(d.node, mine, real)
         out.append(

@@ -103,13 +103,21 @@ def load_decisions(path: Path | str) -> list[Decision]:
 # Scoring
 
 
+def began(f: TruthFault) -> float:
+    """When a decision about ``f`` can first be caused by it: its start, or the first report that
+    showed it where that is earlier. Decisions carry their reports' times; on a node whose clock
+    runs a few seconds behind (too little for replay to correct) the report that shows a fault
+    can read earlier than the fault's true start, and a decision made on it is still about it."""
+    return min(f.start, f.first_seen) if f.first_seen is not None else f.start
+
+
 def _ttd(f: TruthFault, at: float) -> float:
     return at - (f.first_seen if f.first_seen is not None else f.start)
 
 
 def _catch_time(f: TruthFault, decisions: list[Decision]) -> float | None:
     for d in decisions:
-        if d.time < f.start:
+        if d.time < began(f):
             continue
         if (
             f.fault_class in NODE_CLASSES
@@ -173,7 +181,7 @@ def score(truth: Truth, decisions: Iterable[Decision]) -> dict[str, Any]:
     for q in quarantines:
         mine = by_node.get(q.node, [])
         real = [f for f in mine if f.fault_class in NODE_CLASSES and f.node == q.node]
-        if any(f.start <= q.time for f in real):
+        if any(began(f) <= q.time for f in real):
             true_q += 1
         else:
             false_by_cause[_false_cause(q.node, mine, real)] += 1
@@ -182,17 +190,18 @@ def score(truth: Truth, decisions: Iterable[Decision]) -> dict[str, Any]:
     true_links = sum(
         1
         for d in links
-        if any({d.node, d.peer} == {f.node, f.peer} and f.start <= d.time for f in link_faults)
+        if any({d.node, d.peer} == {f.node, f.peer} and began(f) <= d.time for f in link_faults)
     )
     attributed = 0
     for f in link_faults:
         if _catch_time(f, ds) is None:
             continue
         ends_blamed = any(
-            q.time >= f.start
+            q.time >= began(f)
             and q.node in (f.node, f.peer)
             and not any(
-                g.fault_class in NODE_CLASSES and g.node == q.node and g.start <= q.time for g in truth.faults
+                g.fault_class in NODE_CLASSES and g.node == q.node and began(g) <= q.time
+                for g in truth.faults
             )
             for q in quarantines
         )

@@ -185,3 +185,22 @@ def test_baseline_catches_hard_faults_only(tmp_path: Path) -> None:
     hot["gpus"][0]["temperature_celsius"] = 85.0
     trace.write_text(json.dumps(hot) + "\n")
     assert [next(iter(d.detectors)) for d in baseline(trace)] == ["baseline:temperature"]
+
+
+def test_a_node_whose_clock_runs_a_little_behind_is_caught_from_its_first_showing_report(
+    tmp_path: Path,
+) -> None:
+    # gpu-0001's clock is 6 s behind, too little for replay to correct: the report that shows its
+    # XID 79 reads 4 s before the fault's true start, and so does the quarantine made on it. It is
+    # the fault's quarantine, not a false one; one made before that report is still false.
+    truth = {**TRUTH, "faults": [_f(0, "xid79", "hard", "gpu-0001", (100, 96))]}
+    (tmp_path / "truth.json").write_text(json.dumps(truth))
+    for decisions, caught, false in (
+        ([_d(96, "gpu-0001", "quarantined")], 1, 0),
+        ([_d(90, "gpu-0001", "quarantined")], 0, 1),
+    ):
+        (tmp_path / "d.jsonl").write_text("".join(json.dumps(d) + "\n" for d in decisions))
+        r = score(load_truth(tmp_path / "truth.json"), load_decisions(tmp_path / "d.jsonl"))
+        assert (r["classes"]["hard"]["caught"], r["quarantines"]["false"]) == (caught, false)
+        if caught:
+            assert r["classes"]["hard"]["time_to_detect"]["median_s"] == 0.0
