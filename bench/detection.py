@@ -5,6 +5,7 @@ directory)::
 
     .venv/bin/python bench/detection.py [SCENARIO ...] [--seeds 5] [--jobs 2]
         [--sweep slow_gpu.ratio=0.92,0.88,0.80] [--sweep-seeds 3] [--json FILE]
+        [--drop 0.1] [--strip-labels]
 
 What it does, for every scenario (default ``scenarios/fleet64.yaml``; ``othergen`` for traces of
 ``bench/othergen.py``, the second generator) and seed 1..``--seeds``:
@@ -13,7 +14,11 @@ live pipeline over it with the default configuration and shipped rules, and ``si
 the decisions and the baseline (critical XIDs, DBE, remap failure, >= 85 C, IB port down) on the
 same trace. ``--sweep KIND.PARAM=V1,V2,...`` then reruns the first scenario on ``--sweep-seeds``
 seeds with that parameter of every fault of that kind set to each value (repeatable; ``--sweep
-none`` turns the default sweep off).
+none`` turns the default sweep off). Robustness runs perturb every trace before replay:
+``--drop F`` loses a share F of its reports for good (on top of the generator's own loss),
+``--strip-labels`` removes every report's labels (pools then come from the GPU model, and there
+are no racks or leaves). The truth is left as generated, so a fault whose first showing report
+was dropped is timed from that report all the same.
 
 Markdown goes to stdout, progress to stderr: per fault class recall and time to detect (pooled over
 seeds) for both systems, the issue's targets one by one, false quarantines by cause, link
@@ -30,6 +35,7 @@ import json
 import logging
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -71,10 +77,47 @@ CLASS_ORDER: Final = ("hard", "soft", "link", "silent")
 
 
 @dataclass(frozen=True)
+class Perturb:
+    """What is done to every trace after it is generated, before replay (robustness runs)."""
+
+    drop: float = 0.0  # this share of reports never arrives (on top of the generator's own loss)
+    strip_labels: bool = False  # no pool/rack/leaf labels: pools from the GPU model, no domains
+
+    def __bool__(self) -> bool:
+        return self.drop > 0 or self.strip_labels
+
+
+@dataclass(frozen=True)
 class Job:
     scenario: str  # path
     seed: int
     sweep: tuple[str, str, float] | None  # (kind, parameter, value)
+    perturb: Perturb = Perturb()
+
+
+def perturb_trace(path: Path, perturb: Perturb, seed: int) -> int:
+    """Rewrite the gzip trace at ``path`` with ``perturb`` applied; the number of reports left.
+
+    Dropping is drawn per line from its own seeded stream, so the same seed drops the same
+    reports. A dropped report is lost for good, as if the agent's retries had all failed: the
+    truth still counts what only that report showed.
+    """
+    rng = random.Random(f"gpuwarden-bench-drop:{seed}")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        lines = f.readlines()
+    kept: list[str] = []
+    for line in lines:
+        if rng.random() < perturb.drop:
+            continue
+        if perturb.strip_labels:
+            report = json.loads(line)
+            report.pop("labels", None)
+            kept.append(json.dumps(report, separators=(",", ":")) + "\n")
+        else:
+            kept.append(line)
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(kept)
+    return len(kept)
 
 
 def _label(job: Job) -> str:
@@ -145,6 +188,8 @@ def run_job(job: Job) -> dict[str, Any]:
         else:
             s = scenario_mod.load(Path(job.scenario)).with_overrides(seed=job.seed, nodes=None, minutes=None)
             reports, truth = write_trace(_with_sweep(s, job.sweep), trace)
+        if job.perturb:
+            reports = perturb_trace(trace, job.perturb, job.seed)
         config = Config()
         rules = load_rules([Path(config.rules_dir) if config.rules_dir else default_rules_dir()])
         replay(trace, decisions_path, config, rules)
@@ -157,6 +202,9 @@ def run_job(job: Job) -> dict[str, Any]:
         if job.sweep is None
         else {"kind": job.sweep[0], "param": job.sweep[1], "value": job.sweep[2]},
         "reports": reports,
+        "perturb": {"drop": job.perturb.drop, "strip_labels": job.perturb.strip_labels}
+        if job.perturb
+        else None,
         "seconds": round(time.perf_counter() - started, 1),
         "gpuwarden": sim_eval.score(truth, mine),
         "baseline": sim_eval.score(truth, base),
@@ -444,10 +492,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--sweep-seeds", type=int, default=3, help="seeds 1..N for each sweep point (3)")
     p.add_argument("--json", type=Path, help="write every run's outcome here")
+    p.add_argument(
+        "--drop", type=float, default=0.0, help="robustness: lose this share of every trace's reports (0)"
+    )
+    p.add_argument(
+        "--strip-labels",
+        action="store_true",
+        help="robustness: remove every report's labels (pool, rack, leaf)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.seeds < 1 or args.sweep_seeds < 1 or args.jobs < 1:
         p.error("--seeds, --sweep-seeds and --jobs must be >= 1")
+    if not 0.0 <= args.drop < 1.0:
+        p.error("--drop must be in [0, 1)")
+    perturb = Perturb(drop=args.drop, strip_labels=args.strip_labels)
     for path in args.scenarios:
         if str(path) != OTHERGEN:
             scenario_mod.load(path)  # a bad scenario fails here, before any worker starts
@@ -458,9 +517,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if sweeps and str(args.scenarios[0]) == OTHERGEN:
         p.error("--sweep needs a scenario file first (othergen draws its own magnitudes); add --sweep none")
-    jobs = [Job(str(s), seed, None) for s in args.scenarios for seed in range(1, args.seeds + 1)]
+    jobs = [Job(str(s), seed, None, perturb) for s in args.scenarios for seed in range(1, args.seeds + 1)]
     jobs += [
-        Job(str(args.scenarios[0]), seed, pt) for pt in sweeps for seed in range(1, args.sweep_seeds + 1)
+        Job(str(args.scenarios[0]), seed, pt, perturb)
+        for pt in sweeps
+        for seed in range(1, args.sweep_seeds + 1)
     ]
     started = time.perf_counter()
     results: list[dict[str, Any]] = []
