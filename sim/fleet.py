@@ -733,12 +733,11 @@ def place(s: Scenario) -> Scenario:
     fault of their own and are not silenced, chosen (per seed) among the pairs the probe plan
     measures at least twice in the first half of the fault's time in the trace (so that its
     detection window fits in the trace), else once then, else once at all, else among them all.
-    A link is found from
-    pair probes alone and probes run on idle nodes only: with its ends fixed, whether any probe
-    ever crosses the link depends on the seed's jobs (both ends idle at the same time), and a
-    benchmark over seeds would mostly count luck. The plan is the one without the placed links;
-    with them it differs by the confirm re-probes their slow results ask for (which can take a
-    rotation probe's place).
+    A link is found from pair probes alone and probes run on idle nodes only: with its ends fixed,
+    whether any probe ever crosses the link depends on the seed's jobs (both ends idle at the
+    same time), and a benchmark over seeds would mostly count luck. The plan is the one without
+    the placed links; with them it differs by the confirm re-probes their slow results ask for
+    (which can take a rotation probe's place).
     """
     todo = [i for i, f in enumerate(s.faults) if f.leaf is not None and f.node is None]
     if not todo:
