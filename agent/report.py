@@ -148,6 +148,118 @@ class Report(_Base, frozen=True):
     errors: Annotated[list[CollectorError], Meta(max_length=64)] | UnsetType = UNSET
 
 
+# -- The vocabulary of ``Nic.counters`` -------------------------------------------------------------
+# The counter names the agent puts in ``Nic.counters``, by where the kernel exposes them. One list
+# for the collectors, the rule vocabulary, the generators and the fixture builder. A driver counter
+# that is not here can still be named in a rule as "driver:NAME"; the list exists to catch typos.
+# IBTA PortCounters / PortCountersExtended (/sys/class/infiniband/*/ports/*/counters/).
+IBTA_PORT_COUNTERS: Final[tuple[str, ...]] = (
+    "symbol_error",
+    "link_error_recovery",
+    "link_downed",
+    "port_rcv_errors",
+    "port_rcv_remote_physical_errors",
+    "port_rcv_switch_relay_errors",
+    "port_xmit_discards",
+    "port_xmit_constraint_errors",
+    "port_rcv_constraint_errors",
+    "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors",
+    "VL15_dropped",
+    "port_xmit_wait",
+    "port_rcv_discards",
+    "port_xmit_data",
+    "port_rcv_data",
+    "port_xmit_packets",
+    "port_rcv_packets",
+    "port_xmit_data_64",
+    "port_rcv_data_64",
+    "port_xmit_packets_64",
+    "port_rcv_packets_64",
+    "port_unicast_xmit_packets",
+    "port_unicast_rcv_packets",
+    "port_multicast_xmit_packets",
+    "port_multicast_rcv_packets",
+    "unicast_xmit_packets",
+    "unicast_rcv_packets",
+    "multicast_xmit_packets",
+    "multicast_rcv_packets",
+)
+# mlx5's per-port hw_counters/ (transport retries, errors, congestion).
+MLX5_HW_COUNTERS: Final[tuple[str, ...]] = (
+    "duplicate_request",
+    "implied_nak_seq_err",
+    "local_ack_timeout_err",
+    "out_of_buffer",
+    "out_of_sequence",
+    "packet_seq_err",
+    "req_cqe_error",
+    "req_cqe_flush_error",
+    "req_remote_access_errors",
+    "req_remote_invalid_request",
+    "req_transport_retries_exceeded",
+    "resp_cqe_error",
+    "resp_cqe_flush_error",
+    "resp_local_length_error",
+    "resp_remote_access_errors",
+    "rnr_nak_retry_err",
+    "roce_adp_retrans",
+    "roce_adp_retrans_to",
+    "roce_slow_restart",
+    "roce_slow_restart_cnps",
+    "roce_slow_restart_trans",
+    "rp_cnp_handled",
+    "rp_cnp_ignored",
+    "np_cnp_sent",
+    "np_ecn_marked_roce_packets",
+    "rx_atomic_requests",
+    "rx_dct_connect",
+    "rx_read_requests",
+    "rx_write_requests",
+    "rx_icrc_encapsulated",
+)
+# The kernel's netdev statistics/ and carrier counts (/sys/class/net/*/).
+NETDEV_STATISTICS: Final[tuple[str, ...]] = (
+    "rx_bytes",
+    "tx_bytes",
+    "rx_packets",
+    "tx_packets",
+    "rx_errors",
+    "tx_errors",
+    "rx_dropped",
+    "tx_dropped",
+    "multicast",
+    "collisions",
+    "rx_length_errors",
+    "rx_over_errors",
+    "rx_crc_errors",
+    "rx_frame_errors",
+    "rx_fifo_errors",
+    "rx_missed_errors",
+    "tx_aborted_errors",
+    "tx_carrier_errors",
+    "tx_fifo_errors",
+    "tx_heartbeat_errors",
+    "tx_window_errors",
+    "rx_compressed",
+    "tx_compressed",
+    "rx_nohandler",
+    "carrier_changes",
+    "carrier_up_count",
+    "carrier_down_count",
+)
+NIC_COUNTER_NAMES: Final[frozenset[str]] = frozenset(
+    IBTA_PORT_COUNTERS + MLX5_HW_COUNTERS + NETDEV_STATISTICS
+)
+# The typed cumulative NIC fields (the rest is ``Nic.counters``).
+NIC_TYPED_COUNTERS: Final[tuple[str, ...]] = (
+    "rx_bytes_total",
+    "tx_bytes_total",
+    "rx_packets_total",
+    "tx_packets_total",
+)
+
+
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(Report)
 
