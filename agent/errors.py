@@ -17,7 +17,3 @@ class ReportError(GpuwardenError):
 
 class CollectorFailure(GpuwardenError):
     """A collector could not read its source this round; reported in the report's ``errors``."""
-
-
-class ShipError(GpuwardenError):
-    """A report could not be delivered to the aggregator (it stays in the spool)."""

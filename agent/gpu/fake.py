@@ -518,10 +518,6 @@ class FakeNvml:
                 return values["pcie_link_gen_max"]
             return values[name]
 
-    def link_value(self, index: int, link: int, name: str) -> Value:
-        with self._cond:
-            return self._gpus[index].links[link][name]
-
     def set_init_error(self, name: str | None) -> None:
         """Make later nvmlInit calls fail with this NVML error (None: succeed)."""
         parsed = None if name is None else _error(f"{self.source}: set_init_error", name)

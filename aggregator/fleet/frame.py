@@ -256,9 +256,6 @@ class PoolFrame:
     def __contains__(self, node: object) -> bool:
         return node in self._rows
 
-    def row_of(self, node: str) -> int | None:
-        return self._rows.get(node)
-
     def nic_keys(self, node: str) -> list[NicKey]:
         """The node's NICs in column order of the NIC frame."""
         return list(self._nic_keys.get(node, ()))

@@ -90,17 +90,17 @@ __all__ = [
     "Coverage",
     "GroupCoverage",
     "PreflightState",
+    "ProbeReason",
     "ProbeScheduler",
     "ProbeView",
-    "Reason",
     "circle_round",
     "group_of",
     "report_is_idle",
 ]
 
 Pair = tuple[str, str]  # sorted by name
-Reason = Literal["rotation", "confirm", "preflight", "local"]
-REASONS: Final[tuple[Reason, ...]] = ("rotation", "confirm", "preflight", "local")
+ProbeReason = Literal["rotation", "confirm", "preflight", "local"]
+REASONS: Final[tuple[ProbeReason, ...]] = ("rotation", "confirm", "preflight", "local")
 PreflightState = Literal["pending", "passed", "failed"]
 PAIR_KINDS: Final = frozenset({"tcp_pair", "nccl_allreduce_pair"})
 # Errors the agent reports for a probe it did not run, or stopped, because the node was busy
@@ -193,7 +193,7 @@ class ProbeView:
 
     id: str
     kind: ProbeKind
-    reason: Reason
+    reason: ProbeReason
     nodes: tuple[str, ...]
     not_before: float
     deadline: float
@@ -265,7 +265,7 @@ class _Preflight:
 class _Probe:
     id: str
     kind: ProbeKind
-    reason: Reason
+    reason: ProbeReason
     nodes: tuple[str, ...]
     pool: str
     domains: tuple[str, ...]
@@ -341,7 +341,7 @@ class ProbeScheduler:
         self._expected_cache: dict[tuple[str, str], float | None] = {}
         self._id_prefix: str | None = None
         self._seq = 0
-        self.assignments_total: Counter[tuple[str, Reason]] = Counter()
+        self.assignments_total: Counter[tuple[str, ProbeReason]] = Counter()
         self.results_total: Counter[tuple[str, bool]] = Counter()
 
     # -- inputs -----------------------------------------------------------------------------------
@@ -683,7 +683,7 @@ class ProbeScheduler:
         self,
         a: str,
         b: str,
-        reason: Reason,
+        reason: ProbeReason,
         now: float,
         preflight_node: str | None = None,
         *,
@@ -865,7 +865,7 @@ class ProbeScheduler:
     def _launch(
         self,
         kind: ProbeKind,
-        reason: Reason,
+        reason: ProbeReason,
         nodes: tuple[str, ...],
         now: float,
         preflight_node: str | None = None,
