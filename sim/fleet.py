@@ -42,7 +42,7 @@ from sim.profiles import (
     REASON_SW_POWER_CAP,
     NodeProfile,
 )
-from sim.scenario import FaultSpec, Scenario, node_name
+from sim.scenario import FaultSpec, Scenario, node_name, silenced_nodes
 
 _THERMAL_TIME_CONSTANT_S: Final = 90.0
 _GIB: Final = 1 << 30
@@ -711,14 +711,12 @@ def _node_stream(
 
 def _faults_by_node(s: Scenario) -> tuple[dict[str, list[tuple[int, FaultSpec]]], dict[str, list[FaultSpec]]]:
     """Each node's faults (with their scenario index), and the silences of each silenced node."""
-    names = s.node_names()
     by_node: dict[str, list[tuple[int, FaultSpec]]] = {}
     silences: dict[str, list[FaultSpec]] = {}
     for idx, f in enumerate(s.faults):
-        if f.kind == "silent_rack":
-            for i, name in enumerate(names):
-                if s.rack_of(i) == f.rack:
-                    silences.setdefault(name, []).append(f)
+        if f.fault_class == "silent":
+            for name in silenced_nodes(s, f):
+                silences.setdefault(name, []).append(f)
             continue
         for end in (f.node, f.peer):
             if end is not None:

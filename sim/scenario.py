@@ -35,6 +35,7 @@ FAULT_KINDS: Final[Mapping[str, tuple[str, frozenset[str], Mapping[str, float]]]
     "slow_nic": ("soft", frozenset({"node"}), {"ratio": 0.7}),
     "degraded_link": ("link", frozenset({"node", "peer"}), {"ratio": 0.65}),
     "silent_rack": ("silent", frozenset({"rack"}), {}),
+    "silent_node": ("silent", frozenset({"node"}), {}),
     "app_xid": ("lookalike", frozenset({"node", "gpu"}), {"code": 13}),
     "reboot": ("lookalike", frozenset({"node"}), {"down_s": 180.0}),
     "clock_skew": ("lookalike", frozenset({"node"}), {"seconds": 30.0}),
@@ -173,6 +174,13 @@ class Scenario:
 
 def node_name(index: int) -> str:
     return f"gpu-{index:04d}"
+
+
+def silenced_nodes(s: Scenario, f: FaultSpec) -> list[str]:
+    """The nodes a silence cuts off: its rack's (``silent_rack``) or its one node (``silent_node``)."""
+    if f.kind == "silent_node":
+        return [f.node] if f.node is not None else []
+    return [name for i, name in enumerate(s.node_names()) if s.rack_of(i) == f.rack]
 
 
 def _rescale(pools: tuple[Pool, ...], total: int) -> tuple[Pool, ...]:

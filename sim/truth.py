@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from agent.errors import ConfigError
-from sim.scenario import Scenario
+from sim.scenario import Scenario, silenced_nodes
 
 TRUTH_VERSION: Final = 1
 CLASSES: Final = ("hard", "soft", "link", "silent", "lookalike")
@@ -86,12 +86,9 @@ def build(scenario: Scenario, first_seen: Mapping[int, float]) -> Truth:
     for idx, f in enumerate(s.faults):
         start = s.start + f.at_s
         end = None if f.until_s is None else s.start + f.until_s
-        if f.kind == "silent_rack":
-            for i, name in enumerate(s.node_names()):
-                if s.rack_of(i) == f.rack:
-                    faults.append(
-                        TruthFault(idx, f.kind, f.fault_class, name, start, start, end, rack=f.rack)
-                    )
+        if f.fault_class == "silent":  # one entry per node cut off, shown from its start
+            for name in silenced_nodes(s, f):
+                faults.append(TruthFault(idx, f.kind, f.fault_class, name, start, start, end, rack=f.rack))
             continue
         if f.node is None:  # a fault given by its leaf: sim.fleet.place names its nodes
             raise ValueError(f"faults[{idx}] ({f.kind}) on {f.leaf} is not placed: use sim.fleet.place first")

@@ -1,4 +1,4 @@
-"""End to end through ``Pipeline``: a synthetic fleet (gpuwarden.tracegen) with the shipped rules.
+"""End to end through ``Pipeline``: a simulated fleet (sim/, tests/simfleet.py) with the shipped rules.
 
 Hard faults quarantine from the report that shows them, for the right reason; look-alikes (application
 XIDs, reboots, skewed clocks, lost and duplicated reports) make no decision at all; silence makes a
@@ -26,18 +26,8 @@ from aggregator.model import IngestOutcome
 from aggregator.pipeline import Pipeline
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.rules.model import Rule
-from gpuwarden.tracegen import (
-    Scenario,
-    app_xid,
-    clock_skew,
-    dbe,
-    generate,
-    ib_port_down,
-    reboot,
-    remap_failure,
-    silent,
-    xid79,
-)
+from sim.scenario import Scenario
+from tests.simfleet import fault, fleet, generate, rack_members
 
 RULES: list[Rule] = load_rules([default_rules_dir()])
 DEFAULTS: Config = load_config(None)
@@ -159,15 +149,15 @@ def transitions(decisions: Iterable[Decision]) -> list[tuple[str, str, str]]:
 
 # -- hard faults ----------------------------------------------------------------------------------
 
-HARD = Scenario(
-    nodes=16,
+HARD = fleet(
+    16,
     duration_s=600.0,
     seed=1,
-    events=(
-        xid79("gpu-0001", 3, 100.0),
-        dbe("gpu-0005", 1, 150.0),
-        remap_failure("gpu-0009", 6, 200.0),
-        ib_port_down("gpu-0013", 2, 250.0),
+    faults=(
+        fault("xid79", 100.0, node="gpu-0001", gpu=3),
+        fault("dbe", 150.0, node="gpu-0005", gpu=1),
+        fault("remap_failure", 200.0, node="gpu-0009", gpu=6),
+        fault("ib_port_down", 250.0, node="gpu-0013", port=2),
     ),
 )
 
@@ -282,24 +272,24 @@ def test_healthy_nodes_next_to_faulty_ones_make_no_decision(hard: Run) -> None:
 
 # -- look-alikes ----------------------------------------------------------------------------------
 
-LOOK_ALIKES = Scenario(
-    nodes=16,
+LOOK_ALIKES = fleet(
+    16,
     duration_s=1800.0,
     seed=2,
     lost_fraction=0.01,
     duplicate_fraction=0.01,
-    events=(
-        app_xid("gpu-0002", 0, 13, 120.0),
-        app_xid("gpu-0003", 4, 31, 300.0),
+    faults=(
+        fault("app_xid", 120.0, node="gpu-0002", gpu=0, code=13),
+        fault("app_xid", 300.0, node="gpu-0003", gpu=4, code=31),
         # A hung job: XID 43 then its cleanup, XID 45, on the same GPU.
-        app_xid("gpu-0004", 7, 43, 600.0),
-        app_xid("gpu-0004", 7, 45, 601.0),
+        fault("app_xid", 600.0, node="gpu-0004", gpu=7, code=43),
+        fault("app_xid", 601.0, node="gpu-0004", gpu=7, code=45),
         # A job bug hits every rank: the same XID on all of a node's GPUs.
-        *(app_xid("gpu-0012", g, 13, 900.0) for g in range(8)),
-        reboot("gpu-0006", 400.0),
-        reboot("gpu-0011", 1000.0, down_s=20.0),
-        clock_skew("gpu-0008", 3600.0),
-        clock_skew("gpu-0009", -3600.0),
+        *(fault("app_xid", 900.0, node="gpu-0012", gpu=g, code=13) for g in range(8)),
+        fault("reboot", 400.0, node="gpu-0006", down_s=30.0),
+        fault("reboot", 1000.0, node="gpu-0011", down_s=20.0),
+        fault("clock_skew", 0.0, node="gpu-0008", seconds=3600.0),
+        fault("clock_skew", 0.0, node="gpu-0009", seconds=-3600.0),
     ),
 )
 
@@ -308,7 +298,7 @@ def test_look_alikes_make_no_decision_at_all() -> None:
     result = run(LOOK_ALIKES)
     assert result.decisions == []
     assert result.pipeline.systemic_events() == []
-    assert result.pipeline.node_states()["healthy"] == LOOK_ALIKES.nodes
+    assert result.pipeline.node_states()["healthy"] == LOOK_ALIKES.node_count
 
     # ... and they did happen: the test is only as good as its look-alikes.
     events = Counter(e.code for _, r in result.deliveries for e in r.events or ())
@@ -321,7 +311,7 @@ def test_look_alikes_make_no_decision_at_all() -> None:
     for node, skew in (("gpu-0008", 3600.0), ("gpu-0009", -3600.0)):
         first_copies = {r.seq: r.time - t for t, r in reversed(result.received(node))}
         offsets = list(first_copies.values())
-        assert all(abs(o - skew) <= LOOK_ALIKES.receive_jitter_s + 1e-6 for o in offsets)
+        assert all(abs(o - skew) <= LOOK_ALIKES.jitter_s + 1e-6 for o in offsets)
     assert result.outcomes[IngestOutcome.DUPLICATE] > 0
     seqs: dict[tuple[str, str], set[int]] = {}
     for _, r in result.deliveries:
@@ -334,7 +324,9 @@ def test_look_alikes_make_no_decision_at_all() -> None:
 
 
 def test_a_silent_node_is_suspect_and_healthy_again_once_it_reports() -> None:
-    scenario = Scenario(nodes=16, duration_s=600.0, seed=3, events=(silent("gpu-0007", 120.0, 300.0),))
+    scenario = fleet(
+        16, duration_s=600.0, seed=3, faults=(fault("silent_node", 120.0, node="gpu-0007", until_s=300.0),)
+    )
     result = run(scenario, SHORT)
     node = "gpu-0007"
     times = [t for t, _ in result.received(node)]
@@ -363,9 +355,11 @@ def test_a_silent_node_is_suspect_and_healthy_again_once_it_reports() -> None:
     ],
 )
 def test_a_silent_rack_is_one_systemic_event_and_no_quarantine(nodes: int) -> None:
-    scenario = Scenario(nodes=nodes, duration_s=600.0, seed=0, events=(silent("rack-001", 120.0, 300.0),))
+    scenario = fleet(
+        nodes, duration_s=600.0, seed=0, faults=(fault("silent_rack", 120.0, rack="rack-001", until_s=300.0),)
+    )
     result = run(scenario, SHORT)
-    rack = set(scenario.members("rack-001"))
+    rack = set(rack_members(scenario, "rack-001"))
     assert len(rack) == 8
 
     started = [e for e in result.pipeline.systemic_events() if e["state"] == "started"]
@@ -390,11 +384,14 @@ def test_a_silent_rack_is_one_systemic_event_and_no_quarantine(nodes: int) -> No
 
 
 def test_a_fault_cleared_by_a_reboot_goes_through_probation_then_healthy() -> None:
-    scenario = Scenario(
-        nodes=16,
+    scenario = fleet(
+        16,
         duration_s=600.0,
         seed=4,
-        events=(xid79("gpu-0003", 5, 100.0), reboot("gpu-0003", 200.0, down_s=30.0)),
+        faults=(
+            fault("xid79", 100.0, node="gpu-0003", gpu=5),
+            fault("reboot", 200.0, node="gpu-0003", down_s=30.0),
+        ),
     )
     result = run(scenario, SHORT)
     node = "gpu-0003"

@@ -31,19 +31,9 @@ from aggregator.pipeline import Pipeline
 from aggregator.replay import replay
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.service import REPORTS_PATH, SERVER_KWARGS, create_app
-from gpuwarden.tracegen import (
-    Scenario,
-    app_xid,
-    clock_skew,
-    dbe,
-    generate,
-    ib_port_down,
-    reboot,
-    silent,
-    write_trace,
-    xid79,
-)
+from sim.cli import write_trace
 from tests.conftest import REPO
+from tests.simfleet import fault, fleet, generate
 
 CONFIG_YAML = """
 health: {suspect_for_seconds: 30, clear_for_seconds: 30, probation_seconds: 60}
@@ -54,24 +44,24 @@ RULES = load_rules([default_rules_dir()])
 
 # Zero skew and zero receive jitter: the live service's clock (receive time) and replay's clock
 # (the report's own time) are then the same clock, so the two must decide the same.
-SCENARIO = Scenario(
-    nodes=16,
+SCENARIO = fleet(
+    16,
     duration_s=360.0,
     seed=5,
-    receive_jitter_s=0.0,
+    jitter_s=0.0,
     lost_fraction=0.01,
     duplicate_fraction=0.02,
-    events=(
-        xid79("gpu-0002", 1, 60.0),
-        reboot("gpu-0002", 150.0, down_s=20.0),
-        ib_port_down("gpu-0006", 4, 90.0),
-        dbe("gpu-0008", 0, 100.0),
-        app_xid("gpu-0004", 2, 13, 100.0),
-        silent("gpu-0010", 120.0, 200.0),
+    faults=(
+        fault("xid79", 60.0, node="gpu-0002", gpu=1),
+        fault("reboot", 150.0, node="gpu-0002", down_s=20.0),
+        fault("ib_port_down", 90.0, node="gpu-0006", port=4),
+        fault("dbe", 100.0, node="gpu-0008", gpu=0),
+        fault("app_xid", 100.0, node="gpu-0004", gpu=2, code=13),
+        fault("silent_node", 120.0, node="gpu-0010", until_s=200.0),
     ),
 )
 # The same fleet as agents really deliver it: receive times jittered, so not in time order.
-JITTERED = dataclasses.replace(SCENARIO, receive_jitter_s=2.0)
+JITTERED = dataclasses.replace(SCENARIO, jitter_s=2.0)
 
 
 def gpuwarden(*args: str | Path) -> subprocess.CompletedProcess[str]:
@@ -118,7 +108,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def trace(work: Path) -> Path:
     path = work / "trace.jsonl"
-    write_trace(path, JITTERED)
+    write_trace(JITTERED, path)
     return path
 
 
@@ -170,9 +160,9 @@ def test_replay_reads_gzip_traces_and_is_deterministic(
 ) -> None:
     first, _ = replayed
     gz = work / "trace.jsonl.gz"
-    write_trace(gz, JITTERED)
+    write_trace(JITTERED, gz)
     written = gz.read_bytes()
-    write_trace(gz, JITTERED)
+    write_trace(JITTERED, gz)
     assert gz.read_bytes() == written  # the generator is deterministic, gzip header included
     assert gzip.decompress(written) == trace.read_bytes()
     again, from_gz = work / "again.jsonl", work / "from-gz.jsonl"
@@ -341,7 +331,7 @@ async def test_replay_gives_the_same_decisions_as_live_ingestion(aiohttp_client:
     assert set(answers) == {(200, "accepted"), (200, "duplicate")}
 
     trace = tmp_path / "trace.jsonl.gz"
-    write_trace(trace, SCENARIO)
+    write_trace(SCENARIO, trace)
     config = tmp_path / "config.yaml"
     config.write_text(CONFIG_YAML)
     replay_log = tmp_path / "replay.jsonl"
@@ -374,14 +364,17 @@ def _comparable(decisions: list[Decision]) -> list[tuple[Any, ...]]:
 
 
 def test_a_node_with_a_skewed_clock_makes_no_decision_in_replay(tmp_path: Path) -> None:
-    scenario = Scenario(
-        nodes=16,
+    scenario = fleet(
+        16,
         duration_s=300.0,
         seed=6,
-        events=(clock_skew("gpu-0003", 3600.0), clock_skew("gpu-0011", -3600.0)),
+        faults=(
+            fault("clock_skew", 0.0, node="gpu-0003", seconds=3600.0),
+            fault("clock_skew", 0.0, node="gpu-0011", seconds=-3600.0),
+        ),
     )
     trace = tmp_path / "skewed.jsonl"
-    write_trace(trace, scenario)
+    write_trace(scenario, trace)
     decisions, summary = replay(trace, None, CONFIG, RULES)
     assert summary.reports_replayed == summary.reports_read > 0
     assert decisions == []
