@@ -26,6 +26,15 @@ from typing import Final
 from msgspec import UNSET
 
 from agent.report import SCHEMA_ID, Event, Gpu, Nic, NvLink, Report
+from sim.profiles import (
+    HGX_IPOIB_NETDEVS,
+    HGX_PCI_BUS_IDS,
+    IB_PORT_ERROR_COUNTERS,
+    MLX5_PORT_COUNTERS,
+    MLX5_PORT_HW_COUNTERS,
+    MLX5_REQUEST_COUNTERS,
+    known_counters,
+)
 
 GPUS: Final = 8
 NVLINKS: Final = 18  # fourth-generation NVLink on H100 SXM
@@ -42,66 +51,15 @@ NODES_PER_RACK: Final = 4  # 4 HGX nodes per rack (power-limited), 32 per leaf s
 NODES_PER_LEAF: Final = 32
 _NS: Final = uuid.UUID("6f1c1c9a-2c1e-4d53-9e0b-7d8c1d0a4b11")
 
-# HGX H100 baseboard PCI addresses and the IB HCAs next to them (one per GPU, rail-optimized).
-GPU_BUS_IDS: Final = (
-    "00000000:18:00.0",
-    "00000000:2A:00.0",
-    "00000000:3A:00.0",
-    "00000000:5D:00.0",
-    "00000000:9A:00.0",
-    "00000000:AB:00.0",
-    "00000000:BA:00.0",
-    "00000000:DB:00.0",
-)
-NIC_NETDEVS: Final = (
-    "ibp24s0",
-    "ibp64s0",
-    "ibp79s0",
-    "ibp94s0",
-    "ibp154s0",
-    "ibp170s0",
-    "ibp192s0",
-    "ibp206s0",
-)
-
-# Counter files of an mlx5 port: counters/ (IBTA PMA) and hw_counters/ (driver), as the agent
-# reads them. Grouped by how they move on a healthy node.
-PMA_ERRORS_STATIC: Final = (
-    "VL15_dropped",
-    "excessive_buffer_overrun_errors",
-    "link_downed",
-    "link_error_recovery",
-    "local_link_integrity_errors",
-    "port_rcv_constraint_errors",
-    "port_rcv_errors",
-    "port_rcv_remote_physical_errors",
-    "port_rcv_switch_relay_errors",
-    "port_xmit_constraint_errors",
-    "port_xmit_discards",
-    "symbol_error",
-    "rnr_nak_retry_err",
-)
-HW_STATIC: Final = (
-    "np_cnp_sent",
-    "np_ecn_marked_roce_packets",
-    "req_cqe_error",
-    "req_rnr_retries_exceeded",
-    "req_transport_retries_exceeded",
-    "resp_cqe_error",
-    "resp_cqe_flush_error",
-    "resp_local_length_error",
-    "resp_remote_access_errors",
-    "roce_adp_retrans",
-    "roce_adp_retrans_to",
-    "roce_slow_restart",
-    "roce_slow_restart_cnps",
-    "roce_slow_restart_trans",
-    "rp_cnp_handled",
-    "rp_cnp_ignored",
-    "rx_icrc_encapsulated",
-)
+# The HGX board's PCI addresses, its IPoIB netdevs and an mlx5 port's counter files (counters/ and
+# hw_counters/) come from the hardware profile (sim/profiles.py). Grouped here by how they move on a
+# healthy node.
+GPU_BUS_IDS: Final = HGX_PCI_BUS_IDS
+NIC_NETDEVS: Final = HGX_IPOIB_NETDEVS
+PMA_ERRORS_STATIC: Final = IB_PORT_ERROR_COUNTERS
 # Benign: transport-level retries and flushes that every busy RDMA port shows now and then.
-HW_CREEPING: Final = (
+HW_CREEPING: Final = known_counters(
+    MLX5_PORT_HW_COUNTERS,
     "duplicate_request",
     "implied_nak_seq_err",
     "local_ack_timeout_err",
@@ -112,21 +70,9 @@ HW_CREEPING: Final = (
     "req_remote_access_errors",
     "req_remote_invalid_request",
 )
-TRAFFIC: Final = (
-    "multicast_rcv_packets",
-    "multicast_xmit_packets",
-    "port_rcv_data",
-    "port_rcv_packets",
-    "port_xmit_data",
-    "port_xmit_packets",
-    "port_xmit_wait",
-    "rx_atomic_requests",
-    "rx_dct_connect",
-    "rx_read_requests",
-    "rx_write_requests",
-    "unicast_rcv_packets",
-    "unicast_xmit_packets",
-)
+TRAFFIC: Final = tuple(sorted({*MLX5_PORT_COUNTERS} - {*PMA_ERRORS_STATIC} | {*MLX5_REQUEST_COUNTERS}))
+# Every other hw_counters/ file: a rare event, a small number that stays put.
+HW_STATIC: Final = tuple(sorted({*MLX5_PORT_HW_COUNTERS} - {*HW_CREEPING} - {*MLX5_REQUEST_COUNTERS}))
 IB_COUNTERS: Final = tuple(sorted((*PMA_ERRORS_STATIC, *HW_STATIC, *HW_CREEPING, *TRAFFIC)))
 
 
@@ -200,7 +146,7 @@ class _NicState:
             self.counters[name] = rng.choice((0, 1, 2, 17, 40))
         self.counters["multicast_rcv_packets"] = rng.randrange(1000, 5000)
         self.counters["multicast_xmit_packets"] = rng.randrange(100, 500)
-        for name in ("rx_atomic_requests", "rx_dct_connect", "rx_read_requests", "rx_write_requests"):
+        for name in MLX5_REQUEST_COUNTERS:
             self.counters[name] = rng.randrange(10**8, 10**9)
         self.counters["port_xmit_wait"] = rng.randrange(10**9, 6 * 10**9)
         self._sync()

@@ -33,6 +33,7 @@ from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Nic, NvLink, Pro
 from aggregator.fleet.pools import Placement
 from sim.probing import PairProbe, plan_pair_probes
 from sim.profiles import (
+    HGX_IPOIB_NETDEVS,
     HGX_PCI_BUS_IDS,
     IB_PORT_COUNTERS,
     REASON_GPU_IDLE,
@@ -585,7 +586,7 @@ class _Node:
             device=f"mlx5_{port}",
             link_layer="InfiniBand",
             port=1,
-            netdev=f"ib{port}",
+            netdev=HGX_IPOIB_NETDEVS[port % len(HGX_IPOIB_NETDEVS)],
             state="DOWN" if down else "ACTIVE",
             phys_state="Polling" if down else "LinkUp",
             rate_bytes_per_second=self.profile.nic_rate_bytes_per_second,

@@ -26,8 +26,11 @@ Sources (numbers below carry the letter of the source they come from):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
+
+from agent.report import IBTA_PORT_COUNTERS, MLX5_HW_COUNTERS
 
 # [g] nvmlClocksEventReasons bits.
 REASON_GPU_IDLE: Final = 0x1
@@ -51,6 +54,10 @@ HGX_PCI_BUS_IDS: Final = (
     "00000000:BA:00.0",
     "00000000:DB:00.0",
 )
+# [d] One ConnectX-7 per GPU, behind the same PCIe switches: the HCAs' PCI bus numbers on a DGX H100,
+# in mlx5_0..mlx5_7 order, and their IPoIB interfaces as systemd names them (``ibp<bus>s0``).
+HGX_NIC_PCI_BUSES: Final = (0x18, 0x40, 0x4F, 0x5E, 0x9A, 0xC0, 0xCE, 0xDC)
+HGX_IPOIB_NETDEVS: Final = tuple(f"ibp{bus}s0" for bus in HGX_NIC_PCI_BUSES)
 
 
 @dataclass(frozen=True)
@@ -132,31 +139,41 @@ A100_SXM_80GB: Final = NodeProfile(
 PROFILES: Final[dict[str, NodeProfile]] = {p.name: p for p in (H100_SXM_80GB, A100_SXM_80GB)}
 
 
-# The counters of an mlx5 InfiniBand port as the agent reads them (counters/ and hw_counters/ file
-# names) that the generators fill in: the IBTA PortCounters and the mlx5 transport errors.
+# The counters of an mlx5 InfiniBand port, as subsets of the report's one vocabulary
+# (``agent.report``): the generators, the benchmark reports and the sysfs fixture take them from here.
+
+
+def known_counters(vocabulary: Iterable[str], *names: str) -> tuple[str, ...]:
+    """``names``, each checked against the vocabulary at import (a typo fails loudly, never silently)."""
+    unknown = sorted(set(names) - set(vocabulary))
+    if unknown:
+        raise ValueError(f"not in the counter list: {unknown}")
+    return names
+
+
+# An mlx5 port's counters/ directory: the IBTA PortCounters without the 64-bit and port_*cast_* twins
+# and port_rcv_discards, which mlx5 does not expose there.
+MLX5_PORT_COUNTERS: Final = tuple(
+    n
+    for n in IBTA_PORT_COUNTERS
+    if not n.endswith("_64")
+    and not n.startswith(("port_unicast", "port_multicast"))
+    and n != "port_rcv_discards"
+)
+# Of those, the error counters (everything but traffic: data, packets and the transmit wait).
+IB_PORT_ERROR_COUNTERS: Final = tuple(
+    n for n in MLX5_PORT_COUNTERS if not n.endswith(("_data", "_packets")) and n != "port_xmit_wait"
+)
+# An mlx5 port's hw_counters/ on a current driver: the vocabulary's list and one driver counter
+# beyond it, so the fixture and the benchmark reports carry a name the vocabulary does not know, as
+# real nodes do (a rule can still name it as "driver:req_rnr_retries_exceeded").
+MLX5_PORT_HW_COUNTERS: Final = (*MLX5_HW_COUNTERS, "req_rnr_retries_exceeded")
+# The request counters of hw_counters/, which count by the million on a busy port.
+MLX5_REQUEST_COUNTERS: Final = known_counters(
+    MLX5_HW_COUNTERS, "rx_atomic_requests", "rx_dct_connect", "rx_read_requests", "rx_write_requests"
+)
+# What the simulator fills in: an mlx5 port's counters/ and the transport errors of hw_counters/.
 IB_PORT_COUNTERS: Final = (
-    "symbol_error",
-    "link_error_recovery",
-    "link_downed",
-    "port_rcv_errors",
-    "port_rcv_remote_physical_errors",
-    "port_rcv_switch_relay_errors",
-    "port_xmit_discards",
-    "port_xmit_constraint_errors",
-    "port_rcv_constraint_errors",
-    "local_link_integrity_errors",
-    "excessive_buffer_overrun_errors",
-    "VL15_dropped",
-    "port_xmit_wait",
-    "port_xmit_data",
-    "port_rcv_data",
-    "port_xmit_packets",
-    "port_rcv_packets",
-    "unicast_xmit_packets",
-    "unicast_rcv_packets",
-    "multicast_xmit_packets",
-    "multicast_rcv_packets",
-    "out_of_buffer",
-    "out_of_sequence",
-    "packet_seq_err",
+    *MLX5_PORT_COUNTERS,
+    *known_counters(MLX5_HW_COUNTERS, "out_of_buffer", "out_of_sequence", "packet_seq_err"),
 )

@@ -4,25 +4,17 @@ from __future__ import annotations
 
 import gzip
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def detection() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(REPO / "bench"))  # the script imports othergen from beside itself
-    try:
-        import detection as module
+def detection() -> ModuleType:
+    import detection as module  # bench/detection.py: bench/ is on pytest's pythonpath (pyproject.toml)
 
-        yield module
-    finally:
-        sys.path.remove(str(REPO / "bench"))
+    return module
 
 
 def _trace(path: Path, n: int) -> list[dict[str, object]]:

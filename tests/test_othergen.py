@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import othergen  # bench/othergen.py, as bench/detection.py imports it
 import pytest
 
 from agent.report import decode
 from aggregator.service import plausibility_errors
-from bench import othergen
 from sim.truth import CLASSES, Truth, TruthFault
 from sim.truth import load as load_truth
 
