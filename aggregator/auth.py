@@ -14,8 +14,9 @@ Two implementations:
 - ``StaticTokens``: a file of ``node-name token`` lines, re-read when it changes. Tokens are
   compared by SHA-256 digest, so the lookup's timing depends on the digest, never on how many
   leading characters of a guess are right.
-- ``TokenReviewAuthenticator``: asks the Kubernetes API server (``TokenReview``) with the
-  aggregator's own service-account token. The reviewed token must be authenticated for our
+- ``TokenReviewAuthenticator``: asks the Kubernetes API server (``TokenReview``) through the
+  Kubernetes boundary (``aggregator.kube``), in a pod with the aggregator's own service-account
+  token, elsewhere with a kubeconfig's credentials. The reviewed token must be authenticated for our
   audience, belong to the agent's service account, and carry the node it was issued on
   (``authentication.kubernetes.io/node-name``, set on pod-bound tokens since Kubernetes 1.30).
   Positive answers are cached briefly, so 7,500 nodes reporting every 10 s cost the API server
@@ -29,18 +30,17 @@ import hashlib
 import logging
 import os
 import re
-import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol, runtime_checkable
-
-import aiohttp
-import msgspec
+from typing import Any, Final, Protocol, runtime_checkable
 
 from agent.clock import Clock
 from agent.errors import ConfigError, GpuwardenError
+from aggregator.kube.api import KubeApi
+from aggregator.kube.client import SERVICE_ACCOUNT_DIR, KubeClient
+from aggregator.kube.objects import KubeError, KubeForbidden, TokenReviewStatus
 from aggregator.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,7 @@ __all__ = [
     "parse_token_file",
 ]
 
-SERVICE_ACCOUNT_DIR: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 NODE_NAME_EXTRA: Final = "authentication.kubernetes.io/node-name"
-TOKEN_REVIEW_PATH: Final = "/apis/authentication.k8s.io/v1/tokenreviews"
 
 # The report schema's node name pattern: a token file naming anything else could never match.
 _NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -240,103 +238,45 @@ class StaticTokens:
 # -- Kubernetes TokenReview -----------------------------------------------------------------------
 
 
-class _UserInfo(msgspec.Struct, frozen=True):
-    username: str = ""
-    uid: str = ""
-    groups: list[str] = msgspec.field(default_factory=list)
-    extra: dict[str, list[str]] = msgspec.field(default_factory=dict)
-
-
-class _ReviewStatus(msgspec.Struct, frozen=True):
-    authenticated: bool = False
-    user: _UserInfo | None = None
-    audiences: list[str] | None = None
-    error: str = ""
-
-
-class _TokenReview(msgspec.Struct, frozen=True):
-    status: _ReviewStatus = msgspec.field(default_factory=_ReviewStatus)
-
-
-_REVIEW_DECODER = msgspec.json.Decoder(_TokenReview)
-
-
-class _FileToken:
-    """The aggregator's own service-account token; the kubelet rotates it, so re-read on change."""
-
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._token = ""
-        self._key: tuple[int, int, int] | None = None
-        self.current()
-        if not self._token:
-            raise ConfigError(f"service-account token {path} is missing or empty")
-
-    def current(self) -> str:
-        try:
-            st = os.stat(self._path)
-            key = (st.st_ino, st.st_mtime_ns, st.st_size)
-            if key != self._key:
-                token = self._path.read_text(encoding="utf-8").strip()
-                if token:
-                    self._token = token
-                    self._key = key
-        except (OSError, UnicodeDecodeError) as exc:
-            if not self._token:
-                raise ConfigError(f"cannot read service-account token {self._path}: {exc}") from exc
-            log.warning(
-                "service-account token unreadable, using the previous one",
-                extra={"token_file": str(self._path), "error": str(exc)},
-            )
-        return self._token
-
-
 class TokenReviewAuthenticator:
-    """Checks agent tokens with the Kubernetes TokenReview API; see the module docstring."""
+    """Checks agent tokens with the Kubernetes TokenReview API; see the module docstring.
+
+    The review goes through the Kubernetes boundary (``aggregator.kube``): ``kube`` is any
+    ``KubeApi``, e.g. ``KubeClient.from_kubeconfig(...)`` out of a cluster; ``in_cluster`` builds
+    one from the pod's service account. With ``owns_client`` the authenticator closes it.
+    """
 
     def __init__(
         self,
-        api_url: str,
-        credentials: Path,
+        kube: KubeApi,
         *,
         audience: str,
         agent_namespace: str,
         agent_service_account: str,
         clock: Clock,
-        ca_file: Path | None = None,
         cache_seconds: float = 60.0,
         cache_max_entries: int = 50_000,
-        timeout_s: float = 5.0,
         max_concurrent: int = 32,
         metrics: Metrics | None = None,
+        owns_client: bool = False,
     ) -> None:
-        if not api_url.startswith(("https://", "http://")):
-            raise ConfigError(f"Kubernetes API URL {api_url!r} must start with https:// or http://")
         if not audience:
             raise ConfigError("a TokenReview audience is required (the agents' projected token audience)")
-        if cache_seconds < 0 or cache_max_entries < 1 or timeout_s <= 0 or max_concurrent < 1:
-            raise ConfigError("TokenReview cache, timeout and concurrency limits must be positive")
-        self._url = api_url.rstrip("/") + TOKEN_REVIEW_PATH
-        self._credentials = _FileToken(credentials)
+        if cache_seconds < 0 or cache_max_entries < 1 or max_concurrent < 1:
+            raise ConfigError("TokenReview cache and concurrency limits must be positive")
+        self._kube: KubeApi | None = kube
+        self._owns_client = owns_client
         self._audience = audience
         self._username = f"system:serviceaccount:{agent_namespace}:{agent_service_account}"
         self._clock = clock
-        self._ssl: ssl.SSLContext | None = None
-        if ca_file is not None:
-            try:
-                self._ssl = ssl.create_default_context(cafile=str(ca_file))
-            except (OSError, ssl.SSLError) as exc:
-                raise ConfigError(f"cannot load Kubernetes CA {ca_file}: {exc}") from exc
         self._cache_s = cache_seconds
         self._cache_max = cache_max_entries
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         # Bounds the API server's load when every agent reconnects at once after a restart.
         self._limit = asyncio.Semaphore(max_concurrent)
         self._metrics = metrics
         # sha256(token) -> (identity, monotonic expiry). Insertion order is expiry order (one TTL
         # for all), so eviction pops from the front.
         self._cache: dict[bytes, tuple[Identity, float]] = {}
-        self._session: aiohttp.ClientSession | None = None
 
     @classmethod
     def in_cluster(
@@ -348,35 +288,37 @@ class TokenReviewAuthenticator:
         clock: Clock,
         environ: Mapping[str, str] | None = None,
         service_account_dir: Path = SERVICE_ACCOUNT_DIR,
-        **kwargs: object,
+        timeout_s: float = 5.0,
+        **kwargs: Any,
     ) -> TokenReviewAuthenticator:
         """Configured like client-go's in-cluster config: the pod's service account and the
-        ``KUBERNETES_SERVICE_HOST``/``_PORT`` environment."""
-        env = os.environ if environ is None else environ
-        host = env.get("KUBERNETES_SERVICE_HOST", "")
-        port = env.get("KUBERNETES_SERVICE_PORT", "")
-        if not host or not port:
-            raise ConfigError(
-                "not running in a Kubernetes pod: KUBERNETES_SERVICE_HOST and "
-                "KUBERNETES_SERVICE_PORT are not set (use --token-file for static tokens)"
-            )
-        if ":" in host:  # an IPv6 address
-            host = f"[{host}]"
+        ``KUBERNETES_SERVICE_HOST``/``_PORT`` environment (``KubeClient.in_cluster``); ``kwargs``
+        go to the constructor. Call it with the event loop running."""
+        if timeout_s <= 0:
+            raise ConfigError("the TokenReview timeout must be positive")
+        if not audience:  # refused before any client is made
+            raise ConfigError("a TokenReview audience is required (the agents' projected token audience)")
+        kube = KubeClient.in_cluster(
+            service_account_dir=service_account_dir, environ=environ, request_timeout=timeout_s
+        )
         return cls(
-            f"https://{host}:{port}",
-            service_account_dir / "token",
-            ca_file=service_account_dir / "ca.crt",
+            kube,
             audience=audience,
             agent_namespace=agent_namespace,
             agent_service_account=agent_service_account,
             clock=clock,
-            **kwargs,  # type: ignore[arg-type]
+            owns_client=True,
+            **kwargs,
         )
 
+    @property
+    def closed(self) -> bool:
+        return self._kube is None
+
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        kube, self._kube = self._kube, None
+        if kube is not None and self._owns_client:
+            await kube.close()
 
     def _count(self, result: str) -> None:
         if self._metrics is not None:
@@ -429,42 +371,33 @@ class TokenReviewAuthenticator:
         self._remember(digest, identity)
         return identity
 
-    async def _review(self, token: str) -> _ReviewStatus:
-        body = {
-            "apiVersion": "authentication.k8s.io/v1",
-            "kind": "TokenReview",
-            "spec": {"token": token, "audiences": [self._audience]},
-        }
-        if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
-        headers = {"Authorization": f"Bearer {self._credentials.current()}"}
+    async def _review(self, token: str) -> TokenReviewStatus:
+        if self._kube is None:
+            raise AuthUnavailable("the TokenReview authenticator is closed")
         try:
-            async with self._session.post(
-                self._url, json=body, headers=headers, ssl=self._ssl if self._ssl is not None else True
-            ) as resp:
-                data = await resp.read()
-                if resp.status not in (200, 201):
-                    log.error(
-                        "TokenReview refused by the API server (may the aggregator's service "
-                        "account create tokenreviews? see daemonset/base RBAC)",
-                        extra={"http_status": resp.status, "body": data[:512].decode("utf-8", "replace")},
-                    )
-                    raise AuthUnavailable(f"TokenReview answered HTTP {resp.status}")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            log.warning("TokenReview request failed", extra={"url": self._url, "error": repr(exc)})
-            raise AuthUnavailable(f"TokenReview request failed: {exc!r}") from exc
-        try:
-            return _REVIEW_DECODER.decode(data).status
-        except msgspec.DecodeError as exc:
-            raise AuthUnavailable(f"TokenReview answer unreadable: {exc}") from exc
+            return await self._kube.create_token_review(token, [self._audience])
+        except KubeError as exc:
+            # An answer that is not a verdict (HTTP 401/403/5xx, or none): the token is neither
+            # good nor bad yet, so the agent is told to retry (503), never that it is refused.
+            what = f"TokenReview answered HTTP {exc.status}" if exc.status else "TokenReview request failed"
+            if isinstance(exc, KubeForbidden):
+                log.error(
+                    "TokenReview refused by the API server (may the aggregator's service "
+                    "account create tokenreviews? see daemonset/base RBAC)",
+                    extra={"http_status": exc.status, "error": str(exc)},
+                )
+            else:
+                log.warning("TokenReview failed", extra={"http_status": exc.status, "error": str(exc)})
+            raise AuthUnavailable(f"{what}: {exc}") from exc
 
-    def _judge(self, status: _ReviewStatus) -> Identity:
+    def _judge(self, status: TokenReviewStatus) -> Identity:
         if not status.authenticated or status.user is None:
             raise AuthError(
                 f"token not authenticated by Kubernetes{': ' + status.error if status.error else ''}",
                 reason="bad_token",
             )
-        # An API server that ignores spec.audiences answers with its own; refuse those tokens.
+        # The API server only answers with audiences the token shares with those asked; an
+        # authenticator in front of it that ignores spec.audiences might not: refuse those tokens.
         if status.audiences is None or self._audience not in status.audiences:
             raise AuthError(f"token is not for audience {self._audience!r}", reason="bad_token")
         user = status.user
@@ -474,7 +407,7 @@ class TokenReviewAuthenticator:
                 reason="forbidden",
                 status=403,
             )
-        nodes = user.extra.get(NODE_NAME_EXTRA, [])
+        nodes = user.extra.get(NODE_NAME_EXTRA, ())
         if len(nodes) > 1:
-            raise AuthError(f"token is bound to several nodes {nodes}", reason="forbidden", status=403)
+            raise AuthError(f"token is bound to several nodes {list(nodes)}", reason="forbidden", status=403)
         return Identity(node=nodes[0] if nodes else None, subject=user.username)

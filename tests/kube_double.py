@@ -50,6 +50,21 @@ named next to it:
 * Events (core v1): an Event about a Node must live in namespace "default" (or ""), else 422
   (pkg/apis/core/validation/events.go); ``generateName`` gets a random suffix.
 * Bearer token authentication: a request without the token is 401 Unauthorized.
+* TokenReview (authentication.k8s.io/v1, POST ``/apis/authentication.k8s.io/v1/tokenreviews``;
+  pkg/registry/authentication/tokenreview/storage.go): an empty ``spec.token`` is 400 "token is
+  required for TokenReview in authentication"; empty ``spec.audiences`` means the server's own
+  (``--api-audiences``); the answer is 201 with the review echoed and its ``status``. A token is
+  authenticated only if one of its audiences is among those asked (the service-account JWT
+  authenticator), and ``status.audiences`` is that intersection; otherwise ``authenticated`` is
+  absent (``omitempty``), ``user`` is ``{}`` and ``error`` says why ("token audiences [...] is
+  invalid for the target audiences [...]", or "invalid bearer token" for a token it never issued
+  or whose pod is gone). The user of a service-account token is ``system:serviceaccount:NS:NAME``
+  with the service account's uid and the groups ``system:serviceaccounts``,
+  ``system:serviceaccounts:NS``, ``system:authenticated``; a token bound to a pod carries
+  ``authentication.kubernetes.io/pod-name``/``pod-uid`` in ``extra`` and, since Kubernetes 1.30,
+  ``node-name``/``node-uid`` of the pod's node and ``credential-id`` (``JTI=<id>``)
+  (pkg/serviceaccount/claims.go). RBAC on ``create tokenreviews`` is not modelled: ``fail_next``
+  plays a 403.
 
 Not reproduced (we do not rely on it): server-side apply, managedFields, field selectors, deletes
 over HTTP, admission, defaulting, pagination. A strategic merge element without its merge key is 400
@@ -57,7 +72,10 @@ here; the double does not claim the real server's code for that malformed patch.
 
 Test-only controls: ``add_node``/``update_node``/``delete_node`` play the kubelet or another
 controller writing directly, ``fail_next`` injects faults (429, 5xx, 409...) before the handler,
-``compact`` moves the compaction point, and ``requests``/``writes()`` record every call.
+``compact`` moves the compaction point, ``issue_token``/``revoke_token`` play the TokenRequest API
+(the kubelet's projected tokens) and a deleted pod, ``accept_token`` a rotated caller token,
+``ssl_context`` serves HTTPS (an in-cluster client needs it), and ``requests``/``writes()``,
+``callers`` (each request's Authorization header) and ``token_reviews`` record every call.
 """
 
 from __future__ import annotations
@@ -68,6 +86,7 @@ import json
 import logging
 import re
 import secrets
+import ssl
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
@@ -80,7 +99,16 @@ from typing import Any
 from aiohttp import web
 
 from aggregator.kube.client import KubeClient
-from aggregator.kube.objects import Condition, EventRecord, Lease, Node, NodeEvent, NodeList, Taint
+from aggregator.kube.objects import (
+    Condition,
+    EventRecord,
+    Lease,
+    Node,
+    NodeEvent,
+    NodeList,
+    Taint,
+    TokenReviewStatus,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +123,9 @@ OPTIMISTIC_LOCK = (
     "the object has been modified; please apply your changes to the latest version and try again"
 )
 LEASES = "leases.coordination.k8s.io"
+TOKEN_REVIEWS = "/apis/authentication.k8s.io/v1/tokenreviews"
+# --api-audiences when unset: the service-account issuer (the cluster's API server URL).
+API_AUDIENCES = ("https://kubernetes.default.svc.cluster.local",)
 
 # Node lists that strategic merge patch merges element-wise, by merge key (k8s.io/api/core/v1).
 _MERGE_KEYS: dict[tuple[str, ...], str] = {
@@ -169,6 +200,22 @@ class _Fault:
     path: re.Pattern[str]
     status: int
     count: int
+
+
+@dataclass(frozen=True)
+class _IssuedToken:
+    namespace: str
+    service_account: str
+    service_account_uid: str
+    audiences: tuple[str, ...]
+    pod: tuple[str, str] | None  # (name, uid)
+    node: tuple[str, str] | None
+    credential_id: str
+
+
+def _go_quoted(values: Sequence[str]) -> str:
+    """A Go ``%q`` of a []string, as the API server writes audiences into its errors."""
+    return "[" + " ".join(json.dumps(v) for v in values) + "]"
 
 
 @dataclass(frozen=True)
@@ -422,11 +469,19 @@ def json_patch(doc: Json, operations: Json) -> Json:
 class KubeApiDouble:
     """The API-server double; ``async with KubeApiDouble() as api:`` starts it on a free port."""
 
-    def __init__(self, *, token: str | None = None) -> None:
+    def __init__(self, *, token: str | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
         self.token = token or secrets.token_urlsafe(16)
         self.url = ""
+        self.port = 0
+        self.api_audiences = API_AUDIENCES
         self.events: list[dict[str, Json]] = []
         self.requests: list[tuple[str, str, str]] = []
+        self.callers: list[str] = []
+        self.token_reviews: list[dict[str, Json]] = []
+        self._ssl = ssl_context
+        self._also_accepted: set[str] = set()
+        self._issued: dict[str, _IssuedToken] = {}
+        self._account_uids: dict[tuple[str, str], str] = {}
         self._rv = 1
         self._compacted = 0
         self._nodes: dict[str, dict[str, Json]] = {}
@@ -453,13 +508,15 @@ class KubeApiDouble:
         app.router.add_post(base, self._create_lease)
         app.router.add_get(base + "/{name}", self._get_lease)
         app.router.add_put(base + "/{name}", self._put_lease)
+        app.router.add_post(TOKEN_REVIEWS, self._create_token_review)
         app.router.add_route("*", "/{tail:.*}", self._unknown)
         self._runner = web.AppRunner(app, shutdown_timeout=1.0, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=self._ssl)
         await site.start()
         host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
+        self.port = port
+        self.url = f"{'https' if self._ssl is not None else 'http'}://{host}:{port}"
 
     async def close(self) -> None:
         self._closing = True
@@ -564,6 +621,39 @@ class KubeApiDouble:
         """The next ``count`` requests matching method and path (``re.search``) get ``status``."""
         self._faults.append(_Fault(method.upper(), re.compile(path_regex), status, count))
 
+    def issue_token(
+        self,
+        namespace: str,
+        service_account: str,
+        *,
+        audiences: Sequence[str] = API_AUDIENCES,
+        pod: str | None = None,
+        node: str | None = None,
+    ) -> str:
+        """A service-account token as the TokenRequest API issues one: for ``audiences``, bound to
+        ``pod`` (and, as the kubelet's projected tokens are since 1.30, to ``node``) if given."""
+        token = secrets.token_urlsafe(32)
+        account_uid = self._account_uids.setdefault((namespace, service_account), str(uuid.uuid4()))
+        self._issued[token] = _IssuedToken(
+            namespace=namespace,
+            service_account=service_account,
+            service_account_uid=account_uid,
+            audiences=tuple(audiences),
+            pod=None if pod is None else (pod, str(uuid.uuid4())),
+            node=None if node is None else (node, str(uuid.uuid4())),
+            credential_id=str(uuid.uuid4()),
+        )
+        return token
+
+    def revoke_token(self, token: str) -> None:
+        """The token's pod is deleted: a bound token stops authenticating at once."""
+        del self._issued[token]
+
+    def accept_token(self, token: str) -> None:
+        """Callers may also use ``token`` (the kubelet rotated the caller's service-account token;
+        the old one stays valid until it expires)."""
+        self._also_accepted.add(token)
+
     def compact(self) -> None:
         """Forgets history: watches from any resourceVersion before now get 410 Expired."""
         self._compacted = self._rv
@@ -581,7 +671,10 @@ class KubeApiDouble:
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.headers.get("Authorization") != f"Bearer {self.token}":
+        header = request.headers.get("Authorization", "")
+        self.callers.append(header)
+        caller = header.removeprefix("Bearer ") if header.startswith("Bearer ") else None
+        if caller is None or (caller != self.token and caller not in self._also_accepted):
             raise ApiError(401, "Unauthorized")
         return await handler(request)
 
@@ -860,6 +953,62 @@ class KubeApiDouble:
 
     # -- leases -----------------------------------------------------------------------------------
 
+    async def _create_token_review(self, request: web.Request) -> web.StreamResponse:
+        body = await self._read_json(request)
+        if (
+            not isinstance(body, dict)
+            or body.get("apiVersion") != "authentication.k8s.io/v1"
+            or body.get("kind") != "TokenReview"
+        ):
+            raise ApiError(400, "the body must be an authentication.k8s.io/v1 TokenReview")
+        self.token_reviews.append(copy.deepcopy(body))
+        spec = body.get("spec") or {}
+        token = spec.get("token") or ""
+        if not token:
+            raise ApiError(400, "token is required for TokenReview in authentication")
+        wanted = list(spec.get("audiences") or self.api_audiences)
+        issued = self._issued.get(token)
+        status: dict[str, Json]
+        if issued is None:
+            status = {"user": {}, "error": "invalid bearer token"}
+        elif not (audiences := [a for a in issued.audiences if a in wanted]):
+            status = {
+                "user": {},
+                "error": f"[invalid bearer token, token audiences {_go_quoted(issued.audiences)} "
+                f"is invalid for the target audiences {_go_quoted(wanted)}]",
+            }
+        else:
+            extra: dict[str, list[str]] = {}
+            if issued.pod is not None:
+                extra["authentication.kubernetes.io/pod-name"] = [issued.pod[0]]
+                extra["authentication.kubernetes.io/pod-uid"] = [issued.pod[1]]
+            if issued.node is not None:
+                extra["authentication.kubernetes.io/node-name"] = [issued.node[0]]
+                extra["authentication.kubernetes.io/node-uid"] = [issued.node[1]]
+            extra["authentication.kubernetes.io/credential-id"] = [f"JTI={issued.credential_id}"]
+            status = {
+                "authenticated": True,
+                "user": {
+                    "username": f"system:serviceaccount:{issued.namespace}:{issued.service_account}",
+                    "uid": issued.service_account_uid,
+                    "groups": [
+                        "system:serviceaccounts",
+                        f"system:serviceaccounts:{issued.namespace}",
+                        "system:authenticated",
+                    ],
+                    "extra": extra,
+                },
+                "audiences": audiences,
+            }
+        answer = {
+            "kind": "TokenReview",
+            "apiVersion": "authentication.k8s.io/v1",
+            "metadata": {"creationTimestamp": None},
+            "spec": spec,
+            "status": status,
+        }
+        return web.json_response(answer, status=201)
+
     async def _list_leases(self, request: web.Request) -> web.StreamResponse:
         namespace = request.match_info["ns"]
         items = [lease for (ns, _), lease in sorted(self._leases.items()) if ns == namespace]
@@ -1008,7 +1157,8 @@ class Intercepted:
 
     def before(self, op: str) -> None:
         """Called before each call: ``get``, ``list``, ``watch`` (and each event), ``patch``,
-        ``condition``, ``event``, ``get lease``, ``create lease``, ``replace lease``."""
+        ``condition``, ``event``, ``get lease``, ``create lease``, ``replace lease``,
+        ``token review``."""
 
     async def get_node(self, name: str) -> Node:
         self.before("get")
@@ -1070,6 +1220,10 @@ class Intercepted:
     async def replace_lease(self, lease: Lease) -> Lease:
         self.before("replace lease")
         return await self.inner.replace_lease(lease)
+
+    async def create_token_review(self, token: str, audiences: Sequence[str]) -> TokenReviewStatus:
+        self.before("token review")
+        return await self.inner.create_token_review(token, audiences)
 
     async def close(self) -> None:
         await self.inner.close()

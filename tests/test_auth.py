@@ -8,7 +8,7 @@ import shutil
 import socket
 import ssl
 import subprocess
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,11 @@ from aggregator.auth import (
     parse_token_file,
 )
 from aggregator.config import Config
+from aggregator.kube.client import KubeClient
+from aggregator.kube.objects import TokenReviewStatus, UserInfo
 from aggregator.metrics import Metrics
 from aggregator.service import REPORTS_PATH, SERVER_KWARGS, create_app
+from tests.kube_double import KubeApiDouble
 from tests.test_service import NOW, FakePipeline, make_report
 
 # -- static tokens --------------------------------------------------------------------------------
@@ -128,73 +131,38 @@ async def test_static_tokens_reload_on_change_and_keep_the_last_good(
     assert (await tokens.authenticate("third-token-0123456789")).node == "gpu-0003"
 
 
-# -- a TokenReview double -------------------------------------------------------------------------
+# -- TokenReview, against the API-server double (tests/kube_double.py) ----------------------------
 
 AGENT_SA = "system:serviceaccount:gpuwarden:gpuwarden-agent"
 AGGREGATOR_SA_TOKEN = "aggregator-sa-token"
+AGENT_POD = "gpuwarden-agent-x7k2p"
 
 
-@dataclass
-class ApiServer:
-    """The TokenReview endpoint of a Kubernetes API server, with canned answers per token."""
-
-    answers: dict[str, dict[str, Any]] = field(default_factory=dict)
-    reviews: list[dict[str, Any]] = field(default_factory=list)
-    callers: list[str] = field(default_factory=list)
-    fail_with: int | None = None
-
-    def app(self) -> web.Application:
-        async def review(request: web.Request) -> web.Response:
-            self.callers.append(request.headers.get("Authorization", ""))
-            if self.fail_with is not None:
-                return web.json_response({"kind": "Status", "code": self.fail_with}, status=self.fail_with)
-            if not request.headers.get("Authorization", "").startswith("Bearer "):
-                return web.json_response({"kind": "Status", "code": 401}, status=401)
-            body = await request.json()
-            self.reviews.append(body)
-            assert body["apiVersion"] == "authentication.k8s.io/v1"
-            assert body["kind"] == "TokenReview"
-            status = self.answers.get(
-                body["spec"]["token"], {"authenticated": False, "error": "invalid bearer token"}
-            )
-            return web.json_response({**body, "status": status}, status=201)
-
-        app = web.Application()
-        app.router.add_post("/apis/authentication.k8s.io/v1/tokenreviews", review)
-        return app
-
-    def bound(
-        self, token: str, node: str, *, user: str = AGENT_SA, audiences: list[str] | None = None
-    ) -> None:
-        self.answers[token] = {
-            "authenticated": True,
-            "user": {
-                "username": user,
-                "uid": "0b1d-uid",
-                "groups": ["system:serviceaccounts", "system:authenticated"],
-                "extra": {
-                    "authentication.kubernetes.io/pod-name": ["gpuwarden-agent-x7k2p"],
-                    NODE_NAME_EXTRA: [node],
-                },
-            },
-            "audiences": ["gpuwarden"] if audiences is None else audiences,
-        }
+def agent_token(kube: KubeApiDouble, node: str | None, **kwargs: Any) -> str:
+    """A token as the kubelet projects it into an agent pod: audience ``gpuwarden``, bound to the
+    pod and to its node (``node`` None: a token bound to nothing, as a legacy secret's)."""
+    kwargs.setdefault("audiences", ["gpuwarden"])
+    return kube.issue_token(
+        kwargs.pop("namespace", "gpuwarden"),
+        kwargs.pop("service_account", "gpuwarden-agent"),
+        pod=AGENT_POD if node is not None else None,
+        node=node,
+        **kwargs,
+    )
 
 
 @pytest.fixture
-def api() -> ApiServer:
-    return ApiServer()
+async def kube() -> AsyncIterator[KubeApiDouble]:
+    async with KubeApiDouble(token=AGGREGATOR_SA_TOKEN) as api:
+        yield api
 
 
 @pytest.fixture
-async def api_url(aiohttp_server: Any, api: ApiServer) -> str:
-    server = await aiohttp_server(api.app())
-    return str(server.make_url("")).rstrip("/")
-
-
-@pytest.fixture
-def sa_token(tmp_path: Path) -> Path:
-    return write(tmp_path / "sa-token", AGGREGATOR_SA_TOKEN + "\n")
+async def kube_client(kube: KubeApiDouble, tmp_path: Path) -> AsyncIterator[KubeClient]:
+    """The real client, configured from a kubeconfig (the out-of-cluster way)."""
+    client = await KubeClient.from_kubeconfig(kube.write_kubeconfig(tmp_path / "kubeconfig"))
+    yield client
+    await client.close()
 
 
 @pytest.fixture
@@ -207,20 +175,22 @@ def registry() -> CollectorRegistry:
     return CollectorRegistry()
 
 
-@pytest.fixture
-async def reviewer(api_url: str, sa_token: Path, clock: FakeClock, registry: CollectorRegistry) -> Any:
-    auth = TokenReviewAuthenticator(
-        api_url,
-        sa_token,
+def reviewer_for(kube: KubeClient | Any, clock: FakeClock, **kwargs: Any) -> TokenReviewAuthenticator:
+    return TokenReviewAuthenticator(
+        kube,
         audience="gpuwarden",
         agent_namespace="gpuwarden",
         agent_service_account="gpuwarden-agent",
         clock=clock,
-        cache_seconds=60.0,
-        metrics=Metrics(registry),
+        **kwargs,
     )
-    yield auth
-    await auth.close()
+
+
+@pytest.fixture
+def reviewer(
+    kube_client: KubeClient, clock: FakeClock, registry: CollectorRegistry
+) -> TokenReviewAuthenticator:
+    return reviewer_for(kube_client, clock, cache_seconds=60.0, metrics=Metrics(registry))
 
 
 def reviews(registry: CollectorRegistry, result: str) -> float:
@@ -230,157 +200,168 @@ def reviews(registry: CollectorRegistry, result: str) -> float:
 
 
 async def test_bound_agent_token_is_accepted_for_its_node(
-    reviewer: TokenReviewAuthenticator, api: ApiServer
+    reviewer: TokenReviewAuthenticator, kube: KubeApiDouble
 ) -> None:
-    api.bound("agent-token-1", "gpu-0001")
-    assert await reviewer.authenticate("agent-token-1") == Identity("gpu-0001", AGENT_SA)
-    assert api.reviews[0]["spec"] == {"token": "agent-token-1", "audiences": ["gpuwarden"]}
-    assert api.callers == [f"Bearer {AGGREGATOR_SA_TOKEN}"]
+    token = agent_token(kube, "gpu-0001")
+    assert await reviewer.authenticate(token) == Identity("gpu-0001", AGENT_SA)
+    (review,) = kube.token_reviews
+    assert review["spec"] == {"token": token, "audiences": ["gpuwarden"]}
+    assert kube.callers == [f"Bearer {AGGREGATOR_SA_TOKEN}"]  # the kubeconfig's credentials
 
 
 async def test_denied_token_is_401_and_not_cached(
-    reviewer: TokenReviewAuthenticator, api: ApiServer, registry: CollectorRegistry
+    reviewer: TokenReviewAuthenticator, kube: KubeApiDouble, registry: CollectorRegistry
 ) -> None:
     for _ in range(2):
         with pytest.raises(AuthError, match="invalid bearer token") as err:
             await reviewer.authenticate("forged")
         assert err.value.status == 401
-    assert len(api.reviews) == 2
+    assert len(kube.token_reviews) == 2
     assert reviews(registry, "denied") == 2
 
 
 async def test_token_for_another_audience_is_refused(
-    reviewer: TokenReviewAuthenticator, api: ApiServer
+    reviewer: TokenReviewAuthenticator, kube: KubeApiDouble
 ) -> None:
-    # An API server that ignored spec.audiences and answered with its own.
-    api.bound("kube-token", "gpu-0001", audiences=["https://kubernetes.default.svc"])
+    # The pod's default token, for the API server itself: not meant for gpuwarden.
+    token = agent_token(kube, "gpu-0001", audiences=["https://kubernetes.default.svc.cluster.local"])
     with pytest.raises(AuthError, match="audience") as err:
-        await reviewer.authenticate("kube-token")
+        await reviewer.authenticate(token)
+    assert err.value.status == 401
+
+
+class AudienceBlindKube:
+    """A TokenReview answer that ignored spec.audiences (an authenticator in front of the API
+    server that is not audience-aware): authenticated, for audiences of its own."""
+
+    async def create_token_review(self, token: str, audiences: Sequence[str]) -> TokenReviewStatus:
+        user = UserInfo(AGENT_SA, extra={NODE_NAME_EXTRA: ("gpu-0001",)})
+        return TokenReviewStatus(authenticated=True, user=user, audiences=("https://kubernetes.default.svc",))
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_an_answer_for_other_audiences_is_refused(clock: FakeClock) -> None:
+    auth = reviewer_for(AudienceBlindKube(), clock)
+    with pytest.raises(AuthError, match="not for audience 'gpuwarden'") as err:
+        await auth.authenticate("agent-token")
     assert err.value.status == 401
 
 
 async def test_other_service_accounts_are_forbidden(
-    reviewer: TokenReviewAuthenticator, api: ApiServer
+    reviewer: TokenReviewAuthenticator, kube: KubeApiDouble
 ) -> None:
-    api.bound("other-token", "gpu-0001", user="system:serviceaccount:default:builder")
+    token = agent_token(kube, "gpu-0001", namespace="default", service_account="builder")
     with pytest.raises(AuthError, match="builder") as err:
-        await reviewer.authenticate("other-token")
+        await reviewer.authenticate(token)
     assert (err.value.status, err.value.reason) == (403, "forbidden")
 
 
-async def test_unbound_token_has_no_node(reviewer: TokenReviewAuthenticator, api: ApiServer) -> None:
-    api.bound("legacy-token", "gpu-0001")
-    del api.answers["legacy-token"]["user"]["extra"][NODE_NAME_EXTRA]
-    assert await reviewer.authenticate("legacy-token") == Identity(None, AGENT_SA)
+async def test_unbound_token_has_no_node(reviewer: TokenReviewAuthenticator, kube: KubeApiDouble) -> None:
+    assert await reviewer.authenticate(agent_token(kube, None)) == Identity(None, AGENT_SA)
 
 
 async def test_positive_answers_are_cached_for_the_ttl(
-    reviewer: TokenReviewAuthenticator, api: ApiServer, clock: FakeClock, registry: CollectorRegistry
+    reviewer: TokenReviewAuthenticator, kube: KubeApiDouble, clock: FakeClock, registry: CollectorRegistry
 ) -> None:
-    api.bound("agent-token-1", "gpu-0001")
+    token = agent_token(kube, "gpu-0001")
     for _ in range(5):
-        assert (await reviewer.authenticate("agent-token-1")).node == "gpu-0001"
+        assert (await reviewer.authenticate(token)).node == "gpu-0001"
         clock.advance(10.0)
-    assert len(api.reviews) == 1
+    assert len(kube.token_reviews) == 1
     assert reviews(registry, "cached") == 4
     clock.advance(20.0)  # 60 s since the review
-    assert (await reviewer.authenticate("agent-token-1")).node == "gpu-0001"
-    assert len(api.reviews) == 2
+    assert (await reviewer.authenticate(token)).node == "gpu-0001"
+    assert len(kube.token_reviews) == 2
 
 
 async def test_revoked_token_is_refused_once_the_cache_expires(
-    reviewer: TokenReviewAuthenticator, api: ApiServer, clock: FakeClock
+    reviewer: TokenReviewAuthenticator, kube: KubeApiDouble, clock: FakeClock
 ) -> None:
-    api.bound("agent-token-1", "gpu-0001")
-    await reviewer.authenticate("agent-token-1")
-    api.answers.clear()
-    clock.advance(61.0)
-    with pytest.raises(AuthError):
-        await reviewer.authenticate("agent-token-1")
+    token = agent_token(kube, "gpu-0001")
+    await reviewer.authenticate(token)
+    kube.revoke_token(token)  # the agent's pod was deleted
+    clock.advance(59.0)
+    assert (await reviewer.authenticate(token)).node == "gpu-0001"  # cached
+    clock.advance(2.0)
+    with pytest.raises(AuthError, match="invalid bearer token"):
+        await reviewer.authenticate(token)
 
 
-async def test_cache_is_bounded(api_url: str, sa_token: Path, api: ApiServer, clock: FakeClock) -> None:
-    auth = TokenReviewAuthenticator(
-        api_url,
-        sa_token,
-        audience="gpuwarden",
-        agent_namespace="gpuwarden",
-        agent_service_account="gpuwarden-agent",
-        clock=clock,
-        cache_max_entries=3,
-    )
-    try:
-        for i in range(5):
-            api.bound(f"t{i}", f"gpu-{i:04d}")
-            await auth.authenticate(f"t{i}")
-        await auth.authenticate("t4")  # the newest is still cached
-        assert len(api.reviews) == 5
-        await auth.authenticate("t0")  # the oldest was evicted
-        assert len(api.reviews) == 6
-    finally:
-        await auth.close()
+async def test_cache_is_bounded(kube_client: KubeClient, kube: KubeApiDouble, clock: FakeClock) -> None:
+    auth = reviewer_for(kube_client, clock, cache_max_entries=3)
+    tokens = [agent_token(kube, f"gpu-{i:04d}") for i in range(5)]
+    for token in tokens:
+        await auth.authenticate(token)
+    await auth.authenticate(tokens[4])  # the newest is still cached
+    assert len(kube.token_reviews) == 5
+    await auth.authenticate(tokens[0])  # the oldest was evicted
+    assert len(kube.token_reviews) == 6
 
 
 async def test_api_server_trouble_is_unavailable_not_unauthorized(
-    reviewer: TokenReviewAuthenticator, api: ApiServer, registry: CollectorRegistry
+    reviewer: TokenReviewAuthenticator, kube: KubeApiDouble, registry: CollectorRegistry
 ) -> None:
-    api.bound("agent-token-1", "gpu-0001")
-    api.fail_with = 403  # our own service account lacks system:auth-delegator
+    token = agent_token(kube, "gpu-0001")
+    kube.fail_next("POST", "tokenreviews", 403)  # our own service account lacks system:auth-delegator
     with pytest.raises(AuthUnavailable, match="403"):
-        await reviewer.authenticate("agent-token-1")
-    api.fail_with = 500
+        await reviewer.authenticate(token)
+    kube.fail_next("POST", "tokenreviews", 500)
     with pytest.raises(AuthUnavailable, match="500"):
-        await reviewer.authenticate("agent-token-1")
+        await reviewer.authenticate(token)
     assert reviews(registry, "error") == 2
-    api.fail_with = None
-    assert (await reviewer.authenticate("agent-token-1")).node == "gpu-0001"
+    assert (await reviewer.authenticate(token)).node == "gpu-0001"
 
 
-async def test_unreachable_api_server_is_unavailable(sa_token: Path, clock: FakeClock) -> None:
+async def test_unreachable_api_server_is_unavailable(tmp_path: Path, clock: FakeClock) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    auth = TokenReviewAuthenticator(
-        f"http://127.0.0.1:{port}",
-        sa_token,
-        audience="gpuwarden",
-        agent_namespace="gpuwarden",
-        agent_service_account="gpuwarden-agent",
-        clock=clock,
-        timeout_s=2.0,
+    kubeconfig = write(
+        tmp_path / "kubeconfig",
+        f"""
+apiVersion: v1
+kind: Config
+clusters: [{{name: gone, cluster: {{server: "http://127.0.0.1:{port}"}}}}]
+users: [{{name: u, user: {{token: t}}}}]
+contexts: [{{name: gone, context: {{cluster: gone, user: u}}}}]
+current-context: gone
+""",
     )
+    client = await KubeClient.from_kubeconfig(kubeconfig, request_timeout=2.0)
+    auth = reviewer_for(client, clock, owns_client=True)
     try:
         with pytest.raises(AuthUnavailable):
             await auth.authenticate("agent-token-1")
     finally:
         await auth.close()
+    assert auth.closed
 
 
-async def test_own_token_is_reread_when_rotated(
-    reviewer: TokenReviewAuthenticator, api: ApiServer, sa_token: Path
+async def test_bad_tokenreview_settings_are_config_errors(
+    tmp_path: Path, kube_client: KubeClient, clock: FakeClock
 ) -> None:
-    api.bound("a", "gpu-0001")
-    api.bound("b", "gpu-0002")
-    await reviewer.authenticate("a")
-    write(sa_token.with_suffix(".new"), "aggregator-sa-token-rotated\n").replace(sa_token)
-    await reviewer.authenticate("b")
-    assert api.callers == [f"Bearer {AGGREGATOR_SA_TOKEN}", "Bearer aggregator-sa-token-rotated"]
-
-
-def test_bad_tokenreview_settings_are_config_errors(tmp_path: Path, sa_token: Path, clock: FakeClock) -> None:
     common: dict[str, Any] = {"agent_namespace": "gpuwarden", "agent_service_account": "a", "clock": clock}
     with pytest.raises(ConfigError, match="audience"):
-        TokenReviewAuthenticator("https://k8s", sa_token, audience="", **common)
-    with pytest.raises(ConfigError, match="https://"):
-        TokenReviewAuthenticator("k8s:443", sa_token, audience="gpuwarden", **common)
-    with pytest.raises(ConfigError, match="service-account token"):
-        TokenReviewAuthenticator("https://k8s", tmp_path / "nope", audience="gpuwarden", **common)
-    with pytest.raises(ConfigError, match="CA"):
-        TokenReviewAuthenticator(
-            "https://k8s", sa_token, audience="gpuwarden", ca_file=write(tmp_path / "ca", "junk"), **common
-        )
+        TokenReviewAuthenticator(kube_client, audience="", **common)
+    with pytest.raises(ConfigError, match="cache"):
+        TokenReviewAuthenticator(kube_client, audience="gpuwarden", cache_max_entries=0, **common)
     with pytest.raises(ConfigError, match="KUBERNETES_SERVICE_HOST"):
         TokenReviewAuthenticator.in_cluster(audience="gpuwarden", environ={}, **common)
+    env = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    sa_dir = tmp_path / "sa"
+    sa_dir.mkdir()
+    with pytest.raises(ConfigError, match="service-account token"):
+        TokenReviewAuthenticator.in_cluster(
+            audience="gpuwarden", environ=env, service_account_dir=sa_dir, **common
+        )
+    write(sa_dir / "token", "t")
+    write(sa_dir / "ca.crt", "junk")
+    with pytest.raises(ConfigError, match="CA"):
+        TokenReviewAuthenticator.in_cluster(
+            audience="gpuwarden", environ=env, service_account_dir=sa_dir, **common
+        )
 
 
 # -- in-cluster over TLS, end to end through the service ------------------------------------------
@@ -410,61 +391,90 @@ def in_cluster_dir(tmp_path: Path) -> tuple[Path, ssl.SSLContext]:
     return sa_dir, ctx
 
 
+@pytest.fixture
+async def tls_kube(in_cluster_dir: tuple[Path, ssl.SSLContext]) -> AsyncIterator[KubeApiDouble]:
+    async with KubeApiDouble(token=AGGREGATOR_SA_TOKEN, ssl_context=in_cluster_dir[1]) as api:
+        yield api
+
+
+def in_cluster_env(kube: KubeApiDouble) -> dict[str, str]:
+    return {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(kube.port)}
+
+
 async def test_in_cluster_tokenreview_through_the_service(
     in_cluster_dir: tuple[Path, ssl.SSLContext],
-    api: ApiServer,
+    tls_kube: KubeApiDouble,
     aiohttp_client: Any,
     clock: FakeClock,
     registry: CollectorRegistry,
 ) -> None:
-    sa_dir, tls = in_cluster_dir
-    api_server = TestServer(api.app())
-    await api_server.start_server(ssl=tls)
-    try:
-        metrics = Metrics(registry)
-        auth = TokenReviewAuthenticator.in_cluster(
-            audience="gpuwarden",
-            agent_namespace="gpuwarden",
-            agent_service_account="gpuwarden-agent",
-            clock=clock,
-            environ={"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(api_server.port)},
-            service_account_dir=sa_dir,
-            metrics=metrics,
+    sa_dir, _ = in_cluster_dir
+    metrics = Metrics(registry)
+    auth = TokenReviewAuthenticator.in_cluster(
+        audience="gpuwarden",
+        agent_namespace="gpuwarden",
+        agent_service_account="gpuwarden-agent",
+        clock=clock,
+        environ=in_cluster_env(tls_kube),
+        service_account_dir=sa_dir,
+        metrics=metrics,
+    )
+    pipeline = FakePipeline()
+    app = create_app(pipeline, auth, Config(), clock, registry, metrics=metrics, advance_interval_s=None)
+    server = TestServer(app)
+    await server.start_server(**SERVER_KWARGS)
+    client: TestClient[web.Request, web.Application] = await aiohttp_client(server)
+
+    bound = agent_token(tls_kube, "gpu-0001")
+    legacy = agent_token(tls_kube, None)
+
+    async def send(token: str, node: str, seq: int) -> tuple[int, str]:
+        resp = await client.post(
+            REPORTS_PATH,
+            data=gzip.compress(encode(make_report(node, seq))),
+            headers={
+                "Authorization": f"Bearer {token}",
+                "Content-Type": "application/json",
+                "Content-Encoding": "gzip",
+            },
         )
-        pipeline = FakePipeline()
-        app = create_app(pipeline, auth, Config(), clock, registry, metrics=metrics, advance_interval_s=None)
-        server = TestServer(app)
-        await server.start_server(**SERVER_KWARGS)
-        client: TestClient[web.Request, web.Application] = await aiohttp_client(server)
+        answer = await resp.json()
+        return resp.status, answer.get("error", answer.get("status"))
 
-        api.bound("token-of-0001", "gpu-0001")
-        api.bound("legacy-token", "gpu-0001")
-        del api.answers["legacy-token"]["user"]["extra"][NODE_NAME_EXTRA]
+    assert await send(bound, "gpu-0001", 1) == (200, "accepted")
+    assert await send(bound, "gpu-0001", 2) == (200, "accepted")  # from the cache
+    assert await send(bound, "gpu-0002", 3) == (403, "node_mismatch")
+    assert await send(legacy, "gpu-0001", 4) == (403, "node_unbound")
+    assert await send("forged", "gpu-0001", 5) == (401, "bad_token")
+    assert [(r.node, r.seq) for r, _ in pipeline.ingested] == [("gpu-0001", 1), ("gpu-0001", 2)]
+    assert len(tls_kube.token_reviews) == 3  # the bound token once, the legacy one, the forged one
+    assert set(tls_kube.callers) == {f"Bearer {AGGREGATOR_SA_TOKEN}"}  # the pod's service account
+    await client.close()  # closes the authenticator, and its Kubernetes client, with the app
+    assert auth.closed
 
-        async def send(token: str, node: str, seq: int) -> tuple[int, str]:
-            resp = await client.post(
-                REPORTS_PATH,
-                data=gzip.compress(encode(make_report(node, seq))),
-                headers={
-                    "Authorization": f"Bearer {token}",
-                    "Content-Type": "application/json",
-                    "Content-Encoding": "gzip",
-                },
-            )
-            answer = await resp.json()
-            return resp.status, answer.get("error", answer.get("status"))
 
-        assert await send("token-of-0001", "gpu-0001", 1) == (200, "accepted")
-        assert await send("token-of-0001", "gpu-0001", 2) == (200, "accepted")  # from the cache
-        assert await send("token-of-0001", "gpu-0002", 3) == (403, "node_mismatch")
-        assert await send("legacy-token", "gpu-0001", 4) == (403, "node_unbound")
-        assert await send("forged", "gpu-0001", 5) == (401, "bad_token")
-        assert [(r.node, r.seq) for r, _ in pipeline.ingested] == [("gpu-0001", 1), ("gpu-0001", 2)]
-        assert len(api.reviews) == 3  # token-of-0001 once, legacy-token, forged
-        await client.close()  # closes the authenticator's HTTP session with the app
-        assert auth._session is None
+async def test_own_token_is_reread_when_rotated(
+    in_cluster_dir: tuple[Path, ssl.SSLContext], tls_kube: KubeApiDouble, clock: FakeClock
+) -> None:
+    sa_dir, _ = in_cluster_dir
+    auth = TokenReviewAuthenticator.in_cluster(
+        audience="gpuwarden",
+        agent_namespace="gpuwarden",
+        agent_service_account="gpuwarden-agent",
+        clock=clock,
+        environ=in_cluster_env(tls_kube),
+        service_account_dir=sa_dir,
+    )
+    try:
+        await auth.authenticate(agent_token(tls_kube, "gpu-0001"))
+        tls_kube.accept_token("aggregator-sa-token-rotated")
+        write(sa_dir / "token.new", "aggregator-sa-token-rotated\n").replace(
+            sa_dir / "token"
+        )  # as the kubelet swaps it
+        await auth.authenticate(agent_token(tls_kube, "gpu-0002"))
     finally:
-        await api_server.close()
+        await auth.close()
+    assert tls_kube.callers == [f"Bearer {AGGREGATOR_SA_TOKEN}", "Bearer aggregator-sa-token-rotated"]
 
 
 def test_in_cluster_needs_the_cluster_ca(tmp_path: Path, clock: FakeClock) -> None:

@@ -547,6 +547,65 @@ async def test_in_cluster_uses_the_service_account_and_the_service_address(
         await client.close()
 
 
+# -- TokenReview ----------------------------------------------------------------------------------
+
+
+async def test_token_review_of_a_pod_bound_token_names_the_account_the_pod_and_its_node(
+    kube: KubeApiDouble, client: KubeClient
+) -> None:
+    token = kube.issue_token("gpuwarden", "agent", audiences=["gpuwarden"], pod="agent-x7k2p", node="gpu-1")
+    status = await client.create_token_review(token, ["gpuwarden", "other"])
+    assert status.authenticated and status.error == ""
+    assert status.audiences == ("gpuwarden",)  # what the token and the review have in common
+    assert status.user is not None
+    assert status.user.username == "system:serviceaccount:gpuwarden:agent"
+    assert status.user.groups == (
+        "system:serviceaccounts",
+        "system:serviceaccounts:gpuwarden",
+        "system:authenticated",
+    )
+    extra = status.user.extra
+    assert (
+        extra["authentication.kubernetes.io/pod-name"],
+        extra["authentication.kubernetes.io/node-name"],
+    ) == (
+        ("agent-x7k2p",),
+        ("gpu-1",),
+    )
+    assert extra["authentication.kubernetes.io/credential-id"][0].startswith("JTI=")
+    # The same account's next token has the same uid; an unbound token has no pod or node.
+    unbound = await client.create_token_review(
+        kube.issue_token("gpuwarden", "agent", audiences=["gpuwarden"]), ["gpuwarden"]
+    )
+    assert unbound.user is not None and unbound.user.uid == status.user.uid
+    assert set(unbound.user.extra) == {"authentication.kubernetes.io/credential-id"}
+
+
+async def test_token_review_refusals_are_answers_not_errors(kube: KubeApiDouble, client: KubeClient) -> None:
+    token = kube.issue_token("gpuwarden", "agent", audiences=["gpuwarden"], pod="agent-x7k2p", node="gpu-1")
+    wrong = await client.create_token_review(token, ["vault"])
+    assert (wrong.authenticated, wrong.user, wrong.audiences) == (False, None, None)
+    assert 'token audiences ["gpuwarden"] is invalid for the target audiences ["vault"]' in wrong.error
+    # No audiences asked: the API server's own, which this token is not for.
+    assert not (await client.create_token_review(token, [])).authenticated
+    kube.revoke_token(token)  # its pod is gone
+    gone = await client.create_token_review(token, ["gpuwarden"])
+    assert (gone.authenticated, gone.error) == (False, "invalid bearer token")
+    with pytest.raises(KubeError, match="token is required") as err:
+        await client.create_token_review("", ["gpuwarden"])
+    assert err.value.status == 400
+    status, body = await raw(
+        kube,
+        "POST",
+        "/apis/authentication.k8s.io/v1/tokenreviews",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": {"token": "forged"}},
+    )
+    assert status == 201 and body["status"] == {"user": {}, "error": "invalid bearer token"}
+    kube.fail_next("POST", "tokenreviews", 403)
+    with pytest.raises(KubeForbidden):
+        await client.create_token_review(token, ["gpuwarden"])
+
+
 # -- concurrent writers ---------------------------------------------------------------------------
 
 

@@ -8,7 +8,16 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Protocol
 
-from aggregator.kube.objects import Condition, EventRecord, Lease, Node, NodeEvent, NodeList, Taint
+from aggregator.kube.objects import (
+    Condition,
+    EventRecord,
+    Lease,
+    Node,
+    NodeEvent,
+    NodeList,
+    Taint,
+    TokenReviewStatus,
+)
 
 
 class KubeApi(Protocol):
@@ -53,6 +62,12 @@ class KubeApi(Protocol):
 
     async def replace_lease(self, lease: Lease) -> Lease:
         """PUT with ``lease.resource_version``: ``KubeConflict`` when someone else wrote it since."""
+        ...
+
+    async def create_token_review(self, token: str, audiences: Sequence[str]) -> TokenReviewStatus:
+        """POST an authentication.k8s.io/v1 TokenReview of ``token`` for ``audiences``: the server's
+        verdict, an unauthenticated token included (that is an answer, not an error). ``KubeForbidden``
+        when our own account may not create tokenreviews."""
         ...
 
     async def close(self) -> None: ...

@@ -22,7 +22,12 @@ Design:
 * Each request has a timeout (``request_timeout``); a watch's read timeout is its server-side
   ``timeout_seconds`` plus that margin, so a silent, half-dead connection still ends.
 
+* In a pod, the service-account token is re-read whenever the file changes (the kubelet rotates
+  it), checked on every request: a rotated token is used from the next call on.
+
 Node events go to namespace "default": the API server refuses Events about a Node elsewhere.
+TokenReviews (``create_token_review``) are how the aggregator checks an agent's token; the token
+under review is a credential and never appears in a log line or an error message.
 """
 
 from __future__ import annotations
@@ -30,20 +35,27 @@ from __future__ import annotations
 import json
 import logging
 import os
+import ssl
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Final, Literal, cast
 
 import aiohttp
 import yaml
-from kubernetes_asyncio.client import ApiClient, Configuration, CoordinationV1Api, CoreV1Api
+from kubernetes_asyncio.client import (
+    ApiClient,
+    AuthenticationV1Api,
+    Configuration,
+    CoordinationV1Api,
+    CoreV1Api,
+)
 from kubernetes_asyncio.client.exceptions import ApiException
-from kubernetes_asyncio.config import ConfigException, load_incluster_config, load_kube_config
+from kubernetes_asyncio.config import ConfigException, load_kube_config
+from kubernetes_asyncio.config.incluster_config import InClusterConfigLoader
 
 from agent.clock import Clock, SystemClock
 from agent.errors import ConfigError
-from aggregator.auth import SERVICE_ACCOUNT_DIR
 from aggregator.kube.objects import (
     Condition,
     ConditionStatus,
@@ -60,9 +72,13 @@ from aggregator.kube.objects import (
     NodeList,
     Taint,
     TaintEffect,
+    TokenReviewStatus,
+    UserInfo,
 )
 
 log = logging.getLogger(__name__)
+
+SERVICE_ACCOUNT_DIR: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 Json = dict[str, Any]
 
@@ -86,6 +102,7 @@ class KubeClient:
         self._api_client = api_client
         self._core = CoreV1Api(api_client)
         self._coordination = CoordinationV1Api(api_client)
+        self._authentication = AuthenticationV1Api(api_client)
         self._timeout = request_timeout
         self._clock = clock or SystemClock()
 
@@ -118,6 +135,29 @@ class KubeClient:
         return cls(ApiClient(configuration), request_timeout=request_timeout)
 
     @classmethod
+    def in_cluster(
+        cls,
+        *,
+        service_account_dir: Path = SERVICE_ACCOUNT_DIR,
+        environ: Mapping[str, str] | None = None,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+    ) -> KubeClient:
+        """A client as client-go's in-cluster config makes one: the pod's service account (token and
+        ca.crt in ``service_account_dir``) and the ``KUBERNETES_SERVICE_HOST``/``_PORT`` environment.
+        ``ConfigError`` naming what is missing. Call it with the event loop running."""
+        configuration = _in_cluster_configuration(
+            service_account_dir, os.environ if environ is None else environ
+        )
+        try:
+            api_client = ApiClient(configuration)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"cannot load Kubernetes CA {configuration.ssl_ca_cert}: {exc}") from exc
+        log.info(
+            "kubernetes client from the in-cluster service account", extra={"server": configuration.host}
+        )
+        return cls(api_client, request_timeout=request_timeout)
+
+    @classmethod
     async def from_environment(
         cls,
         *,
@@ -133,17 +173,7 @@ class KubeClient:
         if kubeconfig is not None:
             return await cls.from_kubeconfig(kubeconfig, context=context, request_timeout=request_timeout)
         if os.environ.get("KUBERNETES_SERVICE_HOST"):
-            configuration = Configuration()
-            try:
-                load_incluster_config(  # type: ignore[no-untyped-call]
-                    client_configuration=configuration,
-                    token_filename=str(service_account_dir / "token"),
-                    cert_filename=str(service_account_dir / "ca.crt"),
-                )
-            except (ConfigException, OSError) as exc:
-                raise ConfigError(f"in-cluster Kubernetes configuration unusable: {exc}") from exc
-            log.info("kubernetes client from the in-cluster service account")
-            return cls(ApiClient(configuration), request_timeout=request_timeout)
+            return cls.in_cluster(service_account_dir=service_account_dir, request_timeout=request_timeout)
         path = _default_kubeconfig()
         if path is None:
             raise ConfigError(
@@ -279,6 +309,18 @@ class KubeClient:
             )
         )
 
+    # -- authentication ---------------------------------------------------------------------------
+
+    async def create_token_review(self, token: str, audiences: Sequence[str]) -> TokenReviewStatus:
+        body: Json = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "spec": {"token": token, "audiences": list(audiences)},
+        }
+        # ``what`` goes into errors and logs: it names the call, never the token.
+        answer = await self._call("create tokenreview", self._authentication.create_token_review, body)
+        return _token_review_status(answer)
+
     # -- transport --------------------------------------------------------------------------------
 
     async def _send(self, what: str, call: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> Any:
@@ -302,6 +344,66 @@ class KubeClient:
         if not 200 <= response.status < 300:
             raise _error(what, response.status, body)
         return _json_object(what, body)
+
+
+class ServiceAccountToken:
+    """A pod's service-account token file, re-read when it changes (the kubelet rotates it)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._token = ""
+        self._key: tuple[int, int, int] | None = None
+        self.current()
+        if not self._token:
+            raise ConfigError(
+                f"in-cluster Kubernetes configuration unusable: service-account token {path} "
+                "is missing or empty"
+            )
+
+    def current(self) -> str:
+        try:
+            st = os.stat(self._path)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if key != self._key:
+                token = self._path.read_text(encoding="utf-8").strip()
+                if token:
+                    self._token = token
+                    self._key = key
+        except (OSError, UnicodeDecodeError) as exc:
+            if self._token:
+                log.warning(
+                    "service-account token unreadable, using the previous one",
+                    extra={"token_file": str(self._path), "error": str(exc)},
+                )
+        return self._token
+
+    def refresh(self, configuration: Configuration) -> None:
+        """kubernetes_asyncio's ``refresh_api_key_hook``: called before every request."""
+        configuration.api_key["BearerToken"] = f"Bearer {self.current()}"
+
+
+def _in_cluster_configuration(service_account_dir: Path, environ: Mapping[str, str]) -> Configuration:
+    if not environ.get("KUBERNETES_SERVICE_HOST") or not environ.get("KUBERNETES_SERVICE_PORT"):
+        raise ConfigError(
+            "not running in a Kubernetes pod: KUBERNETES_SERVICE_HOST and "
+            "KUBERNETES_SERVICE_PORT are not set (use a kubeconfig, or --token-file for static tokens)"
+        )
+    token = ServiceAccountToken(service_account_dir / "token")
+    ca = service_account_dir / "ca.crt"
+    if not ca.is_file():
+        raise ConfigError(f"in-cluster Kubernetes configuration unusable: no cluster CA at {ca}")
+    configuration = Configuration()
+    try:
+        InClusterConfigLoader(
+            token_filename=str(service_account_dir / "token"),
+            cert_filename=str(ca),
+            try_refresh_token=False,  # replaced below: re-read on change, not once a minute
+            environ=dict(environ),
+        ).load_and_set(configuration)
+    except (ConfigException, OSError) as exc:
+        raise ConfigError(f"in-cluster Kubernetes configuration unusable: {exc}") from exc
+    configuration.refresh_api_key_hook = token.refresh
+    return configuration
 
 
 def _default_kubeconfig() -> Path | None:
@@ -417,6 +519,28 @@ def _node(obj: Json) -> Node:
         taints=tuple(_taint(name, t) for t in spec.get("taints") or []),
         conditions=tuple(_condition(c) for c in status.get("conditions") or []),
         unschedulable=bool(spec.get("unschedulable", False)),
+    )
+
+
+def _token_review_status(obj: Json) -> TokenReviewStatus:
+    status = obj.get("status") or {}
+    raw_user = status.get("user") or {}
+    user = None
+    if raw_user.get("username"):
+        user = UserInfo(
+            username=str(raw_user["username"]),
+            uid=str(raw_user.get("uid", "")),
+            groups=tuple(str(g) for g in raw_user.get("groups") or ()),
+            extra={
+                str(k): tuple(str(v) for v in vs or ()) for k, vs in (raw_user.get("extra") or {}).items()
+            },
+        )
+    audiences = status.get("audiences")
+    return TokenReviewStatus(
+        authenticated=status.get("authenticated") is True,
+        user=user,
+        audiences=tuple(str(a) for a in audiences) if isinstance(audiences, list) else None,
+        error=str(status.get("error") or ""),
     )
 
 

@@ -87,6 +87,29 @@ class EventRecord:
     component: str = "gpuwarden-aggregator"
 
 
+@dataclass(frozen=True, slots=True)
+class UserInfo:
+    """Who a reviewed token belongs to (authentication.k8s.io/v1 ``UserInfo``)."""
+
+    username: str
+    uid: str = ""
+    groups: tuple[str, ...] = ()
+    # For a pod-bound service-account token: authentication.kubernetes.io/pod-name, pod-uid and
+    # (Kubernetes 1.30+) node-name, node-uid, credential-id.
+    extra: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenReviewStatus:
+    """The API server's verdict on a token (``TokenReview.status``)."""
+
+    authenticated: bool
+    user: UserInfo | None = None
+    # The audiences the token is valid for among those asked (None: the server named none).
+    audiences: tuple[str, ...] | None = None
+    error: str = ""
+
+
 # -- errors: every API failure surfaces as one of these -------------------------------------------
 
 
