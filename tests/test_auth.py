@@ -397,8 +397,20 @@ async def tls_kube(in_cluster_dir: tuple[Path, ssl.SSLContext]) -> AsyncIterator
         yield api
 
 
-def in_cluster_env(kube: KubeApiDouble) -> dict[str, str]:
-    return {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(kube.port)}
+def in_cluster_auth(
+    kube: KubeApiDouble, sa_dir: Path, clock: FakeClock, **kwargs: Any
+) -> TokenReviewAuthenticator:
+    """The authenticator as ``gpuwarden aggregator --auth tokenreview`` makes it in a pod whose
+    ``KUBERNETES_SERVICE_HOST``/``_PORT`` point at the double."""
+    return TokenReviewAuthenticator.in_cluster(
+        audience="gpuwarden",
+        agent_namespace="gpuwarden",
+        agent_service_account="gpuwarden-agent",
+        clock=clock,
+        environ={"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(kube.port)},
+        service_account_dir=sa_dir,
+        **kwargs,
+    )
 
 
 async def test_in_cluster_tokenreview_through_the_service(
@@ -410,15 +422,7 @@ async def test_in_cluster_tokenreview_through_the_service(
 ) -> None:
     sa_dir, _ = in_cluster_dir
     metrics = Metrics(registry)
-    auth = TokenReviewAuthenticator.in_cluster(
-        audience="gpuwarden",
-        agent_namespace="gpuwarden",
-        agent_service_account="gpuwarden-agent",
-        clock=clock,
-        environ=in_cluster_env(tls_kube),
-        service_account_dir=sa_dir,
-        metrics=metrics,
-    )
+    auth = in_cluster_auth(tls_kube, sa_dir, clock, metrics=metrics)
     pipeline = FakePipeline()
     app = create_app(pipeline, auth, Config(), clock, registry, metrics=metrics, advance_interval_s=None)
     server = TestServer(app)
@@ -457,14 +461,7 @@ async def test_own_token_is_reread_when_rotated(
     in_cluster_dir: tuple[Path, ssl.SSLContext], tls_kube: KubeApiDouble, clock: FakeClock
 ) -> None:
     sa_dir, _ = in_cluster_dir
-    auth = TokenReviewAuthenticator.in_cluster(
-        audience="gpuwarden",
-        agent_namespace="gpuwarden",
-        agent_service_account="gpuwarden-agent",
-        clock=clock,
-        environ=in_cluster_env(tls_kube),
-        service_account_dir=sa_dir,
-    )
+    auth = in_cluster_auth(tls_kube, sa_dir, clock)
     try:
         await auth.authenticate(agent_token(tls_kube, "gpu-0001"))
         tls_kube.accept_token("aggregator-sa-token-rotated")
