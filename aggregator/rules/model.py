@@ -84,6 +84,7 @@ PER_SECONDS: Final[Mapping[str, float]] = types.MappingProxyType(
     {"second": 1.0, "minute": 60.0, "hour": 3600.0}
 )
 
+
 def _scalar_fields(struct: type) -> dict[str, FieldType]:
     """Field name -> scalar type of a report struct; lists and maps are not rule fields."""
     out: dict[str, FieldType] = {}
