@@ -277,3 +277,14 @@ def test_an_old_agents_nvml_error_reads_as_its_code() -> None:
     # The code wins where it is set, whatever the words say.
     typed = report.CollectorError(collector="nvml", message="GPU 1: GPU is lost", code="unreadable", gpu=1)
     assert (report.error_code(typed), report.error_gpu(typed)) == ("unreadable", 1)
+
+
+def test_a_field_without_a_catalogue_entry_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = dict(report.GPU_CATALOGUE)
+    del gpu["power_watts"]
+    monkeypatch.setattr(report, "CATALOGUE", {**report.CATALOGUE, report.Gpu: gpu})
+    with pytest.raises(TypeError, match="power_watts"):
+        report._check_catalogue()
+    gpu["power_watts"] = report.FieldInfo("flag")  # a float cannot be a flag
+    with pytest.raises(TypeError, match="power_watts"):
+        report._check_catalogue()
