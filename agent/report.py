@@ -622,10 +622,11 @@ def _largest(plan: _Plan, items: list[Any]) -> int:
     # Every step is a C loop: this runs on every report, over some 700 counters.
     top = max(filter(None, itertools.chain.from_iterable(map(plan.get_ints, items))), default=0)
     for name in plan.maps:
-        values = (getattr(o, name) for o in items)
-        top = max(top, max(itertools.chain.from_iterable(v.values() for v in values if v), default=0))
+        maps = filter(None, map(operator.attrgetter(name), items))  # UNSET and {} are false
+        top = max(top, max(itertools.chain.from_iterable(map(dict.values, maps)), default=0))
     for name, child in plan.lists:
-        children = [c for o in items if isinstance(v := getattr(o, name), list) for c in v]
+        lists = filter(None, map(operator.attrgetter(name), items))  # UNSET and [] are false
+        children = list(itertools.chain.from_iterable(lists))
         if children:
             top = max(top, _largest(child, children))
     return top
