@@ -5,6 +5,10 @@ The JSON Schema in ``agent/schema/report-v1.schema.json`` is the published contr
 types. ``tests/test_report_schema.py`` proves that the two agree, field by field and constraint by
 constraint, so neither can drift from the other.
 
+The field catalogue below the structs says what each measured field is (counter, gauge, flag or
+label, its unit and plausible range); the agent's metrics, the aggregator's history, rules,
+plausibility checks, pool frame and detectors derive their field lists from it.
+
 The aggregator imports these types from here; this module imports nothing from the aggregator.
 """
 
