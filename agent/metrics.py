@@ -56,7 +56,17 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from agent import __version__
 from agent.errors import ConfigError
-from agent.report import Gpu, Nic, Probe, Report
+from agent.report import CLOCK_EVENT_REASONS as _REASONS
+from agent.report import (
+    GPU_CATALOGUE,
+    NIC_COUNTER_NAMES,
+    NIC_TYPED_COUNTERS,
+    NVLINK_COUNTERS,
+    Gpu,
+    Nic,
+    Probe,
+    Report,
+)
 from agent.state import CycleResult, ShipperStats
 
 log = logging.getLogger(__name__)
@@ -77,17 +87,9 @@ __all__ = [
     "serve",
 ]
 
-# NVML's clocks-event (throttle) reason bits, nvmlClocksEventReason* in nvml.h.
-CLOCK_EVENT_REASONS: tuple[tuple[str, int], ...] = (
-    ("gpu_idle", 0x1),
-    ("applications_clocks_setting", 0x2),
-    ("sw_power_cap", 0x4),
-    ("hw_slowdown", 0x8),
-    ("sync_boost", 0x10),
-    ("sw_thermal_slowdown", 0x20),
-    ("hw_thermal_slowdown", 0x40),
-    ("hw_power_brake_slowdown", 0x80),
-    ("display_clock_setting", 0x100),
+# NVML's clocks-event (throttle) reason bits by name, in bit order (agent/report.py has them).
+CLOCK_EVENT_REASONS: tuple[tuple[str, int], ...] = tuple(
+    (name, reason.bit) for name, reason in _REASONS.items()
 )
 
 # RDMA port counter file (counters/ or hw_counters/) -> its own family, with HELP.
@@ -173,19 +175,40 @@ _GPU_LABELS = ("gpu", "uuid")
 _NIC_LABELS = ("device", "port")
 
 
+# Whether a family is a Prometheus counter or a gauge follows the field catalogue (agent/report.py):
+# cumulative fields are counters, named ``..._total``. With one exception, on purpose: retired
+# pages and remapped rows are cumulative counts (the catalogue and the aggregator treat them as
+# counters and take rates of them), but they were published as the gauges
+# ``gpuwarden_gpu_retired_pages`` and ``gpuwarden_gpu_remapped_rows``, like DCGM's
+# DCGM_FI_DEV_RETIRED_* and *_REMAPPED_ROWS fields, and dashboards, the DCGM-compatible recording
+# rules (rules/prometheus/) and the PrometheusRule alerts read them by those names. A counter must
+# end in ``_total``, so the type change would rename public metrics. They are levels of a budget
+# anyway (how many of the board's spare rows are used, kept in its InfoROM across reboots and
+# driver reloads, never reset the way Prometheus counters are), and alerts compare them with a
+# threshold, which a gauge serves as well; so they stay gauges.
+_COUNTERS_EXPORTED_AS_GAUGES: Final = frozenset(
+    {"retired_pages_sbe", "retired_pages_dbe", "remapped_rows_correctable", "remapped_rows_uncorrectable"}
+)
+
+
 @dataclass(frozen=True)
 class _GpuFamily:
     """One GPU metric family: a field per extra label value, or one field and no extra label."""
 
     name: str
     help: str
-    counter: bool
     fields: tuple[tuple[str, tuple[str, ...]], ...]  # (Gpu attribute, values of ``labels``)
     labels: tuple[str, ...] = ()  # beyond gpu and uuid
 
+    @property
+    def counter(self) -> bool:
+        kinds = {GPU_CATALOGUE[attr].kind for attr, _ in self.fields}
+        attrs = {attr for attr, _ in self.fields}
+        return kinds == {"counter"} and not attrs & _COUNTERS_EXPORTED_AS_GAUGES
 
-def _plain(name: str, attr: str, help_: str, *, counter: bool = False) -> _GpuFamily:
-    return _GpuFamily(name, help_, counter, ((attr, ()),))
+
+def _plain(name: str, attr: str, help_: str) -> _GpuFamily:
+    return _GpuFamily(name, help_, ((attr, ()),))
 
 
 _GPU_FAMILIES: tuple[_GpuFamily, ...] = (
@@ -224,7 +247,6 @@ _GPU_FAMILIES: tuple[_GpuFamily, ...] = (
         "gpuwarden_gpu_energy_joules_total",
         "energy_joules_total",
         "Energy the GPU consumed since the driver was loaded, in joules.",
-        counter=True,
     ),
     _plain("gpuwarden_gpu_sm_clock_hertz", "sm_clock_hz", "Current SM clock, in hertz."),
     _plain("gpuwarden_gpu_sm_clock_max_hertz", "sm_clock_max_hz", "Maximum SM clock, in hertz."),
@@ -244,7 +266,6 @@ _GPU_FAMILIES: tuple[_GpuFamily, ...] = (
         "ECC errors the GPU counted (count); type sbe: single-bit, corrected; dbe: double-bit, "
         "uncorrected. scope volatile: since the driver was loaded; aggregate: over the GPU's "
         "lifetime, which includes volatile, so never sum across scope.",
-        True,
         (
             ("ecc_sbe_volatile_total", ("sbe", "volatile")),
             ("ecc_dbe_volatile_total", ("dbe", "volatile")),
@@ -257,7 +278,6 @@ _GPU_FAMILIES: tuple[_GpuFamily, ...] = (
         "gpuwarden_gpu_retired_pages",
         "GPU memory pages retired (count), by cause: sbe, repeated single-bit errors; dbe, a "
         "double-bit error.",
-        False,
         (("retired_pages_sbe", ("sbe",)), ("retired_pages_dbe", ("dbe",))),
         ("cause",),
     ),
@@ -269,7 +289,6 @@ _GPU_FAMILIES: tuple[_GpuFamily, ...] = (
     _GpuFamily(
         "gpuwarden_gpu_remapped_rows",
         "GPU memory rows remapped to spare rows (count), by the type of error that caused it.",
-        False,
         (
             ("remapped_rows_correctable", ("correctable",)),
             ("remapped_rows_uncorrectable", ("uncorrectable",)),
@@ -310,7 +329,6 @@ _GPU_FAMILIES: tuple[_GpuFamily, ...] = (
         "gpuwarden_gpu_pcie_replay_total",
         "pcie_replay_total",
         "PCIe replays (retransmitted packets) the GPU counted, since the driver was loaded.",
-        counter=True,
     ),
 )
 
@@ -327,6 +345,34 @@ _NIC_TRAFFIC: tuple[tuple[str, str, str], ...] = (
     ("rx_packets_total", "gpuwarden_nic_receive_packets_total", "Packets received (count)."),
     ("tx_packets_total", "gpuwarden_nic_transmit_packets_total", "Packets transmitted (count)."),
 )
+
+
+# GPU fields with a family of their own below (the P-state leaves NVML's "unknown" out).
+_GPU_FIELDS_ELSEWHERE: Final = frozenset({"performance_state"})
+
+
+def _check_families() -> None:
+    """Every measured field of the catalogue is exported, with the type its kind calls for.
+
+    Runs at import: a field added to the report without a metric here fails every test."""
+    exported = [attr for spec in _GPU_FAMILIES for attr, _ in spec.fields]
+    measured = {name for name, info in GPU_CATALOGUE.items() if info.kind != "label"}
+    if len(exported) != len(set(exported)) or set(exported) | _GPU_FIELDS_ELSEWHERE != measured:
+        raise TypeError(f"GPU families and the catalogue differ: {sorted(measured ^ set(exported))}")
+    for spec in _GPU_FAMILIES:
+        if len({GPU_CATALOGUE[attr].kind for attr, _ in spec.fields}) != 1:
+            raise TypeError(f"{spec.name} mixes fields of different kinds")
+        if spec.counter != spec.name.endswith("_total"):
+            raise TypeError(f"{spec.name}: a counter's name ends in _total, a gauge's does not")
+    if tuple(attr for attr, _ in _NVLINK_ERRORS) != NVLINK_COUNTERS:
+        raise TypeError("NVLink error types and the catalogue's NVLink counters differ")
+    if tuple(attr for attr, _, _ in _NIC_TRAFFIC) != NIC_TYPED_COUNTERS:
+        raise TypeError("NIC traffic families and the catalogue's typed NIC counters differ")
+    if not INFINIBAND_COUNTERS.keys() <= NIC_COUNTER_NAMES:
+        raise TypeError(f"unknown NIC counters {sorted(INFINIBAND_COUNTERS.keys() - NIC_COUNTER_NAMES)}")
+
+
+_check_families()
 
 
 @dataclass(frozen=True)

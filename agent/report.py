@@ -5,15 +5,26 @@ The JSON Schema in ``agent/schema/report-v1.schema.json`` is the published contr
 types. ``tests/test_report_schema.py`` proves that the two agree, field by field and constraint by
 constraint, so neither can drift from the other.
 
+The field catalogue below the structs says what each measured field is (counter, gauge, flag or
+label, its unit and plausible range); the agent's metrics, the aggregator's history, rules,
+plausibility checks, pool frame and detectors derive their field lists from it.
+
 The aggregator imports these types from here; this module imports nothing from the aggregator.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import operator
+import re
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Any, Final, Literal, get_args
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -23,7 +34,13 @@ from agent.errors import ReportError
 SCHEMA_ID: Final = "gpuwarden/report/v1"
 
 # Constrained scalar types, named after the schema's $defs.
-Count = Annotated[int, Meta(ge=0)]
+# Hardware counters are at most 64 bits wide. msgspec (0.23) refuses ``Meta(le=...)`` beyond int64,
+# so the bound goes into the generated JSON Schema through ``extra_json_schema`` and ``decode``
+# enforces it from the same annotation (``_U64_BOUND``): one place says it, both sides obey it.
+U64_MAX: Final = 2**64 - 1
+_U64_BOUND: Final = "le"
+_U64 = Meta(ge=0, extra_json_schema={"maximum": U64_MAX}, extra={_U64_BOUND: U64_MAX})
+Count = Annotated[int, _U64]
 NodeName = Annotated[str, Meta(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")]
 
 
@@ -94,7 +111,7 @@ class Gpu(_Base, frozen=True):
 class Nic(_Base, frozen=True):
     device: Str64
     link_layer: Literal["InfiniBand", "Ethernet"]
-    port: Annotated[int, Meta(ge=0)] | None = None
+    port: Annotated[int, _U64] | None = None
     netdev: Str64 | None = None
     state: Str32 | None = None
     phys_state: Str32 | None = None
@@ -109,8 +126,8 @@ class Nic(_Base, frozen=True):
 class Event(_Base, frozen=True):
     kind: Literal["xid", "sxid", "kernel"]
     time: float
-    gpu: Annotated[int, Meta(ge=0)] | None = None
-    code: Annotated[int, Meta(ge=0)] | None = None
+    gpu: Annotated[int, _U64] | None = None
+    code: Annotated[int, _U64] | None = None
     message: Str2048 | None = None
 
 
@@ -125,9 +142,24 @@ class Probe(_Base, frozen=True):
     error: Str1024 | None = None
 
 
+# What a collector error is, for machines (the message is for humans and may be reworded). Only
+# the NVML collector sets codes, for what it tells apart (agent/collectors/nvml.py):
+# gpu_lost: NVML_ERROR_GPU_IS_LOST, the GPU fell off the bus (left out of ``gpus``);
+# no_handle: nvmlDeviceGetHandleByIndex failed otherwise (left out of ``gpus`` too);
+# unreadable: some of the GPU's fields could not be read (they are null, the GPU is reported);
+# init_failed: nvmlInit failed (no GPUs at all); too_many_gpus: more GPUs than a report holds.
+ErrorCode = Literal["gpu_lost", "no_handle", "unreadable", "init_failed", "too_many_gpus"]
+ERROR_CODES: Final[frozenset[str]] = frozenset(get_args(ErrorCode))
+# The codes that mean "this GPU is in the node but not in the report": nothing measured it.
+GPU_GONE_CODES: Final[frozenset[str]] = frozenset({"gpu_lost", "no_handle"})
+
+
 class CollectorError(_Base, frozen=True):
     collector: Str64
     message: Str1024
+    # Added within v1: a report without them is as valid as before, and they are never null.
+    code: ErrorCode | UnsetType = UNSET
+    gpu: Annotated[int, Meta(ge=0, le=63)] | UnsetType = UNSET
 
 
 class Report(_Base, frozen=True):
@@ -148,116 +180,482 @@ class Report(_Base, frozen=True):
     errors: Annotated[list[CollectorError], Meta(max_length=64)] | UnsetType = UNSET
 
 
+# -- The field catalogue ---------------------------------------------------------------------------
+# What every measured field of a GPU, an NVLink, a NIC and a probe is: its kind, its unit and the
+# range a real machine can report. Everything that treats fields by kind derives from here: the
+# fleet history's series, the rule vocabulary, the agent's metric types, the aggregator's
+# plausibility checks, the pool frame and the detectors. A table beside each struct, checked against
+# the struct when this module is imported, so a field cannot be added to one and not the other.
+#
+# counter: cumulative since some reset (driver load, boot, the board's life); rates are taken of it.
+# gauge:   a value now (a level, a setting, a bitmask).
+# flag:    a boolean state.
+# label:   identity or a state name (text, indices); compared, never summed.
+FieldKind = Literal["counter", "gauge", "flag", "label"]
+
+
+@dataclass(frozen=True, slots=True)
+class FieldInfo:
+    kind: FieldKind
+    unit: str = ""  # the base unit: count, bytes, celsius, watts, joules, hertz, ratio, ...
+    # Lowest and highest value physically possible, beyond what the schema bounds; the aggregator
+    # refuses a report outside it (``implausible_value``). None: the schema's bounds are enough.
+    plausible: tuple[float, float] | None = None
+
+
+def _counter(unit: str = "count", plausible: tuple[float, float] | None = None) -> FieldInfo:
+    return FieldInfo("counter", unit, plausible)
+
+
+def _gauge(unit: str, plausible: tuple[float, float] | None = None) -> FieldInfo:
+    return FieldInfo("gauge", unit, plausible)
+
+
+_FLAG: Final = FieldInfo("flag")
+_LABEL: Final = FieldInfo("label")
+_CELSIUS: Final = (-50.0, 200.0)
+_WATTS: Final = (0.0, 10_000.0)
+_HERTZ: Final = (0.0, 1e11)
+_RATE_MAX: Final = 1e13  # bytes/s: 80 Tb/s, ten times the fastest port there is
+
+GPU_CATALOGUE: Final[Mapping[str, FieldInfo]] = types.MappingProxyType(
+    {
+        "index": _LABEL,
+        "uuid": _LABEL,
+        "model": _LABEL,
+        "pci_bus_id": _LABEL,
+        # Bounded by the schema already; the range also refuses NaN in a constructed report.
+        "utilization_ratio": _gauge("ratio", (0.0, 1.0)),
+        "memory_used_bytes": _gauge("bytes"),
+        "memory_total_bytes": _gauge("bytes"),
+        "temperature_celsius": _gauge("celsius", _CELSIUS),
+        "memory_temperature_celsius": _gauge("celsius", _CELSIUS),
+        "power_watts": _gauge("watts", _WATTS),
+        "power_limit_watts": _gauge("watts", _WATTS),
+        "energy_joules_total": _counter("joules", (0.0, 1e15)),  # 3,000 years of a 10 kW GPU
+        "sm_clock_hz": _gauge("hertz", _HERTZ),
+        "sm_clock_max_hz": _gauge("hertz", _HERTZ),
+        "memory_clock_hz": _gauge("hertz", _HERTZ),
+        "clock_event_reasons": _gauge("bitmask"),  # bits: CLOCK_EVENT_REASONS
+        "performance_state": _gauge("pstate"),
+        "ecc_sbe_volatile_total": _counter("errors"),
+        "ecc_dbe_volatile_total": _counter("errors"),
+        "ecc_sbe_aggregate_total": _counter("errors"),
+        "ecc_dbe_aggregate_total": _counter("errors"),
+        # Pages retired and rows remapped over the board's life (kept in its InfoROM): they only
+        # grow, so they are counters; a new one in a window is what the rules look for.
+        "retired_pages_sbe": _counter("pages"),
+        "retired_pages_dbe": _counter("pages"),
+        "retired_pages_pending": _FLAG,
+        "remapped_rows_correctable": _counter("rows"),
+        "remapped_rows_uncorrectable": _counter("rows"),
+        "remapped_rows_pending": _FLAG,
+        "remapped_rows_failure": _FLAG,
+        "pcie_link_gen": _gauge("generation"),
+        "pcie_link_gen_max": _gauge("generation"),
+        "pcie_link_width": _gauge("lanes"),
+        "pcie_link_width_max": _gauge("lanes"),
+        "pcie_replay_total": _counter("replays"),
+    }
+)
+NVLINK_CATALOGUE: Final[Mapping[str, FieldInfo]] = types.MappingProxyType(
+    {
+        "link": _LABEL,
+        "active": _FLAG,
+        "crc_flit_errors_total": _counter("errors"),
+        "crc_data_errors_total": _counter("errors"),
+        "replay_errors_total": _counter("errors"),
+        "recovery_errors_total": _counter("errors"),
+    }
+)
+NIC_CATALOGUE: Final[Mapping[str, FieldInfo]] = types.MappingProxyType(
+    {
+        "device": _LABEL,
+        "link_layer": _LABEL,
+        "port": _LABEL,
+        "netdev": _LABEL,
+        "state": _LABEL,
+        "phys_state": _LABEL,
+        "rate_bytes_per_second": _gauge("bytes_per_second", (0.0, _RATE_MAX)),
+        "rx_bytes_total": _counter("bytes"),
+        "tx_bytes_total": _counter("bytes"),
+        "rx_packets_total": _counter("packets"),
+        "tx_packets_total": _counter("packets"),
+    }
+)
+PROBE_CATALOGUE: Final[Mapping[str, FieldInfo]] = types.MappingProxyType(
+    {
+        "kind": _LABEL,
+        "time": _gauge("seconds"),  # a timestamp; checked against the clock, not a range
+        "ok": _FLAG,
+        "peer": _LABEL,
+        "size_bytes": _gauge("bytes"),
+        "busbw_bytes_per_second": _gauge("bytes_per_second", (0.0, _RATE_MAX)),
+        "duration_seconds": _gauge("seconds", (0.0, 86_400.0)),  # a probe of a day is a broken one
+        "error": _LABEL,
+    }
+)
+CATALOGUE: Final[Mapping[type[msgspec.Struct], Mapping[str, FieldInfo]]] = types.MappingProxyType(
+    {Gpu: GPU_CATALOGUE, NvLink: NVLINK_CATALOGUE, Nic: NIC_CATALOGUE, Probe: PROBE_CATALOGUE}
+)
+
+
+def fields_of_kind(struct: type[msgspec.Struct], kind: FieldKind) -> tuple[str, ...]:
+    """The fields of ``struct`` of one kind, in the struct's order."""
+    return tuple(name for name, info in CATALOGUE[struct].items() if info.kind == kind)
+
+
+GPU_COUNTERS: Final[tuple[str, ...]] = fields_of_kind(Gpu, "counter")
+GPU_GAUGES: Final[tuple[str, ...]] = fields_of_kind(Gpu, "gauge")
+GPU_FLAGS: Final[tuple[str, ...]] = fields_of_kind(Gpu, "flag")
+NVLINK_COUNTERS: Final[tuple[str, ...]] = fields_of_kind(NvLink, "counter")
+# The typed cumulative NIC fields (the rest is ``Nic.counters``).
+NIC_TYPED_COUNTERS: Final[tuple[str, ...]] = fields_of_kind(Nic, "counter")
+
+
+def _scalar_type(hint: Any) -> Any:
+    """The one scalar type of a field (``X | None`` is X); None for lists, maps and unions."""
+    union = typing.get_origin(hint) in (types.UnionType, typing.Union)
+    args = [a for a in (get_args(hint) if union else (hint,)) if a is not type(None) and a is not UnsetType]
+    if len(args) != 1:
+        return None
+    base = args[0]
+    if typing.get_origin(base) is Literal:
+        return str
+    return base if base in (bool, int, float, str) else None
+
+
+_KIND_TYPES: Final[Mapping[str, tuple[type, ...]]] = types.MappingProxyType(
+    {"counter": (int, float), "gauge": (int, float), "flag": (bool,), "label": (str, int)}
+)
+
+
+def _check_catalogue() -> None:
+    """Every scalar field of a catalogued struct has an entry of a kind its type can be, and no
+    entry names a field the struct lacks. Runs at import: a mismatch is a programming error."""
+    for struct, table in CATALOGUE.items():
+        hints = typing.get_type_hints(struct)
+        scalars = {name: t for name, hint in hints.items() if (t := _scalar_type(hint)) is not None}
+        missing, extra = scalars.keys() - table.keys(), table.keys() - scalars.keys()
+        if missing or extra:
+            raise TypeError(
+                f"{struct.__name__}: catalogue lacks {sorted(missing)}, names unknown {sorted(extra)}"
+            )
+        for name, info in table.items():
+            if scalars[name] not in _KIND_TYPES[info.kind]:
+                kind = scalars[name].__name__
+                raise TypeError(f"{struct.__name__}.{name}: a {kind} cannot be a {info.kind}")
+
+
+_check_catalogue()
+
+
+# -- NVML's clock event reasons ---------------------------------------------------------------------
+# The bits of ``Gpu.clock_event_reasons`` (nvmlClocksEventReason* in nvml.h), by the name the
+# rules, the metrics and the pool frame use. ``slowdown``: a reason that is never part of healthy
+# work (hardware slowdown, thermal, power brake), as opposed to idling, settings and the power cap
+# a busy GPU runs against by design.
+@dataclass(frozen=True, slots=True)
+class ClockEventReason:
+    bit: int
+    slowdown: bool
+
+
+CLOCK_EVENT_REASONS: Final[Mapping[str, ClockEventReason]] = types.MappingProxyType(
+    {
+        "gpu_idle": ClockEventReason(0x1, False),
+        "applications_clocks_setting": ClockEventReason(0x2, False),
+        "sw_power_cap": ClockEventReason(0x4, False),
+        "hw_slowdown": ClockEventReason(0x8, True),
+        "sync_boost": ClockEventReason(0x10, False),
+        "sw_thermal_slowdown": ClockEventReason(0x20, True),
+        "hw_thermal_slowdown": ClockEventReason(0x40, True),
+        "hw_power_brake_slowdown": ClockEventReason(0x80, True),
+        "display_clock_setting": ClockEventReason(0x100, False),
+    }
+)
+CLOCK_EVENT_BITS: Final[Mapping[str, int]] = types.MappingProxyType(
+    {name: reason.bit for name, reason in CLOCK_EVENT_REASONS.items()}
+)
+
+
 # -- The vocabulary of ``Nic.counters`` -------------------------------------------------------------
 # The counter names the agent puts in ``Nic.counters``, by where the kernel exposes them. One list
 # for the collectors, the rule vocabulary, the generators and the fixture builder. A driver counter
 # that is not here can still be named in a rule as "driver:NAME"; the list exists to catch typos.
+#
+# Each has a kind: error (zero on healthy hardware), traffic (grows with work), congestion (grows
+# with contention on a healthy fabric: waits, congestion notifications), link (the link going down
+# and up). ``bits``: the width of an IBTA PortCounters error counter, which stops at its maximum
+# (2**bits - 1) rather than wrapping, until someone clears it; None: 64 bits or driver-defined.
+NicCounterKind = Literal["error", "traffic", "congestion", "link"]
+
+
+@dataclass(frozen=True, slots=True)
+class NicCounter:
+    kind: NicCounterKind
+    bits: int | None = None
+
+    @property
+    def saturates_at(self) -> int | None:
+        return None if self.bits is None else 2**self.bits - 1
+
+
+_ERR: Final = NicCounter("error")
+_TRAFFIC: Final = NicCounter("traffic")
+_CONGESTION: Final = NicCounter("congestion")
+_LINK: Final = NicCounter("link")
+
 # IBTA PortCounters / PortCountersExtended (/sys/class/infiniband/*/ports/*/counters/).
-IBTA_PORT_COUNTERS: Final[tuple[str, ...]] = (
-    "symbol_error",
-    "link_error_recovery",
-    "link_downed",
-    "port_rcv_errors",
-    "port_rcv_remote_physical_errors",
-    "port_rcv_switch_relay_errors",
-    "port_xmit_discards",
-    "port_xmit_constraint_errors",
-    "port_rcv_constraint_errors",
-    "local_link_integrity_errors",
-    "excessive_buffer_overrun_errors",
-    "VL15_dropped",
-    "port_xmit_wait",
-    "port_rcv_discards",
-    "port_xmit_data",
-    "port_rcv_data",
-    "port_xmit_packets",
-    "port_rcv_packets",
-    "port_xmit_data_64",
-    "port_rcv_data_64",
-    "port_xmit_packets_64",
-    "port_rcv_packets_64",
-    "port_unicast_xmit_packets",
-    "port_unicast_rcv_packets",
-    "port_multicast_xmit_packets",
-    "port_multicast_rcv_packets",
-    "unicast_xmit_packets",
-    "unicast_rcv_packets",
-    "multicast_xmit_packets",
-    "multicast_rcv_packets",
+IBTA_COUNTERS: Final[Mapping[str, NicCounter]] = types.MappingProxyType(
+    {
+        "symbol_error": NicCounter("error", 16),
+        "link_error_recovery": NicCounter("link", 8),
+        "link_downed": NicCounter("link", 8),
+        "port_rcv_errors": NicCounter("error", 16),
+        "port_rcv_remote_physical_errors": NicCounter("error", 16),
+        "port_rcv_switch_relay_errors": NicCounter("error", 16),
+        "port_xmit_discards": NicCounter("error", 16),
+        "port_xmit_constraint_errors": NicCounter("error", 8),
+        "port_rcv_constraint_errors": NicCounter("error", 8),
+        "local_link_integrity_errors": NicCounter("error", 4),
+        "excessive_buffer_overrun_errors": NicCounter("error", 4),
+        "VL15_dropped": NicCounter("error", 16),
+        "port_xmit_wait": _CONGESTION,
+        "port_rcv_discards": _ERR,
+        "port_xmit_data": _TRAFFIC,
+        "port_rcv_data": _TRAFFIC,
+        "port_xmit_packets": _TRAFFIC,
+        "port_rcv_packets": _TRAFFIC,
+        "port_xmit_data_64": _TRAFFIC,
+        "port_rcv_data_64": _TRAFFIC,
+        "port_xmit_packets_64": _TRAFFIC,
+        "port_rcv_packets_64": _TRAFFIC,
+        "port_unicast_xmit_packets": _TRAFFIC,
+        "port_unicast_rcv_packets": _TRAFFIC,
+        "port_multicast_xmit_packets": _TRAFFIC,
+        "port_multicast_rcv_packets": _TRAFFIC,
+        "unicast_xmit_packets": _TRAFFIC,
+        "unicast_rcv_packets": _TRAFFIC,
+        "multicast_xmit_packets": _TRAFFIC,
+        "multicast_rcv_packets": _TRAFFIC,
+    }
 )
 # mlx5's per-port hw_counters/ (transport retries, errors, congestion).
-MLX5_HW_COUNTERS: Final[tuple[str, ...]] = (
-    "duplicate_request",
-    "implied_nak_seq_err",
-    "local_ack_timeout_err",
-    "out_of_buffer",
-    "out_of_sequence",
-    "packet_seq_err",
-    "req_cqe_error",
-    "req_cqe_flush_error",
-    "req_remote_access_errors",
-    "req_remote_invalid_request",
-    "req_transport_retries_exceeded",
-    "resp_cqe_error",
-    "resp_cqe_flush_error",
-    "resp_local_length_error",
-    "resp_remote_access_errors",
-    "rnr_nak_retry_err",
-    "roce_adp_retrans",
-    "roce_adp_retrans_to",
-    "roce_slow_restart",
-    "roce_slow_restart_cnps",
-    "roce_slow_restart_trans",
-    "rp_cnp_handled",
-    "rp_cnp_ignored",
-    "np_cnp_sent",
-    "np_ecn_marked_roce_packets",
-    "rx_atomic_requests",
-    "rx_dct_connect",
-    "rx_read_requests",
-    "rx_write_requests",
-    "rx_icrc_encapsulated",
+MLX5_COUNTERS: Final[Mapping[str, NicCounter]] = types.MappingProxyType(
+    {
+        "duplicate_request": _ERR,
+        "implied_nak_seq_err": _ERR,
+        "local_ack_timeout_err": _ERR,
+        "out_of_buffer": _ERR,
+        "out_of_sequence": _ERR,
+        "packet_seq_err": _ERR,
+        "req_cqe_error": _ERR,
+        "req_cqe_flush_error": _ERR,
+        "req_remote_access_errors": _ERR,
+        "req_remote_invalid_request": _ERR,
+        "req_transport_retries_exceeded": _ERR,
+        "resp_cqe_error": _ERR,
+        "resp_cqe_flush_error": _ERR,
+        "resp_local_length_error": _ERR,
+        "resp_remote_access_errors": _ERR,
+        "rnr_nak_retry_err": _ERR,
+        "roce_adp_retrans": _ERR,
+        "roce_adp_retrans_to": _ERR,
+        "roce_slow_restart": _CONGESTION,
+        "roce_slow_restart_cnps": _CONGESTION,
+        "roce_slow_restart_trans": _CONGESTION,
+        "rp_cnp_handled": _CONGESTION,
+        "rp_cnp_ignored": _CONGESTION,
+        "np_cnp_sent": _CONGESTION,
+        "np_ecn_marked_roce_packets": _CONGESTION,
+        "rx_atomic_requests": _TRAFFIC,
+        "rx_dct_connect": _TRAFFIC,
+        "rx_read_requests": _TRAFFIC,
+        "rx_write_requests": _TRAFFIC,
+        "rx_icrc_encapsulated": _ERR,
+    }
 )
 # The kernel's netdev statistics/ and carrier counts (/sys/class/net/*/).
-NETDEV_STATISTICS: Final[tuple[str, ...]] = (
-    "rx_bytes",
-    "tx_bytes",
-    "rx_packets",
-    "tx_packets",
-    "rx_errors",
-    "tx_errors",
-    "rx_dropped",
-    "tx_dropped",
-    "multicast",
-    "collisions",
-    "rx_length_errors",
-    "rx_over_errors",
-    "rx_crc_errors",
-    "rx_frame_errors",
-    "rx_fifo_errors",
-    "rx_missed_errors",
-    "tx_aborted_errors",
-    "tx_carrier_errors",
-    "tx_fifo_errors",
-    "tx_heartbeat_errors",
-    "tx_window_errors",
-    "rx_compressed",
-    "tx_compressed",
-    "rx_nohandler",
-    "carrier_changes",
-    "carrier_up_count",
-    "carrier_down_count",
+NETDEV_COUNTERS: Final[Mapping[str, NicCounter]] = types.MappingProxyType(
+    {
+        "rx_bytes": _TRAFFIC,
+        "tx_bytes": _TRAFFIC,
+        "rx_packets": _TRAFFIC,
+        "tx_packets": _TRAFFIC,
+        "rx_errors": _ERR,
+        "tx_errors": _ERR,
+        "rx_dropped": _ERR,
+        "tx_dropped": _ERR,
+        "multicast": _TRAFFIC,
+        "collisions": _ERR,
+        "rx_length_errors": _ERR,
+        "rx_over_errors": _ERR,
+        "rx_crc_errors": _ERR,
+        "rx_frame_errors": _ERR,
+        "rx_fifo_errors": _ERR,
+        "rx_missed_errors": _ERR,
+        "tx_aborted_errors": _ERR,
+        "tx_carrier_errors": _ERR,
+        "tx_fifo_errors": _ERR,
+        "tx_heartbeat_errors": _ERR,
+        "tx_window_errors": _ERR,
+        "rx_compressed": _TRAFFIC,
+        "tx_compressed": _TRAFFIC,
+        "rx_nohandler": _ERR,
+        "carrier_changes": _LINK,
+        "carrier_up_count": _LINK,
+        "carrier_down_count": _LINK,
+    }
 )
-NIC_COUNTER_NAMES: Final[frozenset[str]] = frozenset(
-    IBTA_PORT_COUNTERS + MLX5_HW_COUNTERS + NETDEV_STATISTICS
+IBTA_PORT_COUNTERS: Final[tuple[str, ...]] = tuple(IBTA_COUNTERS)
+MLX5_HW_COUNTERS: Final[tuple[str, ...]] = tuple(MLX5_COUNTERS)
+NETDEV_STATISTICS: Final[tuple[str, ...]] = tuple(NETDEV_COUNTERS)
+NIC_COUNTER_CATALOGUE: Final[Mapping[str, NicCounter]] = types.MappingProxyType(
+    {**IBTA_COUNTERS, **MLX5_COUNTERS, **NETDEV_COUNTERS}
 )
-# The typed cumulative NIC fields (the rest is ``Nic.counters``).
-NIC_TYPED_COUNTERS: Final[tuple[str, ...]] = (
-    "rx_bytes_total",
-    "tx_bytes_total",
-    "rx_packets_total",
-    "tx_packets_total",
+NIC_COUNTER_NAMES: Final[frozenset[str]] = frozenset(NIC_COUNTER_CATALOGUE)
+NIC_ERROR_COUNTERS: Final[frozenset[str]] = frozenset(
+    name for name, c in NIC_COUNTER_CATALOGUE.items() if c.kind == "error"
 )
+
+
+# -- Collector error codes of agents older than the code ----------------------------------------------
+# Agents before ``CollectorError.code`` said it in words only. These are the NVML collector's words
+# for the two codes anyone acts on, so that a fleet upgrading its agents one node at a time is
+# treated alike; the code always wins where it is set.
+_LEGACY_NVML_WORDS: Final[tuple[tuple[ErrorCode, str], ...]] = (
+    ("gpu_lost", "gpu is lost"),
+    ("no_handle", "no device handle"),
+)
+_LEGACY_GPU_RE: Final = re.compile(r"(?i)\bgpu\s*(\d+)\b")
+
+
+def error_code(error: CollectorError) -> ErrorCode | None:
+    """The error's code: its own, else what an older agent's NVML message says (or None)."""
+    if not isinstance(error.code, UnsetType):
+        return error.code
+    if error.collector == "nvml":
+        text = error.message.lower()
+        for code, words in _LEGACY_NVML_WORDS:
+            if words in text:
+                return code
+    return None
+
+
+def error_gpu(error: CollectorError) -> int | None:
+    """The GPU index an error is about: its own ``gpu``, else an older NVML message's "GPU n"."""
+    if not isinstance(error.gpu, UnsetType):
+        return error.gpu
+    if error.collector == "nvml" and error_code(error) is not None:
+        m = _LEGACY_GPU_RE.search(error.message)
+        if m is not None and int(m.group(1)) <= 63:
+            return int(m.group(1))
+    return None
+
+
+# -- The 64-bit bound, enforced on decode -----------------------------------------------------------
+# A plan per struct type, read off the annotations: which of its integer fields carry the bound,
+# which maps have bounded values, which fields are lists of structs (their plans, recursively).
+
+
+@dataclass(frozen=True)
+class _Plan:
+    ints: tuple[str, ...]
+    get_ints: Callable[[Any], tuple[Any, ...]]
+    maps: tuple[str, ...]
+    lists: tuple[tuple[str, _Plan], ...]
+
+
+def _bounded(hint: Any) -> bool:
+    return typing.get_origin(hint) is Annotated and any(
+        isinstance(m, Meta) and m.extra is not None and _U64_BOUND in m.extra for m in hint.__metadata__
+    )
+
+
+def _options(hint: Any) -> tuple[Any, ...]:
+    if typing.get_origin(hint) is Annotated:
+        return _options(get_args(hint)[0])
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        return tuple(itertools.chain.from_iterable(_options(a) for a in get_args(hint)))
+    return (hint,)
+
+
+def _annotated_options(hint: Any) -> tuple[Any, ...]:
+    """The union's members with their own ``Annotated`` metadata kept."""
+    if typing.get_origin(hint) in (types.UnionType, typing.Union):
+        return get_args(hint)
+    if typing.get_origin(hint) is Annotated and typing.get_origin(get_args(hint)[0]) in (
+        types.UnionType,
+        typing.Union,
+    ):
+        return get_args(get_args(hint)[0])
+    return (hint,)
+
+
+def _plan(struct: type[msgspec.Struct]) -> _Plan:
+    ints: list[str] = []
+    maps: list[str] = []
+    lists: list[tuple[str, _Plan]] = []
+    for name, hint in typing.get_type_hints(struct, include_extras=True).items():
+        members = _annotated_options(hint)
+        if any(_bounded(m) for m in members):
+            ints.append(name)
+            continue
+        for member in _options(hint):
+            origin, args = typing.get_origin(member), get_args(member)
+            if origin is dict and _bounded(args[1]):
+                maps.append(name)
+            elif origin is list and isinstance(args[0], type) and issubclass(args[0], msgspec.Struct):
+                lists.append((name, _plan(args[0])))
+    getter: Callable[[Any], tuple[Any, ...]]
+    if len(ints) > 1:
+        getter = operator.attrgetter(*ints)
+    elif ints:
+        one = ints[0]
+        getter = lambda obj: (getattr(obj, one),)  # noqa: E731
+    else:
+        getter = lambda obj: ()  # noqa: E731
+    return _Plan(tuple(ints), getter, tuple(maps), tuple(lists))
+
+
+_REPORT_PLAN: Final = _plan(Report)
+
+
+def _largest(plan: _Plan, items: list[Any]) -> int:
+    # Every step is a C loop: this runs on every report, over some 700 counters.
+    top = max(filter(None, itertools.chain.from_iterable(map(plan.get_ints, items))), default=0)
+    for name in plan.maps:
+        maps = filter(None, map(operator.attrgetter(name), items))  # UNSET and {} are false
+        top = max(top, max(itertools.chain.from_iterable(map(dict.values, maps)), default=0))
+    for name, child in plan.lists:
+        lists = filter(None, map(operator.attrgetter(name), items))  # UNSET and [] are false
+        children = list(itertools.chain.from_iterable(lists))
+        if children:
+            top = max(top, _largest(child, children))
+    return top
+
+
+def _oversized(plan: _Plan, obj: Any, path: str) -> Iterable[str]:
+    for name, value in zip(plan.ints, plan.get_ints(obj), strict=True):
+        if isinstance(value, int) and value > U64_MAX:
+            yield f"{path}.{name}"
+    for name in plan.maps:
+        for key, value in (getattr(obj, name) or {}).items():
+            if value > U64_MAX:
+                yield f"{path}.{name}.{key}"
+    for name, child in plan.lists:
+        items = getattr(obj, name)
+        for i, item in enumerate(items if isinstance(items, list) else ()):
+            yield from _oversized(child, item, f"{path}.{name}[{i}]")
+
+
+def _check_u64(report: Report) -> None:
+    if _largest(_REPORT_PLAN, [report]) <= U64_MAX:
+        return
+    where = next(iter(_oversized(_REPORT_PLAN, report, "$")))
+    # Worded as msgspec words its own constraints, so a reader cannot tell the two apart.
+    raise msgspec.ValidationError(f"Expected `int` <= {U64_MAX} - at `{where}`")
 
 
 _ENCODER = msgspec.json.Encoder()
@@ -282,7 +680,9 @@ def decode(data: bytes | str) -> Report:
     ``$.gpus[3].temperature_celsius``). JSON has no NaN or infinity, so they are refused here.
     """
     try:
-        return _DECODER.decode(data)
+        report = _DECODER.decode(data)
+        _check_u64(report)
+        return report
     except msgspec.ValidationError as exc:
         raise ReportError(f"report does not match {SCHEMA_ID}: {exc}") from exc
     except msgspec.DecodeError as exc:

@@ -24,7 +24,7 @@ from msgspec import UNSET
 
 from agent import __version__
 from agent.clock import Clock
-from agent.collectors.base import Collector
+from agent.collectors.base import Collector, Problem
 from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Nic, Probe, Report
 from agent.state import CollectorStatus, CycleResult
 
@@ -34,6 +34,17 @@ MAX_EVENTS: Final = 1024  # the schema's bound on events per report
 MAX_ERRORS: Final = 64  # the schema's bound on errors per report
 MAX_MESSAGE: Final = 1024
 MAX_PROBES: Final = 256  # the schema's bound on probes per report
+
+
+def _collector_error(collector: str, error: str | Problem) -> CollectorError:
+    if isinstance(error, str):
+        return CollectorError(collector=collector, message=error[:MAX_MESSAGE])
+    return CollectorError(
+        collector=collector,
+        message=error.message[:MAX_MESSAGE],
+        code=error.code,
+        gpu=UNSET if error.gpu is None else error.gpu,
+    )
 
 
 class ReportSink(Protocol):
@@ -119,9 +130,7 @@ class Agent:
             gpus.extend(out.gpus)
             nics.extend(out.nics)
             events.extend(out.events)
-            errors.extend(
-                CollectorError(collector=collector.name, message=m[:MAX_MESSAGE]) for m in out.errors
-            )
+            errors.extend(_collector_error(collector.name, e) for e in out.errors)
             statuses.append(CollectorStatus(collector.name, True, "", True, time.perf_counter() - start))
 
         if len(events) > MAX_EVENTS:

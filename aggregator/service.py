@@ -44,14 +44,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import math
 import operator
 import signal
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Final, Protocol
 
 import msgspec
@@ -61,7 +60,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from agent.clock import Clock
 from agent.errors import ReportError
-from agent.report import SCHEMA_ID, Event, Gpu, Nic, NvLink, Probe, Report, decode
+from agent.report import CATALOGUE, SCHEMA_ID, Gpu, Nic, Probe, Report, decode
 from aggregator.auth import (
     Authenticator,
     AuthError,
@@ -101,7 +100,6 @@ MAX_CLOCK_AHEAD_SECONDS: Final = 86_400.0
 # server must too (aiohttp_client(app, server_kwargs=SERVER_KWARGS)).
 SERVER_KWARGS: Final[dict[str, Any]] = {"auto_decompress": False}
 
-_UINT64_MAX: Final = (1 << 64) - 1
 _GZIP_MAGIC: Final = b"\x1f\x8b"
 _DEFAULT_DECISIONS_LIMIT: Final = 1000
 _MAX_DECISIONS_LIMIT: Final = 10_000
@@ -143,101 +141,31 @@ METRICS_KEY: Final = web.AppKey("metrics", Metrics)
 
 # -- plausibility ---------------------------------------------------------------------------------
 
-# (field, lowest, highest) of every float the schema leaves unbounded or a constructed report could
-# set to NaN. ``not lo <= v <= hi`` is also true for NaN, so one comparison refuses NaN and inf.
-_GPU_RANGES: Final = (
-    ("utilization_ratio", 0.0, 1.0),
-    ("temperature_celsius", -50.0, 200.0),
-    ("memory_temperature_celsius", -50.0, 200.0),
-    ("power_watts", 0.0, 10_000.0),
-    ("power_limit_watts", 0.0, 10_000.0),
-    ("energy_joules_total", 0.0, 1e15),  # a 10 kW GPU runs 3,000 years to get there
-    ("sm_clock_hz", 0.0, 1e11),
-    ("sm_clock_max_hz", 0.0, 1e11),
-    ("memory_clock_hz", 0.0, 1e11),
-)
-_RATE_MAX: Final = 1e13  # 80 Tb/s: ten times the fastest port there is
-_PROBE_RANGES: Final = (
-    ("busbw_bytes_per_second", 0.0, _RATE_MAX),
-    ("duration_seconds", 0.0, MAX_CLOCK_AHEAD_SECONDS),
-)
 
+# (field, lowest, highest) of every field the catalogue gives a physical range (agent/report.py),
+# per struct. ``not lo <= v <= hi`` is also true for NaN, so one comparison refuses NaN and inf.
+# The 64-bit bound of counters is in their type: ``decode`` refuses an oversized one already.
+class _Ranges:
+    """The ranged fields of one struct type, read all at once (``attrgetter`` works in C)."""
 
-def _unbounded_int_fields(struct: type[msgspec.Struct]) -> tuple[str, ...]:
-    """Integer fields with no upper bound in the schema: hardware counters are at most 64 bits,
-    and anything bigger would overflow the fleet history's fixed-width arrays."""
-    names = []
-    for field in msgspec.inspect.type_info(struct).fields:  # type: ignore[attr-defined]
-        types = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
-        if any(isinstance(t, msgspec.inspect.IntType) and t.le is None for t in types):
-            names.append(field.name)
-    return tuple(names)
-
-
-class _Fields:
-    """Named fields of one struct type, read all at once (``attrgetter`` works in C)."""
-
-    def __init__(self, names: tuple[str, ...]) -> None:
-        self.names = names
+    def __init__(self, struct: type[msgspec.Struct]) -> None:
+        self.bounds = tuple(
+            (name, info.plausible) for name, info in CATALOGUE[struct].items() if info.plausible is not None
+        )
+        names = tuple(name for name, _ in self.bounds)
         self.get: Callable[[Any], tuple[Any, ...]] = (
             operator.attrgetter(*names) if len(names) > 1 else lambda obj: (getattr(obj, names[0]),)
         )
 
-
-_INTS: Final[dict[type[msgspec.Struct], _Fields]] = {
-    t: _Fields(_unbounded_int_fields(t)) for t in (Report, Gpu, NvLink, Nic, Event, Probe)
-}
-_GPU_FLOATS: Final = _Fields(tuple(name for name, _, _ in _GPU_RANGES))
-
-
-def _largest(fields: _Fields, items: Iterable[Any]) -> int:
-    # Every step is a C loop: this runs on every report, over some 700 counters.
-    return max(filter(None, itertools.chain.from_iterable(map(fields.get, items))), default=0)
+    def check(self, errors: list[str], path: str, obj: msgspec.Struct) -> None:
+        for (name, (lo, hi)), value in zip(self.bounds, self.get(obj), strict=True):
+            if value is not None and not lo <= value <= hi:
+                errors.append(f"{path}.{name}: {value!r} is outside the plausible range {lo:g}..{hi:g}")
 
 
-def _has_huge_int(report: Report) -> bool:
-    gpus = report.gpus
-    links = itertools.chain.from_iterable(gpu.nvlink for gpu in gpus if gpu.nvlink)
-    counters = itertools.chain.from_iterable(nic.counters.values() for nic in report.nics if nic.counters)
-    return (
-        max(
-            _largest(_INTS[Report], (report,)),
-            _largest(_INTS[Gpu], gpus),
-            _largest(_INTS[NvLink], links),
-            _largest(_INTS[Nic], report.nics),
-            max(counters, default=0),
-            _largest(_INTS[Event], report.events or ()),
-            _largest(_INTS[Probe], report.probes or ()),
-        )
-        > _UINT64_MAX
-    )
-
-
-def _check_ints(errors: list[str], path: str, obj: msgspec.Struct) -> None:
-    fields = _INTS[type(obj)]
-    for name, value in zip(fields.names, fields.get(obj), strict=True):
-        if value is not None and value > _UINT64_MAX:
-            errors.append(f"{path}.{name}: {value} does not fit a 64-bit counter")
-
-
-def _huge_int_errors(report: Report) -> list[str]:
-    """Where the oversized integers are; only walked once ``_has_huge_int`` found one."""
-    errors: list[str] = []
-    _check_ints(errors, "$", report)
-    for i, gpu in enumerate(report.gpus):
-        _check_ints(errors, f"$.gpus[{i}]", gpu)
-        for j, link in enumerate(gpu.nvlink or ()):
-            _check_ints(errors, f"$.gpus[{i}].nvlink[{j}]", link)
-    for i, nic in enumerate(report.nics):
-        _check_ints(errors, f"$.nics[{i}]", nic)
-        for name, value in (nic.counters or {}).items():
-            if value > _UINT64_MAX:
-                errors.append(f"$.nics[{i}].counters.{name}: {value} does not fit a 64-bit counter")
-    for i, event in enumerate(report.events or ()):
-        _check_ints(errors, f"$.events[{i}]", event)
-    for i, probe in enumerate(report.probes or ()):
-        _check_ints(errors, f"$.probes[{i}]", probe)
-    return errors
+_GPU_RANGES: Final = _Ranges(Gpu)
+_NIC_RANGES: Final = _Ranges(Nic)
+_PROBE_RANGES: Final = _Ranges(Probe)
 
 
 def _check_range(
@@ -261,10 +189,11 @@ def plausibility_errors(report: Report, *, now: float | None = None) -> list[str
     """What in a schema-valid report cannot be true, one message per problem naming the field.
 
     Ranges are physical limits, generous on purpose: a hot GPU is evidence for the detectors, a
-    900 degree one is a broken sender. Counters must fit 64 bits. Times must be after 2020 and,
-    when ``now`` (the server's clock) is given, at most a day ahead of it; replay, which has no
-    server clock, passes None. GPU indices and UUIDs, NVLink numbers within a GPU and NIC ports
-    must be unique, or the node's history would mix two devices.
+    900 degree one is a broken sender; they are the field catalogue's (agent/report.py), and
+    counters fit 64 bits by their type. Times must be after 2020 and, when ``now`` (the server's
+    clock) is given, at most a day ahead of it; replay, which has no server clock, passes None.
+    GPU indices and UUIDs, NVLink numbers within a GPU and NIC ports must be unique, or
+    the node's history would mix two devices.
     """
     errors: list[str] = []
     latest = None if now is None else now + MAX_CLOCK_AHEAD_SECONDS
@@ -282,9 +211,7 @@ def plausibility_errors(report: Report, *, now: float | None = None) -> list[str
             errors.append(f"$.gpus[{i}].uuid: {gpu.uuid!r} appears twice")
         indices.add(gpu.index)
         uuids.add(gpu.uuid)
-        for (name, lo, hi), value in zip(_GPU_RANGES, _GPU_FLOATS.get(gpu), strict=True):
-            if value is not None and not lo <= value <= hi:
-                _check_range(errors, f"$.gpus[{i}]", name, value, (lo, hi))
+        _GPU_RANGES.check(errors, f"$.gpus[{i}]", gpu)
         if gpu.nvlink and len({link.link for link in gpu.nvlink}) != len(gpu.nvlink):
             links: set[int] = set()
             for j, link in enumerate(gpu.nvlink):
@@ -297,19 +224,13 @@ def plausibility_errors(report: Report, *, now: float | None = None) -> list[str
         if (nic.device, nic.port) in ports:
             errors.append(f"$.nics[{i}]: device {nic.device!r} port {nic.port} appears twice")
         ports.add((nic.device, nic.port))
-        _check_range(
-            errors, f"$.nics[{i}]", "rate_bytes_per_second", nic.rate_bytes_per_second, (0.0, _RATE_MAX)
-        )
+        _NIC_RANGES.check(errors, f"$.nics[{i}]", nic)
 
     for i, event in enumerate(report.events or ()):
         _check_time(errors, f"$.events[{i}].time", event.time, latest)
     for i, probe in enumerate(report.probes or ()):
         _check_time(errors, f"$.probes[{i}].time", probe.time, latest)
-        for name, lo, hi in _PROBE_RANGES:
-            _check_range(errors, f"$.probes[{i}]", name, getattr(probe, name), (lo, hi))
-
-    if _has_huge_int(report):
-        errors.extend(_huge_int_errors(report))
+        _PROBE_RANGES.check(errors, f"$.probes[{i}]", probe)
     return errors
 
 

@@ -1036,7 +1036,14 @@ class _NodeSim:
         for g in range(GPUS):
             state = self.gpus[g]
             if state.lost:
-                errors.append({"collector": "nvml", "message": f"GPU {g} ({node.uuids[g]}): GPU is lost"})
+                errors.append(
+                    {
+                        "collector": "nvml",
+                        "message": f"GPU {g} ({node.uuids[g]}): GPU is lost",
+                        "code": "gpu_lost",
+                        "gpu": g,
+                    }
+                )
                 continue
             gpus.append(self._gpu(g, moment))
         for f in active:

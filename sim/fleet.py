@@ -418,8 +418,14 @@ class _Node:
             shows |= seen
         probes, seen = self._probes(t, prev_t, busy, rel)
         shows |= seen
+        # As the NVML collector says it: words for a human, the code and the index for machines.
         errors = [
-            CollectorError(collector="nvml", message=f"GPU {g.index} ({g.uuid}, {g.pci_bus_id}): GPU is lost")
+            CollectorError(
+                collector="nvml",
+                message=f"GPU {g.index} ({g.uuid}, {g.pci_bus_id}): GPU is lost",
+                code="gpu_lost",
+                gpu=g.index,
+            )
             for g in self.gpus
             if g.lost
         ]

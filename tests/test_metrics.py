@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent import metrics as agent_metrics
 from agent.errors import ConfigError
 from agent.metrics import (
     PROBE_FORGET_SECONDS,
@@ -222,6 +223,22 @@ def test_exposition_matches_golden_file() -> None:
         GOLDEN.write_bytes(text)
         pytest.skip(f"rewrote {GOLDEN}: review its diff")
     assert text.decode() == GOLDEN.read_text(encoding="utf-8")
+
+
+def test_metric_types_follow_the_field_catalogue() -> None:
+    # Cumulative fields are Prometheus counters, the rest gauges; retired pages and remapped rows
+    # are the one documented exception (public gauge names, agent/metrics.py says why).
+    types = {fam.name: fam.type for fam in text_string_to_metric_families(_exposition(_snapshot()).decode())}
+    assert types["gpuwarden_gpu_energy_joules"] == "counter"
+    assert types["gpuwarden_gpu_ecc_errors"] == "counter"
+    assert types["gpuwarden_gpu_pcie_replay"] == "counter"
+    assert types["gpuwarden_gpu_nvlink_errors"] == "counter"
+    assert types["gpuwarden_nic_receive_bytes"] == "counter"
+    assert types["gpuwarden_gpu_temperature_celsius"] == "gauge"
+    assert types["gpuwarden_gpu_pcie_link_width"] == "gauge"
+    assert types["gpuwarden_gpu_remapped_rows_failure"] == "gauge"
+    assert types["gpuwarden_gpu_retired_pages"] == "gauge"
+    assert types["gpuwarden_gpu_remapped_rows"] == "gauge"
 
 
 def test_promtool_finds_nothing_to_lint() -> None:
@@ -510,3 +527,10 @@ def test_serve_refuses_an_address_it_cannot_use() -> None:
             serve("127.0.0.1", first.port, registry)
     finally:
         first.shutdown()
+
+
+def test_a_catalogued_field_without_a_metric_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    families = tuple(f for f in agent_metrics._GPU_FAMILIES if f.name != "gpuwarden_gpu_power_watts")
+    monkeypatch.setattr(agent_metrics, "_GPU_FAMILIES", families)
+    with pytest.raises(TypeError, match="power_watts"):
+        agent_metrics._check_families()

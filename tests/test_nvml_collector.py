@@ -13,13 +13,21 @@ import pytest
 from msgspec import UNSET
 
 from agent.clock import FakeClock
-from agent.collectors.base import Collected, CollectorContext
+from agent.collectors.base import Collected, CollectorContext, Problem
 from agent.collectors.nvml import NvmlCollector
 from agent.gpu.fake import FakeNvml
 from agent.gpu.session import NvmlSession
 from agent.report import SCHEMA_ID, Gpu, Report, encode, json_schema
+from agent.runner import Agent
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gpus"
+
+
+def problems(collected: Collected) -> list[Problem]:
+    """The NVML collector's errors: every one carries a code."""
+    out = [e for e in collected.errors if isinstance(e, Problem)]
+    assert len(out) == len(collected.errors), collected.errors
+    return out
 
 
 def collector_for(fake: FakeNvml, clock: FakeClock | None = None) -> NvmlCollector:
@@ -183,7 +191,8 @@ def test_one_failing_call_keeps_the_rest_of_the_gpu() -> None:
     assert g.nvlink is not UNSET and g.nvlink[2].crc_flit_errors_total is None
     assert g.nvlink[2].crc_data_errors_total == 0
     assert len(collected.errors) == 1
-    (error,) = collected.errors
+    ((error, code, gpu),) = [(e.message, e.code, e.gpu) for e in problems(collected)]
+    assert (code, gpu) == ("unreadable", 4)
     assert error.startswith(f"GPU 4 ({fake.value(4, 'uuid')}, 00000000:9A:00.0): 3 unreadable:")
     assert "power: Unknown Error" in error and "ECC DBE volatile: Insufficient Permissions" in error
     assert "nvlink 2 crc flit" in error
@@ -197,7 +206,10 @@ def test_lost_gpu_is_left_out_with_an_error_naming_it_and_the_others_go_out() ->
     collected = collector.collect()
     validate(collected)
     assert sorted(by_index(collected)) == [0, 1, 2, 3, 4, 6, 7]
-    assert collected.errors == (f"GPU 5 ({fake.value(5, 'uuid')}, 00000000:AB:00.0): GPU is lost",)
+    # The words for a human, the code and the index for the aggregator's rules and scheduler.
+    assert collected.errors == (
+        Problem(f"GPU 5 ({fake.value(5, 'uuid')}, 00000000:AB:00.0): GPU is lost", "gpu_lost", 5),
+    )
     # Still lost next cycle: still said.
     assert collector.collect().errors == collected.errors
 
@@ -206,7 +218,7 @@ def test_gpu_lost_before_the_first_cycle() -> None:
     collected = collector_for(FakeNvml.from_file(FIXTURES / "gpu_lost.json")).collect()
     validate(collected)
     assert 5 not in by_index(collected) and len(collected.gpus) == 7
-    assert collected.errors == ("GPU 5: GPU is lost",)
+    assert collected.errors == (Problem("GPU 5: GPU is lost", "gpu_lost", 5),)
 
 
 def test_gpu_lost_in_the_middle_of_a_read() -> None:
@@ -217,7 +229,8 @@ def test_gpu_lost_in_the_middle_of_a_read() -> None:
     fake.update(1, {"pcie_replay": {"error": "GPU_IS_LOST"}})
     collected = collector.collect()
     assert 1 not in by_index(collected) and len(collected.gpus) == 7
-    assert collected.errors[0].endswith("GPU is lost")
+    (lost,) = problems(collected)
+    assert lost.message.endswith("GPU is lost") and (lost.code, lost.gpu) == ("gpu_lost", 1)
 
 
 def test_init_failure_reports_an_error_and_retries_on_the_clock() -> None:
@@ -226,7 +239,9 @@ def test_init_failure_reports_an_error_and_retries_on_the_clock() -> None:
     collector = collector_for(fake, clock)
     assert collector.supported().supported
     first = collector.collect()
-    assert first.gpus == () and first.errors == ("NVML init failed: Driver Not Loaded",)
+    assert first.gpus == () and first.errors == (
+        Problem("NVML init failed: Driver Not Loaded", "init_failed"),
+    )
     clock.advance(30)
     assert collector.collect().errors == first.errors
     assert fake.init_calls == 1  # not retried every cycle
@@ -336,5 +351,16 @@ def test_long_error_lists_fit_the_schema() -> None:
         }
     )
     collected = collector_for(fake).collect()
-    (error,) = collected.errors
-    assert len(error) <= 1024 and error.endswith("...")
+    (problem,) = problems(collected)
+    assert len(problem.message) <= 1024 and problem.message.endswith("...")
+
+
+def test_a_lost_gpu_goes_on_the_wire_with_its_code_and_index() -> None:
+    fake = FakeNvml.from_dict({})
+    fake.update(5, {"lost": True})
+    agent = Agent(node="gpu-0001", collectors=[collector_for(fake)], clock=FakeClock(), boot_id="b0")
+    wire: dict[str, Any] = json.loads(encode(agent.cycle().report))
+    jsonschema.validate(wire, json_schema())
+    (error,) = wire["errors"]
+    assert (error["collector"], error["code"], error["gpu"]) == ("nvml", "gpu_lost", 5)
+    assert error["message"] == "GPU 5: GPU is lost"  # the words stay, for a human

@@ -122,6 +122,7 @@ def test_lost_gpu_disappears_and_is_named_in_errors(trace: tuple[Reports, Truth]
         assert f.gpu not in {g["index"] for g in r["gpus"]} and len(r["gpus"]) == 7
         assert [e["collector"] for e in r["errors"]] == ["nvml"]
         assert f"GPU {f.gpu} " in r["errors"][0]["message"]
+        assert (r["errors"][0]["code"], r["errors"][0]["gpu"]) == ("gpu_lost", f.gpu)
 
 
 def test_hard_faults_show_in_the_counters_and_states(trace: tuple[Reports, Truth]) -> None:

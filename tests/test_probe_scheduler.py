@@ -584,11 +584,22 @@ def test_report_is_idle() -> None:
     assert not report_is_idle(_report([_gpu(0, None, 0)]), cfg)  # unknown is busy
     # A GPU that fell off the bus is left out of the report and named in its errors: the node's
     # GPUs are not all accounted for, so nothing vouches that it is idle.
+    # The error's code says so (the words are for a human: reworded, they still count).
     lost = msgspec.structs.replace(
         _report([_gpu(0, 0.0, 0)]),
-        errors=[CollectorError(collector="nvml", message="GPU 1 (GPU-x, 00000000:1B:00.0): GPU is lost")],
+        errors=[CollectorError(collector="nvml", message="GPU 1 fell off the bus", code="gpu_lost", gpu=1)],
     )
     assert not report_is_idle(lost, cfg)
+    coded_handle = msgspec.structs.replace(
+        lost, errors=[CollectorError(collector="nvml", message="GPU 1: ?", code="no_handle", gpu=1)]
+    )
+    assert not report_is_idle(coded_handle, cfg)
+    # An agent older than the code said it in words only.
+    old_agent = msgspec.structs.replace(
+        lost,
+        errors=[CollectorError(collector="nvml", message="GPU 1 (GPU-x, 00000000:1B:00.0): GPU is lost")],
+    )
+    assert not report_is_idle(old_agent, cfg)
     no_handle = msgspec.structs.replace(
         lost, errors=[CollectorError(collector="nvml", message="GPU 1: no device handle: Unknown Error")]
     )
@@ -601,6 +612,8 @@ def test_report_is_idle() -> None:
     ):
         other = msgspec.structs.replace(lost, errors=[CollectorError(collector=collector, message=message)])
         assert report_is_idle(other, cfg)
+    unreadable = CollectorError(collector="nvml", message="GPU 0: 1 unreadable", code="unreadable", gpu=0)
+    assert report_is_idle(msgspec.structs.replace(lost, errors=[unreadable]), cfg)
 
 
 def test_silent_or_non_polling_nodes_get_no_partner() -> None:

@@ -177,6 +177,17 @@ CASES = {
     "error missing message": _set("errors.0.message", _DELETE),
     "error message too long": _set("errors.0.message", "m" * 1025),
     "boot_id too long": _set("boot_id", "b" * 65),
+    "counter of 64 bits": _set("gpus.0.ecc_dbe_volatile_total", 2**64 - 1),
+    "counter over 64 bits": _set("gpus.0.ecc_dbe_volatile_total", 2**64),
+    "nvlink counter over 64 bits": _set("gpus.0.nvlink.0.crc_flit_errors_total", 2**70),
+    "nic counter over 64 bits": _set("nics.0.counters.symbol_error", 2**64),
+    "seq over 64 bits": _set("seq", 2**64),
+    "error with a code": _set(
+        "errors.0", {"collector": "nvml", "message": "m", "code": "gpu_lost", "gpu": 3}
+    ),
+    "error with an unknown code": _set("errors.0", {"collector": "nvml", "message": "m", "code": "on_fire"}),
+    "error with a null code": _set("errors.0", {"collector": "nvml", "message": "m", "code": None}),
+    "error gpu 64": _set("errors.0", {"collector": "nvml", "message": "m", "gpu": 64}),
 }
 
 
@@ -191,7 +202,17 @@ def test_jsonschema_and_msgspec_accept_the_same_documents(name: str) -> None:
     except ReportError:
         types_ok = False
     assert schema_ok == types_ok, f"{name}: jsonschema says {schema_ok}, msgspec says {types_ok}"
-    assert schema_ok == (name in {"valid", "gpu null temperature", "event null code", "nic null port"})
+    assert schema_ok == (
+        name
+        in {
+            "valid",
+            "gpu null temperature",
+            "event null code",
+            "nic null port",
+            "counter of 64 bits",
+            "error with a code",
+        }
+    )
 
 
 def test_encode_round_trips_and_validates() -> None:
@@ -219,3 +240,51 @@ def test_decode_error_names_the_field() -> None:
     doc["gpus"][0]["temperature_celsius"] = "hot"
     with pytest.raises(ReportError, match=r"\$\.gpus\[0\]\.temperature_celsius"):
         report.decode(json.dumps(doc))
+
+
+def test_an_oversized_counter_is_refused_naming_its_path() -> None:
+    doc = _valid()
+    doc["nics"][0]["counters"]["symbol_error"] = 2**70
+    with pytest.raises(
+        ReportError, match=r"<= 18446744073709551615 - at `\$\.nics\[0\]\.counters\.symbol_error`"
+    ):
+        report.decode(json.dumps(doc))
+
+
+def test_every_measured_field_is_in_the_catalogue() -> None:
+    # The import-time check, seen from outside: every scalar field of a measured struct has an
+    # entry, and the kinds split the GPU fields the way the history and the rules need them.
+    assert set(report.GPU_CATALOGUE) == {
+        f.name for f in msgspec.structs.fields(report.Gpu) if f.name != "nvlink"
+    }
+    assert "retired_pages_sbe" in report.GPU_COUNTERS and "remapped_rows_uncorrectable" in report.GPU_COUNTERS
+    assert "pcie_link_width" in report.GPU_GAUGES and "remapped_rows_failure" in report.GPU_FLAGS
+    assert report.NIC_TYPED_COUNTERS == (
+        "rx_bytes_total",
+        "tx_bytes_total",
+        "rx_packets_total",
+        "tx_packets_total",
+    )
+
+
+def test_an_old_agents_nvml_error_reads_as_its_code() -> None:
+    old = report.CollectorError(collector="nvml", message="GPU 5 (GPU-x, 00000000:AB:00.0): GPU is lost")
+    assert (report.error_code(old), report.error_gpu(old)) == ("gpu_lost", 5)
+    handle = report.CollectorError(collector="nvml", message="GPU 2: no device handle: Unknown Error")
+    assert (report.error_code(handle), report.error_gpu(handle)) == ("no_handle", 2)
+    other = report.CollectorError(collector="nvml", message="GPU 3: 1 unreadable: power: Timeout")
+    assert (report.error_code(other), report.error_gpu(other)) == (None, None)
+    # The code wins where it is set, whatever the words say.
+    typed = report.CollectorError(collector="nvml", message="GPU 1: GPU is lost", code="unreadable", gpu=1)
+    assert (report.error_code(typed), report.error_gpu(typed)) == ("unreadable", 1)
+
+
+def test_a_field_without_a_catalogue_entry_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = dict(report.GPU_CATALOGUE)
+    del gpu["power_watts"]
+    monkeypatch.setattr(report, "CATALOGUE", {**report.CATALOGUE, report.Gpu: gpu})
+    with pytest.raises(TypeError, match="power_watts"):
+        report._check_catalogue()
+    gpu["power_watts"] = report.FieldInfo("flag")  # a float cannot be a flag
+    with pytest.raises(TypeError, match="power_watts"):
+        report._check_catalogue()

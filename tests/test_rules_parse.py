@@ -288,6 +288,18 @@ BAD: list[tuple[str, str, str | None, str]] = [
         "only named group",
     ),
     (
+        "error rule without code or match",
+        f"name: r1\n    kind: error\n    collector: nvml\n    {BASE}",
+        "code",
+        "required",
+    ),
+    (
+        "unknown error code",
+        f"name: r1\n    kind: error\n    code: gpu_lots\n    {BASE}",
+        "code",
+        "did you mean 'gpu_lost'",
+    ),
+    (
         "bad severity",
         "name: r1\n    kind: gpu_missing\n    severity: fatal\n    action: alert",
         "severity",

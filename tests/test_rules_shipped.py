@@ -127,8 +127,10 @@ def nic_series(
     return series(count, lambda i, r: edit_nic(r, device, **fields(i)), every=every)
 
 
-def with_errors(*messages: str) -> Build:
-    errors = [CollectorError(collector="nvml", message=m) for m in messages]
+def with_errors(*messages: str | CollectorError) -> Build:
+    errors = [
+        m if isinstance(m, CollectorError) else CollectorError(collector="nvml", message=m) for m in messages
+    ]
     return series(4, lambda i, r: msgspec.structs.replace(r, errors=errors) if i == 3 else r)
 
 
@@ -204,10 +206,25 @@ SCENARIOS: dict[str, Scenario] = {
         },
     ),
     "gpu-lost": Scenario(
-        # Worded as agent/collectors/nvml.py writes it.
-        fires=with_errors("GPU 3 (GPU-00000003-1111-2222-3333-444455556666, 00000000:1B:00.0): GPU is lost"),
+        # As agent/collectors/nvml.py says it: the rule reads the code and the index, not the words.
+        fires=with_errors(
+            CollectorError(collector="nvml", message="GPU 3 fell off the bus", code="gpu_lost", gpu=3)
+        ),
         key="gpu-lost:gpu3",
-        lookalikes={"another NVML error": with_errors("GPU 3: power usage: Timeout", "GPU 4: Not Supported")},
+        lookalikes={
+            "another NVML error": with_errors(
+                CollectorError(
+                    collector="nvml", message="GPU 3: 1 unreadable: power: Timeout", code="unreadable", gpu=3
+                ),
+                "GPU 4: Not Supported",
+            ),
+            "words that mention a lost GPU, another code": with_errors(
+                CollectorError(collector="nvml", message="GPU 3: GPU is lost?", code="unreadable", gpu=3)
+            ),
+            "another collector": with_errors(
+                CollectorError(collector="infiniband", message="mlx5_0: GPU is lost", code="gpu_lost")
+            ),
+        },
     ),
     "gpu-ecc-uncorrectable": Scenario(
         fires=gpu_series(4, 3, lambda i: {"ecc_dbe_volatile_total": 2 if i == 2 else 0}),
@@ -513,6 +530,12 @@ def healthy_fleet_day() -> list[Report]:
         return report(t, seq=i, boot_id=boot, gpus=gpus, nics=nics, events=events)
 
     return timeline(80, make, every=30.0)
+
+
+def test_gpu_lost_as_an_agent_older_than_the_code_words_it() -> None:
+    # A fleet part-way through an agent upgrade: the old words still read as the code.
+    reports = with_errors("GPU 3 (GPU-00000003-1111-2222-3333-444455556666, 00000000:1B:00.0): GPU is lost")()
+    assert keys(final(engine_for("gpu-lost"), reports)) == ["gpu-lost:gpu3"]
 
 
 def test_healthy_node_raises_nothing_but_the_application_xid_record() -> None:

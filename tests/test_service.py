@@ -489,13 +489,22 @@ REFUSALS: list[tuple[str, bytes, dict[str, str | None], int, str, str]] = [
         "implausible_value",
         "rate_bytes_per_second",
     ),
+    # Counters are 64-bit by their type (agent/report.py): the schema refuses a wider one.
     (
         "2**70 counter",
         _mutated("nics.1.counters.symbol_error", 1 << 70),
         {},
         422,
-        "implausible_value",
+        "schema_violation",
         "$.nics[1].counters.symbol_error",
+    ),
+    (
+        "2**64 counter",
+        _mutated("gpus.4.nvlink.3.replay_errors_total", 1 << 64),
+        {},
+        422,
+        "schema_violation",
+        "$.gpus[4].nvlink[3].replay_errors_total",
     ),
 ]
 
@@ -679,11 +688,6 @@ def test_a_real_report_is_plausible() -> None:
         (lambda d: d["gpus"][0].update(sm_clock_hz=5e12), "sm_clock_hz"),
         (lambda d: d["gpus"][0].update(energy_joules_total=-5.0), "energy_joules_total"),
         (lambda d: d["nics"][2].update(rate_bytes_per_second=2e13), "$.nics[2].rate_bytes_per_second"),
-        (lambda d: d["nics"][2].update(rx_bytes_total=1 << 64), "$.nics[2].rx_bytes_total"),
-        (
-            lambda d: d["gpus"][4]["nvlink"][3].update(replay_errors_total=1 << 65),
-            "nvlink[3].replay_errors_total",
-        ),
         (lambda d: d.update(time=EARLIEST_PLAUSIBLE_TIME - 1), "$.time"),
         (lambda d: d.update(interval_seconds=7 * 86400.0), "$.interval_seconds"),
         (lambda d: d["events"][0].update(time=NOW + 3 * 86400), "$.events[0].time"),

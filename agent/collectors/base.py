@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from agent.clock import Clock, SystemClock
-from agent.report import Event, Gpu, Nic
+from agent.report import ErrorCode, Event, Gpu, Nic
 
 if TYPE_CHECKING:
     from agent.gpu.session import NvmlSession
@@ -30,11 +30,20 @@ class Support:
 
 
 @dataclass(frozen=True)
+class Problem:
+    """A collector error a machine can act on: the report's ``CollectorError`` code and GPU."""
+
+    message: str
+    code: ErrorCode
+    gpu: int | None = None
+
+
+@dataclass(frozen=True)
 class Collected:
     gpus: tuple[Gpu, ...] = ()
     nics: tuple[Nic, ...] = ()
     events: tuple[Event, ...] = ()
-    errors: tuple[str, ...] = ()
+    errors: tuple[str | Problem, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ with its own call, so one call that fails costs that field only:
   it is what the hardware is, not a fault (H100 has no retired pages, it remaps rows).
 - any other error is ``null`` too, and the GPU's failed reads are listed in one ``errors`` entry.
 - GPU_IS_LOST on any call means the GPU fell off the bus: the GPU is left out of ``gpus`` and
-  ``errors`` says "GPU 3 (GPU-..., 00000000:5D:00.0): GPU is lost". Left out rather than sent with
+  ``errors`` says "GPU 3 (GPU-..., 00000000:5D:00.0): GPU is lost" with code ``gpu_lost`` and
+  ``gpu`` 3 (every error here carries a code: ``agent.report.ErrorCode``). Left out rather than sent with
   every field null, because a GPU with every field null reads like a GPU without sensors, while a
   GPU missing from the report is exactly what the aggregator's "GPU disappeared" rule looks for;
   the error carries the identity remembered from earlier cycles so a human knows which board.
@@ -27,7 +28,7 @@ from typing import Final, ParamSpec, TypeVar
 
 from msgspec import UNSET, UnsetType
 
-from agent.collectors.base import Collected, CollectorContext, Support
+from agent.collectors.base import Collected, CollectorContext, Problem, Support
 from agent.gpu.api import (
     AGGREGATE_ECC,
     CLOCK_MEM,
@@ -160,12 +161,14 @@ class NvmlCollector:
         if session is None:
             return Collected()
         if not session.ensure_init():
-            return Collected(errors=(f"NVML init failed: {session.init_error or 'not initialized'}",))
+            message = f"NVML init failed: {session.init_error or 'not initialized'}"
+            return Collected(errors=(Problem(message, "init_failed"),))
         gpus: list[Gpu] = []
-        errors: list[str] = []
+        errors: list[Problem] = []
         count = session.device_count
         if count > MAX_GPUS:
-            errors.append(f"{count} GPUs; the report holds {MAX_GPUS}, the rest are not reported")
+            message = f"{count} GPUs; the report holds {MAX_GPUS}, the rest are not reported"
+            errors.append(Problem(message, "too_many_gpus"))
             count = MAX_GPUS
         for index in range(count):
             gpu, error = self._collect_gpu(session, index)
@@ -180,13 +183,15 @@ class NvmlCollector:
         identity = static.identity() if static is not None else ""
         return f"GPU {index} ({identity})" if identity else f"GPU {index}"
 
-    def _collect_gpu(self, session: NvmlSession, index: int) -> tuple[Gpu | None, str | None]:
+    def _collect_gpu(self, session: NvmlSession, index: int) -> tuple[Gpu | None, Problem | None]:
         try:
             handle = session.handle(index)
         except NVMLError as exc:
             if error_code(exc) == ERROR_GPU_IS_LOST:
                 return None, self._mark_lost(index)
-            return None, f"{self._name(index)}: no device handle: {error_text(exc)}"
+            return None, Problem(
+                f"{self._name(index)}: no device handle: {error_text(exc)}", "no_handle", index
+            )
         try:
             gpu, problems = self._read_gpu(session.api, index, handle)
         except _GpuLost:
@@ -199,10 +204,10 @@ class NvmlCollector:
         message = f"{self._name(index)}: {len(problems)} unreadable: {'; '.join(problems)}"
         if len(message) > MAX_ERROR_CHARS:
             message = message[: MAX_ERROR_CHARS - 3] + "..."
-        return gpu, message
+        return gpu, Problem(message, "unreadable", index)
 
-    def _mark_lost(self, index: int) -> str:
-        message = f"{self._name(index)}: GPU is lost"
+    def _mark_lost(self, index: int) -> Problem:
+        problem = Problem(f"{self._name(index)}: GPU is lost", "gpu_lost", index)
         if index not in self._lost:
             self._lost.add(index)
             static = self._static.get(index)
@@ -214,7 +219,7 @@ class NvmlCollector:
                     "pci_bus_id": static.pci_bus_id if static else None,
                 },
             )
-        return message
+        return problem
 
     def _static_info(self, api: NvmlApi, index: int, handle: DeviceHandle, r: _Reader) -> _Static:
         key = handle_key(handle)

@@ -50,7 +50,7 @@ from sklearn.ensemble import IsolationForest  # type: ignore[import-untyped]  # 
 
 from aggregator.detect.load import settled
 from aggregator.detect.peers import MAD_SCALE, nanmedian
-from aggregator.fleet.frame import GPU_COLUMN, FleetFrames, PoolFrame
+from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, FleetFrames, PoolFrame
 from aggregator.model import Finding
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ FEATURES: Final[tuple[ForestFeature, ...]] = (
     ForestFeature(
         "slowdown",
         "slowdown share",
-        ("hw_slowdown", "hw_thermal", "power_brake", "sw_thermal"),
+        SLOWDOWN_COLUMNS,
         "any",
         "mean",
         0.05,

@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aggregator.detect.cusum import cusum
-from aggregator.fleet.frame import GPU_COLUMN, FleetFrames, PoolFrame
+from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, FleetFrames, PoolFrame
 from aggregator.model import Action, Finding
 
 log = logging.getLogger(__name__)
@@ -103,14 +103,15 @@ FEATURES: Final[tuple[PeerFeature, ...]] = (
     # bandwidth: floor 0.05 makes that 4-5 MADs, k = 1 lets a one-slot lag after a job starts
     # (the link retrains as the load arrives) drain away.
     PeerFeature("pcie-gen", "PCIe generation", ("pcie_link_gen_ratio",), "low", 0.05, 1.0, 3.0, "of max", 2),
-    # Hardware slowdown, HW thermal, power brake and SW thermal are never part of healthy work:
+    # Hardware slowdown, HW thermal, power brake and SW thermal (SLOWDOWN_COLUMNS, the reasons
+    # agent/report.py marks as slowdowns) are never part of healthy work:
     # a 0/1 per slot whose pool median is 0. Floor 0.25 makes one throttled slot 4 MADs, k = 1
     # drains one per calm slot, so the statistic climbs when the GPU is throttled more than a
     # quarter of the time; z_quarantine = 2 is throttled at least half the time during the run.
     PeerFeature(
         "slowdown",
         "slowdown share",
-        ("hw_slowdown", "hw_thermal", "power_brake", "sw_thermal"),
+        SLOWDOWN_COLUMNS,
         "high",
         0.25,
         1.0,

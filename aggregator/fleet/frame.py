@@ -42,15 +42,23 @@ import logging
 import math
 import types
 from collections.abc import Callable, Mapping
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
 
 from agent.errors import ConfigError
-from agent.report import Gpu, Nic
+from agent.report import (
+    CATALOGUE,
+    CLOCK_EVENT_REASONS,
+    NIC_COUNTER_NAMES,
+    NIC_TYPED_COUNTERS,
+    Gpu,
+    Nic,
+    NvLink,
+)
 from aggregator.config import FleetConfig
-from aggregator.fleet.history import NIC_TYPED_COUNTERS, HistoryView
+from aggregator.fleet.history import HistoryView
 from aggregator.fleet.pools import Placement
 from aggregator.fleet.view import NodeView
 
@@ -77,7 +85,27 @@ def _ratio(num: float | None, den: float | None) -> float:
     return num / den
 
 
-def _bit(mask: int) -> Callable[[Gpu], float]:
+def _gauge(struct: type[Gpu] | type[Nic], name: str) -> str:
+    """``name``, after checking the catalogue (agent/report.py) calls it a gauge of ``struct``."""
+    info = CATALOGUE[struct].get(name)
+    if info is None or info.kind != "gauge":
+        raise TypeError(f"frame column reads {struct.__name__}.{name}, which is not a gauge")
+    return name
+
+
+def _value(struct: type[Gpu] | type[Nic], name: str) -> Callable[[Any], float]:
+    field = _gauge(struct, name)
+    return lambda obj: _f(getattr(obj, field))
+
+
+def _share(num: str, den: str) -> Callable[[Gpu], float]:
+    n, d = _gauge(Gpu, num), _gauge(Gpu, den)
+    return lambda g: _ratio(getattr(g, n), getattr(g, d))
+
+
+def _bit(reason: str) -> Callable[[Gpu], float]:
+    mask = CLOCK_EVENT_REASONS[reason].bit
+
     def flag(g: Gpu) -> float:
         r = g.clock_event_reasons
         return _NAN if r is None else float(bool(r & mask))
@@ -85,21 +113,35 @@ def _bit(mask: int) -> Callable[[Gpu], float]:
     return flag
 
 
-# (column, value from the GPU of the latest report); NVML's nvmlClocksEventReason* bits as 0/1.
+# Clock event reasons as 0/1 columns: (column, the reason's name in CLOCK_EVENT_REASONS). The
+# columns keep their short names; which reasons are slowdowns is the catalogue's to say.
+_REASON_COLUMNS: Final[tuple[tuple[str, str], ...]] = (
+    ("sw_power_cap", "sw_power_cap"),
+    ("hw_slowdown", "hw_slowdown"),
+    ("sw_thermal", "sw_thermal_slowdown"),
+    ("hw_thermal", "hw_thermal_slowdown"),
+    ("power_brake", "hw_power_brake_slowdown"),
+)
+# The columns of the reasons that are never part of healthy work, for the detectors.
+SLOWDOWN_COLUMNS: Final[tuple[str, ...]] = tuple(
+    column for column, reason in _REASON_COLUMNS if CLOCK_EVENT_REASONS[reason].slowdown
+)
+if {reason for _, reason in _REASON_COLUMNS if CLOCK_EVENT_REASONS[reason].slowdown} != {
+    name for name, reason in CLOCK_EVENT_REASONS.items() if reason.slowdown
+}:
+    raise TypeError("every slowdown reason of CLOCK_EVENT_REASONS needs a frame column")
+
+# (column, value from the GPU of the latest report).
 _GPU_GAUGES: Final[tuple[tuple[str, Callable[[Gpu], float]], ...]] = (
-    ("utilization_ratio", lambda g: _f(g.utilization_ratio)),
-    ("sm_clock_ratio", lambda g: _ratio(g.sm_clock_hz, g.sm_clock_max_hz)),
-    ("temperature_celsius", lambda g: _f(g.temperature_celsius)),
-    ("memory_temperature_celsius", lambda g: _f(g.memory_temperature_celsius)),
-    ("power_watts", lambda g: _f(g.power_watts)),
-    ("power_limit_watts", lambda g: _f(g.power_limit_watts)),
-    ("sw_power_cap", _bit(0x4)),
-    ("hw_slowdown", _bit(0x8)),
-    ("sw_thermal", _bit(0x20)),
-    ("hw_thermal", _bit(0x40)),
-    ("power_brake", _bit(0x80)),
-    ("pcie_link_width_ratio", lambda g: _ratio(g.pcie_link_width, g.pcie_link_width_max)),
-    ("pcie_link_gen_ratio", lambda g: _ratio(g.pcie_link_gen, g.pcie_link_gen_max)),
+    ("utilization_ratio", _value(Gpu, "utilization_ratio")),
+    ("sm_clock_ratio", _share("sm_clock_hz", "sm_clock_max_hz")),
+    ("temperature_celsius", _value(Gpu, "temperature_celsius")),
+    ("memory_temperature_celsius", _value(Gpu, "memory_temperature_celsius")),
+    ("power_watts", _value(Gpu, "power_watts")),
+    ("power_limit_watts", _value(Gpu, "power_limit_watts")),
+    *((column, _bit(reason)) for column, reason in _REASON_COLUMNS),
+    ("pcie_link_width_ratio", _share("pcie_link_width", "pcie_link_width_max")),
+    ("pcie_link_gen_ratio", _share("pcie_link_gen", "pcie_link_gen_max")),
 )
 # (column, which rate of the view, the fields summed): per second over the last interval.
 _GPU_RATES: Final[tuple[tuple[str, Literal["gpu", "nvlink"], tuple[str, ...]], ...]] = (
@@ -119,6 +161,23 @@ _NIC_RATES: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
     ("rx_bytes_per_second", ("rx_bytes_total",)),
     ("tx_bytes_per_second", ("tx_bytes_total",)),
 )
+
+
+def _check_rates() -> None:
+    """Every field a rate column sums is a counter in the catalogue (or a known NIC counter)."""
+    for column, kind, fields in _GPU_RATES:
+        struct = Gpu if kind == "gpu" else NvLink
+        for name in fields:
+            info = CATALOGUE[struct].get(name)
+            if info is None or info.kind != "counter":
+                raise TypeError(f"frame column {column} sums {struct.__name__}.{name}, not a counter")
+    for column, names in _NIC_RATES:
+        for name in names:
+            if name not in NIC_TYPED_COUNTERS and name not in NIC_COUNTER_NAMES:
+                raise TypeError(f"frame column {column} reads {name!r}, not a NIC counter")
+
+
+_check_rates()
 _LINK_UP_STATES: Final = frozenset({"ACTIVE", "UP"})  # InfiniBand port state, netdev operstate
 
 
@@ -127,7 +186,7 @@ def _link_up(n: Nic) -> float:
 
 
 _NIC_GAUGES: Final[tuple[tuple[str, Callable[[Nic], float]], ...]] = (
-    ("link_rate_bytes_per_second", lambda n: _f(n.rate_bytes_per_second)),
+    ("link_rate_bytes_per_second", _value(Nic, "rate_bytes_per_second")),
     ("link_up", _link_up),
 )
 

@@ -73,7 +73,17 @@ from operator import attrgetter
 from typing import TYPE_CHECKING, Final, Literal
 
 from agent.errors import ConfigError, ReportError
-from agent.report import Gpu, Nic, NvLink, Report
+from agent.report import (
+    GPU_COUNTERS,
+    GPU_FLAGS,
+    GPU_GAUGES,
+    NIC_TYPED_COUNTERS,
+    NVLINK_COUNTERS,
+    Gpu,
+    Nic,
+    NvLink,
+    Report,
+)
 from aggregator.config import FleetConfig
 
 if TYPE_CHECKING:
@@ -83,55 +93,18 @@ log = logging.getLogger(__name__)
 
 _NAN: Final = math.nan
 
+# The field sets come from the catalogue beside the report types (agent/report.py).
 # Cumulative GPU fields: what ``gpu_rate`` accepts.
-GPU_COUNTER_FIELDS: Final[frozenset[str]] = frozenset(
-    {
-        "energy_joules_total",
-        "ecc_sbe_volatile_total",
-        "ecc_dbe_volatile_total",
-        "ecc_sbe_aggregate_total",
-        "ecc_dbe_aggregate_total",
-        "retired_pages_sbe",
-        "retired_pages_dbe",
-        "remapped_rows_correctable",
-        "remapped_rows_uncorrectable",
-        "pcie_replay_total",
-    }
-)
+GPU_COUNTER_FIELDS: Final[frozenset[str]] = frozenset(GPU_COUNTERS)
 # Instantaneous numeric GPU fields.
-GPU_GAUGE_FIELDS: Final[frozenset[str]] = frozenset(
-    {
-        "utilization_ratio",
-        "memory_used_bytes",
-        "memory_total_bytes",
-        "temperature_celsius",
-        "memory_temperature_celsius",
-        "power_watts",
-        "power_limit_watts",
-        "sm_clock_hz",
-        "sm_clock_max_hz",
-        "memory_clock_hz",
-        "clock_event_reasons",
-        "performance_state",
-        "pcie_link_gen",
-        "pcie_link_gen_max",
-        "pcie_link_width",
-        "pcie_link_width_max",
-    }
-)
+GPU_GAUGE_FIELDS: Final[frozenset[str]] = frozenset(GPU_GAUGES)
 # Boolean GPU fields, sampled as 0.0/1.0.
-GPU_FLAG_FIELDS: Final[frozenset[str]] = frozenset(
-    {"retired_pages_pending", "remapped_rows_pending", "remapped_rows_failure"}
-)
+GPU_FLAG_FIELDS: Final[frozenset[str]] = frozenset(GPU_FLAGS)
 # What ``gpu_samples`` accepts: any numeric or boolean GPU field (a counter's raw values included).
 GPU_SAMPLE_FIELDS: Final[frozenset[str]] = GPU_GAUGE_FIELDS | GPU_FLAG_FIELDS | GPU_COUNTER_FIELDS
-NVLINK_COUNTER_FIELDS: Final[frozenset[str]] = frozenset(
-    {"crc_flit_errors_total", "crc_data_errors_total", "replay_errors_total", "recovery_errors_total"}
-)
+NVLINK_COUNTER_FIELDS: Final[frozenset[str]] = frozenset(NVLINK_COUNTERS)
 # Typed cumulative NIC fields; any other name is looked up in ``Nic.counters``.
-NIC_TYPED_COUNTERS: Final[frozenset[str]] = frozenset(
-    {"rx_bytes_total", "tx_bytes_total", "rx_packets_total", "tx_packets_total"}
-)
+NIC_TYPED_COUNTER_FIELDS: Final[frozenset[str]] = frozenset(NIC_TYPED_COUNTERS)
 
 _LINK_GETTERS: Final = {name: attrgetter(name) for name in NVLINK_COUNTER_FIELDS}
 
@@ -292,7 +265,7 @@ def _gauge_value(gpu: Gpu | None, name: str) -> float:
 def _nic_value(nic: Nic | None, counter: str) -> float | None:
     if nic is None:
         return None
-    if counter in NIC_TYPED_COUNTERS:
+    if counter in NIC_TYPED_COUNTER_FIELDS:
         v: int | None = getattr(nic, counter)
         return None if v is None else float(v)
     counters = nic.counters

@@ -66,7 +66,6 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-import re
 import statistics
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
@@ -77,7 +76,7 @@ import msgspec
 
 from agent.errors import ConfigError
 from agent.probes.protocol import Assignment, ProbeKind, Role, sign
-from agent.report import Probe, Report
+from agent.report import GPU_GONE_CODES, Probe, Report, error_code
 from aggregator.config import ProbesConfig
 from aggregator.fleet.pools import Placement
 
@@ -115,22 +114,16 @@ _POLL_STALE_POLLS: Final = 3.0  # a node that has not polled for this many poll 
 _RESCUE_MAX: Final = 64  # leftovers paired by oldest pair above this many: pairs are O(n^2)
 
 
-# The agent's words for a GPU it left out of the report (agent/collectors/nvml.py): one that fell
-# off the bus (NVML's GPU_IS_LOST, as the shipped gpu-lost rule matches it), or one it could not
-# get a handle for at all.
-_LOST: Final = re.compile(r"(?i)gpu is lost|no device handle")
-
-
 def report_is_idle(report: Report, config: ProbesConfig) -> bool:
     """Whether the node's GPUs are free for a probe: every GPU under ``idle_utilization_ratio``
     with at most ``idle_memory_bytes`` in use. A GPU that does not say (null) counts as busy:
-    a probe must never land on a job. So does a node whose NVML collector says a GPU is lost (or
-    had no handle): the agent leaves such a GPU out of ``gpus``, so nothing says it is idle, and an
-    all-reduce over the node's GPUs would fail on it anyway, wasting a healthy partner's idle
-    minutes. Other NVML errors (a field the agent may not read) do not count: the fields that
-    say "idle" are null when unreadable, which is busy already. A node without GPUs is idle
-    (``tcp_pair`` nodes)."""
-    if any(e.collector == "nvml" and _LOST.search(e.message) for e in report.errors or ()):
+    a probe must never land on a job. So does a node whose NVML collector says a GPU is lost or
+    had no handle (``GPU_GONE_CODES``): the agent leaves such a GPU out of ``gpus``, so nothing
+    says it is idle, and an all-reduce over the node's GPUs would fail on it anyway, wasting a
+    healthy partner's idle minutes. Other NVML errors (a field the agent may not read) do not
+    count: the fields that say "idle" are null when unreadable, which is busy already. A node
+    without GPUs is idle (``tcp_pair`` nodes)."""
+    if any(error_code(e) in GPU_GONE_CODES for e in report.errors or ()):
         return False
     for gpu in report.gpus:
         util, used = gpu.utilization_ratio, gpu.memory_used_bytes

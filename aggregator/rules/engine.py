@@ -39,7 +39,7 @@ from typing import Any, Final
 
 from msgspec import UNSET
 
-from agent.report import CollectorError, Event, Gpu, Nic, Report
+from agent.report import CollectorError, Event, Gpu, Nic, Report, error_code, error_gpu
 from aggregator.fleet.view import NodeView
 from aggregator.model import Finding
 from aggregator.rules.model import (
@@ -875,11 +875,18 @@ class RuleEngine:
             for error in errors:
                 if rule.collector is not None and error.collector != rule.collector:
                     continue
-                m = rule.match.search(error.message)
-                if m is None:
-                    continue
-                index_text = m.groupdict().get("gpu")
-                index = int(index_text) if index_text is not None else None
+                index: int | None = None
+                if rule.codes is not None:
+                    if error_code(error) not in rule.codes:
+                        continue
+                    index = error_gpu(error)
+                if rule.match is not None:
+                    m = rule.match.search(error.message)
+                    if m is None:
+                        continue
+                    index_text = m.groupdict().get("gpu")
+                    if index_text is not None:
+                        index = int(index_text)
                 gpu = next((g for g in gpus if g.index == index), None) if index is not None else None
                 evidence: Evidence = {
                     "gpu": index,

@@ -27,8 +27,9 @@ from typing import Any, Final, Literal, NoReturn, TypeAlias, get_args
 
 import yaml
 
+from agent import report
 from agent.errors import ConfigError
-from agent.report import NIC_COUNTER_NAMES, NIC_TYPED_COUNTERS, Gpu, Nic, NvLink
+from agent.report import ERROR_CODES, Gpu, Nic
 from aggregator.model import Action, Clears, Severity
 
 log = logging.getLogger(__name__)
@@ -83,21 +84,6 @@ PER_SECONDS: Final[Mapping[str, float]] = types.MappingProxyType(
     {"second": 1.0, "minute": 60.0, "hour": 3600.0}
 )
 
-# NVML's clock event reasons (nvmlClocksEventReason* in pynvml), by the name a rule uses.
-CLOCK_EVENT_BITS: Final[Mapping[str, int]] = types.MappingProxyType(
-    {
-        "gpu_idle": 0x1,
-        "applications_clocks_setting": 0x2,
-        "sw_power_cap": 0x4,
-        "hw_slowdown": 0x8,
-        "sync_boost": 0x10,
-        "sw_thermal_slowdown": 0x20,
-        "hw_thermal_slowdown": 0x40,
-        "hw_power_brake_slowdown": 0x80,
-        "display_clock_setting": 0x100,
-    }
-)
-
 
 def _scalar_fields(struct: type) -> dict[str, FieldType]:
     """Field name -> scalar type of a report struct; lists and maps are not rule fields."""
@@ -121,19 +107,14 @@ def _scalar_fields(struct: type) -> dict[str, FieldType]:
 
 GPU_FIELDS: Final[Mapping[str, FieldType]] = types.MappingProxyType(_scalar_fields(Gpu))
 NIC_FIELDS: Final[Mapping[str, FieldType]] = types.MappingProxyType(_scalar_fields(Nic))
-NVLINK_COUNTERS: Final[frozenset[str]] = frozenset(
-    name for name, kind in _scalar_fields(NvLink).items() if kind == "int" and name.endswith("_total")
-)
-# Cumulative GPU fields a rate can be taken of: the counters, not the gauges.
-GPU_COUNTERS: Final[frozenset[str]] = frozenset(
-    name
-    for name, kind in GPU_FIELDS.items()
-    if kind in ("int", "float")
-    and (name.endswith("_total") or name.startswith(("retired_pages_", "remapped_rows_")))
-)
-NIC_TOTALS: Final[frozenset[str]] = frozenset(NIC_TYPED_COUNTERS)
+# What a rate can be taken of: the counters of the field catalogue (agent/report.py).
+NVLINK_COUNTERS: Final[frozenset[str]] = frozenset(report.NVLINK_COUNTERS)
+GPU_COUNTERS: Final[frozenset[str]] = frozenset(report.GPU_COUNTERS)
+NIC_TOTALS: Final[frozenset[str]] = frozenset(report.NIC_TYPED_COUNTERS)
 # Counter names the agent reports in Nic.counters (agent/report.py has the one list).
-NIC_COUNTERS: Final[frozenset[str]] = NIC_COUNTER_NAMES
+NIC_COUNTERS: Final[frozenset[str]] = report.NIC_COUNTER_NAMES
+# NVML's clock event reasons by the name a rule uses (``any_bits``).
+CLOCK_EVENT_BITS: Final[Mapping[str, int]] = report.CLOCK_EVENT_BITS
 DRIVER_PREFIX: Final = "driver:"
 
 # Evidence keys a summary may name, by rule kind; every one is always present (rendered as "?"
@@ -311,8 +292,11 @@ class GpuMissingRule(RuleBase):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ErrorRule(RuleBase):
+    """A collector error; every filter given must hold (at least ``codes`` or ``match``)."""
+
     collector: str | None
-    match: re.Pattern[str]  # a named group "gpu" makes the finding per GPU
+    codes: frozenset[str] | None  # the error's code (``CollectorError.code``) is one of these
+    match: re.Pattern[str] | None  # on the message; a named group "gpu" makes the finding per GPU
 
 
 Rule: TypeAlias = EventRule | FieldRule | RateRule | ShareRule | GpuMissingRule | ErrorRule
@@ -451,7 +435,7 @@ _KIND_KEYS: Final[Mapping[str, frozenset[str]]] = types.MappingProxyType(
         | frozenset({"gpus", "nics"}),
         "share": frozenset({"target", "share", "window", "min_samples", "when", "gpus"}) | _CONDITION_KEYS,
         "gpu_missing": frozenset(),
-        "error": frozenset({"collector", "match"}),
+        "error": frozenset({"collector", "code", "match"}),
     }
 )
 
@@ -672,13 +656,30 @@ def _parse_error(ctx: _Ctx, item: Mapping[str, Any], common: dict[str, Any]) -> 
     collector = item.get("collector")
     if collector is not None and (not isinstance(collector, str) or not collector):
         ctx.fail("collector", "the collector's name as the report's errors give it, e.g. nvml")
-    if "match" not in item:
-        ctx.fail("match", "required: a regular expression on the error message")
-    pattern = _regex(ctx, "match", item["match"])
-    unknown = set(pattern.groupindex) - {"gpu"}
+    if "match" not in item and "code" not in item:
+        ctx.fail("code", f"required (or match): one of {', '.join(sorted(ERROR_CODES))}, or a list")
+    codes = _error_codes(ctx, item["code"]) if "code" in item else None
+    pattern = _regex(ctx, "match", item["match"]) if "match" in item else None
+    unknown = set(pattern.groupindex) - {"gpu"} if pattern is not None else set()
     if unknown:
         ctx.fail("match", f"the only named group allowed is 'gpu', got {sorted(unknown)}")
-    return ErrorRule(**common, summary=_summary(ctx, item, "error"), collector=collector, match=pattern)
+    return ErrorRule(
+        **common, summary=_summary(ctx, item, "error"), collector=collector, codes=codes, match=pattern
+    )
+
+
+def _error_codes(ctx: _Ctx, value: Any) -> frozenset[str]:
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        ctx.fail("code", "at least one code")
+    for entry in items:
+        if not isinstance(entry, str) or entry not in ERROR_CODES:
+            ctx.fail(
+                "code",
+                f"{entry!r} is not a collector error code{_suggest(str(entry), ERROR_CODES)};"
+                f" the codes are {', '.join(sorted(ERROR_CODES))}",
+            )
+    return frozenset(items)
 
 
 # ---------------------------------------------------------------------------------------------
