@@ -28,8 +28,9 @@ from aggregator.kube.objects import (
     KubeConflict,
     TaintEffect,
 )
-from aggregator.remediate.actuator import Actuator, ActuatorMetrics, label_value, rfc3339
+from aggregator.remediate.actuator import Actuator, ActuatorMetrics
 from aggregator.remediate.model import HealthSnapshot, NodeIntent, decode_snapshot
+from aggregator.remediate.planner import label_value, rfc3339
 from tests.kube_double import Intercepted, KubeApiDouble
 
 OURS = "gpuwarden.io/unhealthy"
