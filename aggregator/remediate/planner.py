@@ -259,105 +259,44 @@ def plan(
     old, ours = mine.snapshot, mine.taints
     warnings: list[PlanWarning] = []
     override = _read_override(node.name, node.annotations.get(keys.override), warnings)
-    pf_key = config.preflight.taint_key
-    has_preflight = config.preflight.enabled and any(t.key == pf_key for t in node.taints)
+    value = label_value(intent.reason_code)
+    events: list[PlanEvent] = []
 
     want, new_no_execute = _effect(
         intent, ours, config, now=now, no_execute_added=no_execute_added, warnings=warnings
     )
-    value = label_value(intent.reason_code)
-    events: list[PlanEvent] = []
-    new_override: _Override | None = override
-    state_event_done = False
-
-    if want is not None:
-        if override is not None and override.active(intent.evidence_key, now):
-            want, new_no_execute = None, False
-        elif not ours and mine.applied:
-            # Our record says the taint is ours and on, yet the node has none: a human took it
-            # off. That overrides this evidence for the cooldown; new evidence does not.
-            until = now + config.override_cooldown_seconds
-            new_override = _Override(evidence_key=intent.evidence_key, until=rfc3339(until), at=rfc3339(now))
-            want, new_no_execute = None, False
-            events.append(
-                PlanEvent(
-                    "Warning",
-                    "GpuwardenOverrideRespected",
-                    f"{config.taint_key} was removed by hand; not re-tainting for the same evidence "
-                    f"({intent.evidence_key}) until {rfc3339(until)}: {intent.message}",
-                )
-            )
-            state_event_done = True
-        elif override is not None:
-            why = (
-                "manual override expired"
-                if override.evidence_key == intent.evidence_key
-                else f"new evidence ({intent.evidence_key}) since the manual override of {override.at}"
-            )
-            new_override = None
-            events.append(
-                PlanEvent(
-                    "Warning",
-                    "GpuwardenQuarantined" if intent.state != "suspect" else "GpuwardenSuspect",
-                    f"{why}; tainted {config.taint_key}={value}:{want}: {intent.message}",
-                )
-            )
-            state_event_done = True
+    want, new_override, override_event = _override(
+        intent, want, override, value=value, removed_by_hand=not ours and mine.applied, config=config, now=now
+    )
+    if override_event is not None:
+        events.append(override_event)
     if intent.state == "healthy":
         new_override = None
 
     # Preflight: the preflight taint goes once the node passed, or turns into ours on failure;
     # held and pending nodes keep it (they are out either way).
+    pf_key = config.preflight.taint_key
+    has_preflight = config.preflight.enabled and any(t.key == pf_key for t in node.taints)
     drop_preflight = has_preflight and not intent.held and (want is not None or intent.preflight == "passed")
     preflight_timeout = False
     recheck_after: float | None = None
     if has_preflight and not drop_preflight and not intent.held:
         waited = monotonic - (monotonic if preflight_since is None else preflight_since)
         timeout = config.preflight.timeout_seconds
-        if waited > timeout:
-            if not preflight_warned:
-                preflight_timeout = True
-                events.append(
-                    PlanEvent(
-                        "Warning",
-                        "GpuwardenPreflightTimeout",
-                        f"no preflight verdict after {waited:.0f}s (timeout {timeout:.0f}s); "
-                        f"{pf_key} stays: {intent.message}",
-                    )
-                )
-        else:
+        if waited <= timeout:
             recheck_after = timeout - waited + 1.0
+        elif not preflight_warned:
+            preflight_timeout = True
+            events.append(
+                PlanEvent(
+                    "Warning",
+                    "GpuwardenPreflightTimeout",
+                    f"no preflight verdict after {waited:.0f}s (timeout {timeout:.0f}s); "
+                    f"{pf_key} stays: {intent.message}",
+                )
+            )
 
-    taints: list[Taint] = []
-    placed = False
-    for t in node.taints:
-        if t in ours:
-            if want is not None and not placed:
-                same = t.effect == want and t.value == value
-                taints.append(t if same else Taint(key=config.taint_key, effect=want, value=value))
-                placed = True
-            # else: ours and no longer wanted (or a duplicate of ours): removed
-        elif drop_preflight and t.key == pf_key:
-            continue
-        else:
-            taints.append(t)  # another controller's, or a human's with our key
-    if want is not None and not placed:
-        if any(t.key == config.taint_key and t.effect == want for t in taints):
-            # A human's taint with our key and this effect already keeps the node out; taints
-            # are unique by key and effect, so ours cannot be added, and theirs stays theirs.
-            want, new_no_execute = None, False
-        else:
-            taints.append(Taint(key=config.taint_key, effect=want, value=value))
-    new_taints = tuple(taints)
-
-    if new_taints == node.taints:
-        kind: WriteKind = "annotation"
-    elif want is not None and tuple(t for t in new_taints if t.key == config.taint_key) != ours:
-        kind = "taint"
-    elif ours and not [t for t in new_taints if t.key == config.taint_key]:
-        kind = "untaint"
-    else:
-        kind = "preflight_release"
+    new_taints, want = _taints(node.taints, ours, want, value, config, drop_preflight=drop_preflight)
 
     # Not tainted when we hold back (a respected override): a restarted pipeline must not
     # believe the node is out. Otherwise the pipeline's own reading stands, so a suspect
@@ -378,9 +317,9 @@ def plan(
         keys.override: None if new_override is None else msgspec.json.encode(new_override).decode(),
         keys.taint: None if want is None else f"{value}:{want}",
     }
-    annotations = {k: v for k, v in wanted_ann.items() if node.annotations.get(k) != v}
 
-    if has_preflight and drop_preflight:
+    state_event_done = override_event is not None
+    if drop_preflight:
         if want is not None:
             events.append(
                 PlanEvent(
@@ -404,8 +343,8 @@ def plan(
         node=node.name,
         taints_before=node.taints,
         taints=new_taints,
-        annotations=annotations,
-        patch_kind=kind,
+        annotations={k: v for k, v in wanted_ann.items() if node.annotations.get(k) != v},
+        patch_kind=_patch_kind(node.taints, new_taints, ours, want, config.taint_key),
         condition=_condition(node, intent, config.condition_type),
         events=tuple(events),
         dry_run=dry_run,
@@ -461,6 +400,105 @@ def _effect(
         )
         return "NoSchedule", False
     return "NoExecute", True
+
+
+def _override(
+    intent: NodeIntent,
+    want: TaintEffect | None,
+    override: _Override | None,
+    *,
+    value: str,
+    removed_by_hand: bool,
+    config: RemediationConfig,
+    now: float,
+) -> tuple[TaintEffect | None, _Override | None, PlanEvent | None]:
+    """A human's removal of our taint against the taint we want: the effect still wanted, the
+    override to record (None: none), and the event that says what happened."""
+    if want is None:
+        return None, override, None
+    if override is not None and override.active(intent.evidence_key, now):
+        return None, override, None
+    if removed_by_hand:
+        # Our record says the taint is ours and on, yet the node has none: a human took it off.
+        # That overrides this evidence for the cooldown; new evidence does not.
+        until = now + config.override_cooldown_seconds
+        recorded_now = _Override(evidence_key=intent.evidence_key, until=rfc3339(until), at=rfc3339(now))
+        return (
+            None,
+            recorded_now,
+            PlanEvent(
+                "Warning",
+                "GpuwardenOverrideRespected",
+                f"{config.taint_key} was removed by hand; not re-tainting for the same evidence "
+                f"({intent.evidence_key}) until {rfc3339(until)}: {intent.message}",
+            ),
+        )
+    if override is None:
+        return want, None, None
+    why = (
+        "manual override expired"
+        if override.evidence_key == intent.evidence_key
+        else f"new evidence ({intent.evidence_key}) since the manual override of {override.at}"
+    )
+    return (
+        want,
+        None,
+        PlanEvent(
+            "Warning",
+            "GpuwardenQuarantined" if intent.state != "suspect" else "GpuwardenSuspect",
+            f"{why}; tainted {config.taint_key}={value}:{want}: {intent.message}",
+        ),
+    )
+
+
+def _taints(
+    current: tuple[Taint, ...],
+    ours: tuple[Taint, ...],
+    want: TaintEffect | None,
+    value: str,
+    config: RemediationConfig,
+    *,
+    drop_preflight: bool,
+) -> tuple[tuple[Taint, ...], TaintEffect | None]:
+    """The whole wanted ``spec.taints``: every taint that is not ours as read and where it was,
+    ours replaced in place (or added last), the preflight taint dropped when it goes. Also the
+    effect that ends up ours: None when a human's taint with our key and that effect is there."""
+    taints: list[Taint] = []
+    placed = False
+    for t in current:
+        if t in ours:
+            if want is not None and not placed:
+                same = t.effect == want and t.value == value
+                taints.append(t if same else Taint(key=config.taint_key, effect=want, value=value))
+                placed = True
+            # else: ours and no longer wanted (or a duplicate of ours): removed
+        elif drop_preflight and t.key == config.preflight.taint_key:
+            continue
+        else:
+            taints.append(t)  # another controller's, or a human's with our key
+    if want is not None and not placed:
+        if any(t.key == config.taint_key and t.effect == want for t in taints):
+            # A human's taint with our key and this effect already keeps the node out; taints
+            # are unique by key and effect, so ours cannot be added, and theirs stays theirs.
+            return tuple(taints), None
+        taints.append(Taint(key=config.taint_key, effect=want, value=value))
+    return tuple(taints), want
+
+
+def _patch_kind(
+    before: tuple[Taint, ...],
+    after: tuple[Taint, ...],
+    ours: tuple[Taint, ...],
+    want: TaintEffect | None,
+    key: str,
+) -> WriteKind:
+    if after == before:
+        return "annotation"
+    if want is not None and tuple(t for t in after if t.key == key) != ours:
+        return "taint"
+    if ours and not any(t.key == key for t in after):
+        return "untaint"
+    return "preflight_release"
 
 
 def _untimed(snapshot: HealthSnapshot) -> HealthSnapshot:
