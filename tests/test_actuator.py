@@ -4,6 +4,9 @@ Time is a ``FakeClock``; the actuator's sleeps go through ``Timers``, which adva
 at once for short waits (rate limiting, retry backoff) and parks long ones (the periodic resync,
 the preflight deadline) until a test moves time on, so no test waits on the wall clock for
 behaviour, only for the actuator's own tasks to get through their HTTP calls.
+
+What a plan holds for each kind of node is tests/test_planner.py's table; these tests are about
+the plans reaching the cluster: over the real client, once, on the leader, without clobbering.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import pytest
 from aggregator.config import PreflightConfig, RemediationConfig
 from aggregator.kube.objects import Condition, Node, Taint
 from aggregator.remediate.model import NodeIntent, encode_snapshot
-from aggregator.remediate.planner import Plan, label_value, plan, recorded, rfc3339
+from aggregator.remediate.planner import Plan, WriteKind, label_value, plan, recorded, rfc3339
 from tests.test_actuator import OURS, PREFLIGHT, T0, healthy, intent
 
 HEALTH = "gpuwarden.io/health"
@@ -110,7 +110,7 @@ def wrote(i: NodeIntent, *, tainted: bool | None = None, taint: str | None = Non
 @dataclass(frozen=True)
 class Expect:
     taints: tuple[Taint, ...] | None = None  # None: exactly the node's, unchanged
-    kind: str = "annotation"
+    kind: WriteKind = "annotation"
     annotations: Mapping[str, str | None] = field(default_factory=dict)
     condition: tuple[str, str] | None = None  # (status, reason)
     events: tuple[tuple[str, str], ...] = ()  # (type, reason)
