@@ -4,6 +4,9 @@ Time is a ``FakeClock``; the actuator's sleeps go through ``Timers``, which adva
 at once for short waits (rate limiting, retry backoff) and parks long ones (the periodic resync,
 the preflight deadline) until a test moves time on, so no test waits on the wall clock for
 behaviour, only for the actuator's own tasks to get through their HTTP calls.
+
+What a plan holds for each kind of node is tests/test_planner.py's table; these tests are about
+the plans reaching the cluster: over the real client, once, on the leader, without clobbering.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ import asyncio
 import json
 import logging
 import random
-import re
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -28,8 +30,9 @@ from aggregator.kube.objects import (
     KubeConflict,
     TaintEffect,
 )
-from aggregator.remediate.actuator import Actuator, ActuatorMetrics, label_value, rfc3339
+from aggregator.remediate.actuator import Actuator, ActuatorMetrics
 from aggregator.remediate.model import HealthSnapshot, NodeIntent, decode_snapshot
+from aggregator.remediate.planner import rfc3339
 from tests.kube_double import Intercepted, KubeApiDouble
 
 OURS = "gpuwarden.io/unhealthy"
@@ -340,17 +343,6 @@ async def test_release_removes_only_our_taint_and_says_so(world: World) -> None:
     assert sample(world.registry, "gpuwarden_remediation_writes_total", kind="untaint", result="ok") == 1
 
 
-async def test_a_taint_with_our_key_that_a_human_put_there_stays(world: World) -> None:
-    human = {"key": OURS, "value": "bad-fan", "effect": "NoSchedule"}
-    world.api.add_node("n1", taints=[human])
-    act = world.actuator()
-    world.intents.by_node["n1"] = healthy("n1")
-    await act.reconcile("n1")
-    assert taints(world.api, "n1") == [human]
-    snap = decode_snapshot(node_annotations(world.api, "n1")[HEALTH])
-    assert snap is not None and not snap.tainted
-
-
 async def test_state_changes_each_get_one_event(world: World) -> None:
     api = world.api
     api.add_node("n1")
@@ -417,17 +409,6 @@ async def test_condition_written_only_when_it_changes(world: World) -> None:
     assert cond is not None and cond["message"] == "DBE on GPU 2"
 
 
-async def test_held_quarantine_is_a_condition_and_a_warning_not_a_taint(world: World) -> None:
-    world.api.add_node("n1")
-    act = world.actuator()
-    world.intents.by_node["n1"] = intent("n1", effect=None, held=True, message="pool limit reached")
-    await act.reconcile("n1")
-    assert ours(world.api, "n1") == []
-    cond = condition(world.api, "n1")
-    assert cond is not None and (cond["status"], cond["reason"]) == ("False", "QuarantineHeld")
-    assert [e[:2] for e in events(world.api, "n1")] == [("Warning", "GpuwardenHeld")]
-
-
 # -- what is never touched ------------------------------------------------------------------------
 
 
@@ -487,32 +468,6 @@ async def test_only_the_leader_writes(world: World) -> None:
 
 
 # -- taint values and effects ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("code", "want"),
-    [
-        ("xid-79", "xid-79"),
-        ("XID 79 / GPU 0000:3b:00.0", "XID-79-GPU-0000-3b-00.0"),
-        ("-._leading and trailing_.-", "leading-and-trailing"),
-        ("ü€!", "unhealthy"),
-        ("a" * 80 + "-b", "a" * 63),
-        ("a" * 62 + "-b", "a" * 62),
-    ],
-)
-def test_label_value_is_a_valid_label_value(code: str, want: str) -> None:
-    got = label_value(code)
-    assert got == want
-    assert len(got) <= 63 and re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", got)
-
-
-async def test_taint_value_is_sanitised(world: World) -> None:
-    world.api.add_node("n1")
-    act = world.actuator()
-    world.intents.by_node["n1"] = intent("n1", reason_code="row remap failure: GPU#3 (pending) " * 4)
-    await act.reconcile("n1")
-    [t] = ours(world.api, "n1")
-    assert len(t["value"]) <= 63 and re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", t["value"])
 
 
 async def test_no_execute_needs_allow_and_is_rate_limited_per_hour(world: World) -> None:
@@ -778,14 +733,6 @@ async def test_preflight_failure_turns_into_our_taint_in_one_patch(world: World)
     assert ev[:2] == ("Warning", "GpuwardenPreflightFailed") and "DBE during burn-in" in ev[2]
 
 
-async def test_held_node_keeps_its_preflight_taint(world: World) -> None:
-    world.api.add_node("n1", taints=[PREFLIGHT_TAINT])
-    act = world.actuator()
-    world.intents.by_node["n1"] = intent("n1", effect=None, held=True, preflight="failed")
-    await act.reconcile("n1")
-    assert taints(world.api, "n1") == [PREFLIGHT_TAINT]
-
-
 async def test_pending_preflight_warns_once_after_the_timeout(world: World) -> None:
     world.api.add_node("n1", taints=[PREFLIGHT_TAINT])
     act = world.actuator(preflight=PreflightConfig(timeout_seconds=600))
@@ -797,14 +744,6 @@ async def test_pending_preflight_warns_once_after_the_timeout(world: World) -> N
     await act.reconcile("n1")
     await act.reconcile("n1")
     assert [e[:2] for e in events(world.api, "n1")] == [("Warning", "GpuwardenPreflightTimeout")]
-    assert taints(world.api, "n1") == [PREFLIGHT_TAINT]
-
-
-async def test_preflight_disabled_leaves_the_preflight_taint_alone(world: World) -> None:
-    world.api.add_node("n1", taints=[PREFLIGHT_TAINT])
-    act = world.actuator(preflight=PreflightConfig(enabled=False))
-    world.intents.by_node["n1"] = healthy("n1", preflight="passed")
-    await act.reconcile("n1")
     assert taints(world.api, "n1") == [PREFLIGHT_TAINT]
 
 

@@ -5,5 +5,8 @@
 - ``model``: ``NodeIntent`` (what the pipeline wants a node to look like) and ``HealthSnapshot``
   (the annotation that lets a restarted aggregator rebuild its state from the cluster);
 - ``preflight``: when a new node has passed;
-- ``actuator``: the leader's reconciler that makes nodes look like their intents.
+- ``planner``: what one node should look like, as a pure function (taints, annotations, condition,
+  events, waits);
+- ``workqueue``: the token bucket, the work queue and the per-node retry backoff;
+- ``actuator``: the leader's reconciler that applies the planner's plans to nodes.
 """
