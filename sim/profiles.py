@@ -30,15 +30,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from agent.report import IBTA_PORT_COUNTERS, MLX5_HW_COUNTERS
+from agent.report import CLOCK_EVENT_BITS, IBTA_PORT_COUNTERS, MLX5_HW_COUNTERS
 
-# [g] nvmlClocksEventReasons bits.
-REASON_GPU_IDLE: Final = 0x1
-REASON_SW_POWER_CAP: Final = 0x4
-REASON_HW_SLOWDOWN: Final = 0x8
-REASON_SW_THERMAL: Final = 0x20
-REASON_HW_THERMAL: Final = 0x40
-REASON_HW_POWER_BRAKE: Final = 0x80
+# [g] nvmlClocksEventReasons bits, from the report's one table of them.
+REASON_GPU_IDLE: Final = CLOCK_EVENT_BITS["gpu_idle"]
+REASON_SW_POWER_CAP: Final = CLOCK_EVENT_BITS["sw_power_cap"]
+REASON_HW_SLOWDOWN: Final = CLOCK_EVENT_BITS["hw_slowdown"]
+REASON_SW_THERMAL: Final = CLOCK_EVENT_BITS["sw_thermal_slowdown"]
+REASON_HW_THERMAL: Final = CLOCK_EVENT_BITS["hw_thermal_slowdown"]
+REASON_HW_POWER_BRAKE: Final = CLOCK_EVENT_BITS["hw_power_brake_slowdown"]
 
 GB: Final = 1e9
 TEMPERATURE_ALERT_C: Final = 85.0  # [h]
