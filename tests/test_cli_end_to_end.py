@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from agent.report import json_schema
-from tests.conftest import FIXTURES, REPO, SHARED
+from tests.conftest import FIXTURES, RECORDED_SYSFS, REPO
 
 GPWD = [sys.executable, "-m", "gpuwarden"]
 
@@ -45,7 +45,7 @@ def _int(path: Path) -> int:
 
 @pytest.mark.parametrize("tree", ["node_exporter", "procfs"])
 def test_recorded_tree_report_validates_and_counters_equal_the_files(tree: str) -> None:
-    sysfs = SHARED / "fixtures" / "sysfs" / tree / "sys"
+    sysfs = RECORDED_SYSFS / tree / "sys"
     report = _report(_agent("--gpu-backend", "none", "--sysfs-root", str(sysfs)))
     assert report["gpus"] == []
     ports = [n for n in report["nics"] if n["port"] is not None]

@@ -155,8 +155,8 @@ def validate(nics: list[Nic]) -> None:
 
 
 @pytest.fixture(params=["node_exporter", "procfs"])
-def recorded(request: pytest.FixtureRequest, shared_fixtures: Path) -> Path:
-    return shared_fixtures / "sysfs" / request.param / "sys"
+def recorded(request: pytest.FixtureRequest, recorded_sysfs: Path) -> Path:
+    return recorded_sysfs / request.param / "sys"
 
 
 def test_recorded_tree_reports_every_port_as_its_files_say(recorded: Path) -> None:
@@ -174,8 +174,8 @@ def test_recorded_tree_reports_every_port_as_its_files_say(recorded: Path) -> No
     validate(list(out.nics))
 
 
-def test_recorded_spot_checks(shared_fixtures: Path) -> None:
-    procfs = nics_by_port(collector(shared_fixtures / "sysfs" / "procfs" / "sys").collect().nics)
+def test_recorded_spot_checks(recorded_sysfs: Path) -> None:
+    procfs = nics_by_port(collector(recorded_sysfs / "procfs" / "sys").collect().nics)
     mlx5 = procfs[("mlx5_0", 1)]
     assert mlx5.rate_bytes_per_second == 3.125e9  # 25 Gb/sec (1X EDR)
     assert mlx5.tx_bytes_total == 2880761508848 * 4
@@ -186,9 +186,7 @@ def test_recorded_spot_checks(shared_fixtures: Path) -> None:
     assert "lifespan" not in mlx5.counters
     assert procfs[("hfi1_0", 1)].rate_bytes_per_second == 1.25e10  # 100 Gb/sec (4X EDR)
 
-    node_exporter = nics_by_port(
-        collector(shared_fixtures / "sysfs" / "node_exporter" / "sys").collect().nics
-    )
+    node_exporter = nics_by_port(collector(recorded_sysfs / "node_exporter" / "sys").collect().nics)
     iwarp = node_exporter[("i40iw0", 1)]
     # Every counter of the iWARP port reads "N/A (no PMA)": unsupported, not zero, not an error.
     assert iwarp.counters is msgspec.UNSET

@@ -111,8 +111,8 @@ def validate(nics: list[Nic]) -> None:
 # ---------------------------------------------------------------- recorded trees
 
 
-def test_procfs_recording_reports_eth0_from_its_files(shared_fixtures: Path) -> None:
-    root = shared_fixtures / "sysfs" / "procfs" / "sys"
+def test_procfs_recording_reports_eth0_from_its_files(recorded_sysfs: Path) -> None:
+    root = recorded_sysfs / "procfs" / "sys"
     out = collector(root).collect()
 
     assert out.errors == ()
@@ -125,10 +125,10 @@ def test_procfs_recording_reports_eth0_from_its_files(shared_fixtures: Path) -> 
     validate([eth0])
 
 
-def test_node_exporter_recording_has_only_bonds_and_a_flattened_link(shared_fixtures: Path) -> None:
+def test_node_exporter_recording_has_only_bonds_and_a_flattened_link(recorded_sysfs: Path) -> None:
     # bond0, dmz and int are bonds (bonding/); eth0 was recorded as a plain file holding its link
     # target, which is not an interface directory; bonding_masters is a file.
-    root = shared_fixtures / "sysfs" / "node_exporter" / "sys"
+    root = recorded_sysfs / "node_exporter" / "sys"
     out = collector(root).collect()
     assert out == type(out)()
 
@@ -141,16 +141,14 @@ def test_node_exporter_recording_has_only_bonds_and_a_flattened_link(shared_fixt
     validate(list(included.nics))
 
 
-def test_node_exporter_eth0_with_its_link_restored_is_physical(shared_fixtures: Path, tmp_path: Path) -> None:
+def test_node_exporter_eth0_with_its_link_restored_is_physical(recorded_sysfs: Path, tmp_path: Path) -> None:
     # As on the machine it was recorded from: class/net/eth0 -> ../../devices/pci.../net/eth0.
     # That recording kept no `device` link; resolving into devices/ outside devices/virtual/ is
     # the same fact seen from the other side.
     root = tmp_path / "sys"
-    shutil.copytree(
-        shared_fixtures / "sysfs" / "node_exporter" / "sys" / "class" / "net", root / "class" / "net"
-    )
-    shutil.copytree(shared_fixtures / "sysfs" / "node_exporter" / "sys" / "devices", root / "devices")
-    os.chmod(root / "class" / "net", 0o755)  # the shared tree is read-only
+    shutil.copytree(recorded_sysfs / "node_exporter" / "sys" / "class" / "net", root / "class" / "net")
+    shutil.copytree(recorded_sysfs / "node_exporter" / "sys" / "devices", root / "devices")
+    os.chmod(root / "class" / "net", 0o755)  # in case the checkout is read-only
     entry = root / "class" / "net" / "eth0"
     target = entry.read_text().rstrip("/")
     entry.unlink()
