@@ -29,7 +29,6 @@ from agent.report import Report, decode
 from aggregator.config import Config
 from aggregator.decisions import Decision, DecisionLog
 from aggregator.model import IngestOutcome
-from aggregator.pipeline import TICK_SECONDS, Pipeline
 from aggregator.rules.model import Rule
 from aggregator.service import plausibility_errors
 
@@ -185,6 +184,10 @@ def _ordered(
 def replay(
     trace: Path, out: Path | None, config: Config, rules: list[Rule]
 ) -> tuple[list[Decision], ReplaySummary]:
+    # Imported here, not at the top: the pipeline loads scikit-learn (seconds), which `--help`
+    # and a refused argument must not wait for.
+    from aggregator.pipeline import TICK_SECONDS, Pipeline  # noqa: PLC0415
+
     summary = ReplaySummary()
     produced: list[Decision] = []
 
