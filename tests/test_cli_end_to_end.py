@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -229,3 +230,22 @@ def test_the_simulated_fleet_demo_runs_and_scores_itself() -> None:
     assert "healthy -> quarantined (taint)" in out.stdout  # the XID 79 two minutes in
     assert "app_xid" in out.stdout and "not quarantined (right)" in out.stdout
     assert "0 false" in out.stdout and "(0 refused)" in out.stdout
+
+
+def test_a_sysfs_root_that_does_not_exist_is_an_error_in_the_report_and_the_log(tmp_path: Path) -> None:
+    missing = tmp_path / "nonexistent"
+    out = _agent("--gpu-backend", "none", "--sysfs-root", str(missing))
+    report = _report(out)
+    assert report["nics"] == []
+    said = f"sysfs root {missing} does not exist"
+    assert {e["collector"] for e in report["errors"] if said in e["message"]} == {"infiniband", "netdev"}
+    assert [line for line in out.stderr.splitlines() if "collector failed" in line and said in line]
+
+
+def test_a_real_sysfs_without_rdma_devices_is_not_an_error(tmp_path: Path) -> None:
+    # The procfs recording's class/net alone: a node with Ethernet and no RDMA device.
+    root = tmp_path / "sys"
+    shutil.copytree(RECORDED_SYSFS / "procfs" / "sys" / "class" / "net", root / "class" / "net")
+    report = _report(_agent("--gpu-backend", "none", "--sysfs-root", str(root)))
+    assert [n["device"] for n in report["nics"]] == ["eth0"]
+    assert not [e for e in report.get("errors", []) if e["collector"] in ("infiniband", "netdev")]

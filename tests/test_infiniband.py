@@ -585,13 +585,30 @@ def test_close_releases_files_and_collect_starts_over() -> None:
 
 
 def test_unsupported_without_the_class_directory(tmp_path: Path) -> None:
+    # A real sysfs (it has class/net) on a node without RDMA devices: nothing to report, no error.
+    (tmp_path / "class" / "net").mkdir(parents=True)
     support = collector(tmp_path).supported()
     assert not support.supported
     assert support.reason == f"no {tmp_path}/class/infiniband: no RDMA devices"
 
 
+@pytest.mark.parametrize("root", ["missing", "empty", "a-file"])
+def test_a_root_that_is_no_sysfs_is_a_failure_not_a_node_without_rdma(tmp_path: Path, root: str) -> None:
+    path = tmp_path / root
+    if root == "empty":
+        path.mkdir()
+    elif root == "a-file":
+        path.write_text("")
+    c = collector(path)
+    assert c.supported().supported  # so the runner collects, and reports the failure
+    expected = "neither class/net nor class/infiniband" if root == "empty" else "does not exist"
+    with pytest.raises(CollectorFailure, match=f"sysfs root {path} .*{expected}"):
+        c.collect()
+
+
 def test_class_directory_vanishing_is_a_collector_failure(tmp_path: Path) -> None:
     root = copy_devices(tmp_path, "mlx5_0", tree="edge")
+    (root / "class" / "net").mkdir(exist_ok=True)  # the rest of a real sysfs stays
     c = collector(root)
     assert c.supported().supported
     c.collect()

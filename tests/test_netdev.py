@@ -337,13 +337,28 @@ def test_over_the_open_file_budget_files_are_read_by_path() -> None:
 
 
 def test_unsupported_without_the_class_directory(tmp_path: Path) -> None:
+    # A tree with only class/infiniband (a recording of the RDMA side): no interfaces, no error.
+    (tmp_path / "class" / "infiniband").mkdir(parents=True)
     support = collector(tmp_path).supported()
     assert not support.supported
     assert support.reason == f"no {tmp_path}/class/net: no network interfaces"
 
 
+@pytest.mark.parametrize("root", ["missing", "empty"])
+def test_a_root_that_is_no_sysfs_is_a_failure_not_one_without_interfaces(tmp_path: Path, root: str) -> None:
+    path = tmp_path / root
+    if root == "empty":
+        path.mkdir()
+    c = collector(path)
+    assert c.supported().supported
+    expected = "neither class/net nor class/infiniband" if root == "empty" else "does not exist"
+    with pytest.raises(CollectorFailure, match=f"sysfs root {path} .*{expected}"):
+        c.collect()
+
+
 def test_class_directory_vanishing_is_a_collector_failure(tmp_path: Path) -> None:
     root = copy_netdevs(tmp_path, "eth1", tree="edge")
+    (root / "class" / "infiniband").mkdir(exist_ok=True)  # the rest of the tree stays
     c = collector(root)
     c.collect()
     shutil.rmtree(root / "class" / "net")
