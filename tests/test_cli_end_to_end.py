@@ -146,6 +146,40 @@ def test_agent_to_aggregator_over_http_quarantines_a_lost_gpu(tmp_path: Path) ->
             assert server.poll() is None, server.stderr.read() if server.stderr else ""
             assert time.monotonic() < deadline, "aggregator did not become ready"
             time.sleep(0.2)
+
+        # A wrong token: --once has no later to retry in, so the 401 is final and said at once,
+        # with the aggregator's own reason (the spool would otherwise wait out its 30 s flush).
+        (tmp_path / "wrong.token").write_text("0000000000000000000000000\n")
+        started = time.monotonic()
+        refused = subprocess.run(
+            [
+                *GPWD,
+                "agent",
+                "--once",
+                "--node",
+                "node-1",
+                "--gpu-backend",
+                "none",
+                "--sysfs-root",
+                str(FIXTURES / "sysfs" / "h100" / "sys"),
+                "--aggregator",
+                f"http://127.0.0.1:{port}",
+                "--token-file",
+                str(tmp_path / "wrong.token"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+            check=False,
+        )
+        assert time.monotonic() - started < 20.0
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.splitlines()[-1] == (
+            f"gpuwarden agent: error: aggregator http://127.0.0.1:{port} refused the agent's token: "
+            "HTTP 401: unknown bearer token (bad_token)"
+        )
+
         out = subprocess.run(
             [
                 *GPWD,
