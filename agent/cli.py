@@ -290,7 +290,13 @@ def run(args: argparse.Namespace) -> int:
 
         shippers = [
             Shipper(
-                url, args.token_file, clock, max_spool_reports=args.spool_max_reports, ca_file=args.ca_file
+                url,
+                args.token_file,
+                clock,
+                max_spool_reports=args.spool_max_reports,
+                ca_file=args.ca_file,
+                # One report, no later: a refused token cannot get better by waiting.
+                credentials_final=args.once,
             )
             for url in urls
         ]
@@ -322,7 +328,11 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
             if shipper is not None:
                 shipper.submit(result.report)
-                if not shipper.flush(timeout_s=30.0):
+                delivered = shipper.flush(timeout_s=30.0)
+                refusal = shipper.refusal()
+                if refusal is not None:
+                    raise ConfigError(str(refusal))
+                if not delivered:
                     log.error("report not delivered", extra={"aggregator": urls})
                     return 1
             return 0

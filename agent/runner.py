@@ -100,6 +100,9 @@ class Agent:
         self.labels = dict(labels or {})
         self._seq = 0
         self._last: CycleResult | None = None
+        # collector name -> the failure last logged for it: a failure that repeats every cycle
+        # (a wrong --sysfs-root, a missing driver) is logged once, and again when it changes.
+        self._failing: dict[str, str] = {}
 
     @property
     def last_cycle(self) -> CycleResult | None:
@@ -121,12 +124,16 @@ class Agent:
                 out = collector.collect()
             except Exception as exc:  # a collector bug must not cost the other collectors' data
                 message = f"{type(exc).__name__}: {exc}"
-                log.warning("collector failed", extra={"collector": collector.name, "error": message})
+                if self._failing.get(collector.name) != message:
+                    self._failing[collector.name] = message
+                    log.warning("collector failed", extra={"collector": collector.name, "error": message})
                 errors.append(CollectorError(collector=collector.name, message=message[:MAX_MESSAGE]))
                 statuses.append(
                     CollectorStatus(collector.name, True, message, False, time.perf_counter() - start)
                 )
                 continue
+            if self._failing.pop(collector.name, None) is not None:
+                log.info("collector recovered", extra={"collector": collector.name})
             gpus.extend(out.gpus)
             nics.extend(out.nics)
             events.extend(out.events)

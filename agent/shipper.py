@@ -11,7 +11,9 @@ What an answer means for the report at the head:
 
 - 2xx: delivered.
 - 401/403: kept. The token is re-read (a projected service-account token rotates) and the sender
-  backs off: a fresh token or an RBAC fix cures it without restarting the agent.
+  backs off: a fresh token or an RBAC fix cures it without restarting the agent. A one-shot run
+  (``credentials_final``) has no later to wait for: the refusal is final, the report is dropped
+  and ``refusal()`` gives the status and the aggregator's message at once.
 - 408, 429, 5xx, network errors, timeouts: kept, back off, retry (``Retry-After`` is honoured).
 - any other 4xx (a schema error, 413): refused for good. Retrying could never succeed and would
   block every later report, so it is logged with the server's reason, counted, and dropped.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import email.utils
 import gzip
 import http.client
+import json
 import logging
 import math
 import os
@@ -140,6 +143,31 @@ class _Answer:
     status: int | None = None
     reason: str = ""
     retry_after_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The aggregator refused the agent's credentials (a final 401 or 403)."""
+
+    url: str
+    status: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"aggregator {self.url} refused the agent's token: HTTP {self.status}: {_said(self.reason)}"
+
+
+def _said(body: str) -> str:
+    """The aggregator's message from its error body (``{"error": code, "message": text}``), or
+    the body as it is from anything else (a proxy's page)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body or "(no message)"
+    if isinstance(data, dict) and isinstance(data.get("message"), str):
+        code = data.get("error")
+        return f"{data['message']} ({code})" if isinstance(code, str) else data["message"]
+    return body
 
 
 @dataclass(frozen=True)
@@ -253,7 +281,9 @@ class Shipper:
         rng: random.Random | None = None,
         ca_file: Path | None = None,
         backoff_wait: Callable[[float], None] | None = None,
+        credentials_final: bool = False,
     ) -> None:
+        """``credentials_final``: a 401 or 403 drops the report instead of retrying (``--once``)."""
         self._target = _parse_url(url)
         self._url = url
         if not timeout_s > 0:
@@ -281,6 +311,8 @@ class Shipper:
         self._backoff_max_s = backoff_max_s
         self._rng = rng if rng is not None else random.Random()
         self._backoff_wait = backoff_wait
+        self._credentials_final = credentials_final
+        self._refusal: Refusal | None = None
 
         # One lock guards the spool, the in-flight report and the counters.
         self._cond = threading.Condition()
@@ -375,6 +407,11 @@ class Shipper:
         if left:
             log.warning("shipper closed with reports undelivered", extra={"undelivered": left})
 
+    def refusal(self) -> Refusal | None:
+        """The last final refusal of the credentials (only with ``credentials_final``)."""
+        with self._cond:
+            return self._refusal
+
     def stats(self) -> ShipperStats:
         with self._cond:
             return ShipperStats(
@@ -447,6 +484,9 @@ class Shipper:
                 self._last_success = self._clock.time()
             elif answer.outcome is _Outcome.REJECTED:
                 self._rejected += 1
+            elif answer.outcome is _Outcome.UNAUTHORIZED and self._credentials_final:
+                self._rejected += 1
+                self._refusal = Refusal(self._url, answer.status or 0, answer.reason)
             else:
                 self._failed_attempts += 1
                 if doomed:
@@ -498,6 +538,8 @@ class Shipper:
                 log.debug("report delivered", extra=extra)
         elif answer.outcome is _Outcome.REJECTED:
             log.error("aggregator refused report, dropped", extra=extra)
+        elif answer.outcome is _Outcome.UNAUTHORIZED and self._credentials_final:
+            log.error("aggregator refused the agent's token, report dropped", extra=extra)
         else:
             extra["retry_in_s"] = round(delay or 0.0, 3)
             extra["consecutive_failures"] = self._consecutive_failures
@@ -592,6 +634,10 @@ class ShipperFanout:
             thread.start()
         for thread in threads:
             thread.join()
+
+    def refusal(self) -> Refusal | None:
+        """The first replica's final refusal of the credentials, if any refused them."""
+        return next((r for s in self.shippers if (r := s.refusal()) is not None), None)
 
     def stats(self) -> ShipperStats:
         all_stats = [shipper.stats() for shipper in self.shippers]

@@ -98,6 +98,17 @@ def list_names(path: str) -> list[str]:
         return []
 
 
+def root_problem(root: str) -> str | None:
+    """Why ``root`` cannot be a sysfs mount, or None. Every Linux sysfs has ``class/net`` (the
+    loopback interface at least); one with neither it nor ``class/infiniband`` is a wrong
+    ``--sysfs-root``, not a node without NICs."""
+    if not os.path.isdir(root):
+        return f"sysfs root {root} does not exist or is not a directory"
+    if not any(os.path.isdir(os.path.join(root, "class", c)) for c in ("net", "infiniband")):
+        return f"sysfs root {root} has neither class/net nor class/infiniband: not a sysfs mount"
+    return None
+
+
 def existing(directory: str, name: str) -> str | None:
     """The path of ``directory/name`` if it exists (a dangling link counts), else None."""
     path = os.path.join(directory, name)

@@ -6,6 +6,9 @@
 The reset is audited (the aggregator's audit log records who and why) and closes the breaker on
 every replica (it is stored in the leader Lease). Held quarantines that fit the limits are then
 applied; the rest stay held and the breaker opens again.
+
+Both routes exist only on an aggregator with remediation on: a 404 from one of them, from a
+server that answers its health check, means remediation is off there, and is said so.
 """
 
 from __future__ import annotations
@@ -21,6 +24,14 @@ from agent.errors import ConfigError
 
 STATUS_PATH = "/api/v1/remediation"
 RESET_PATH = "/api/v1/breaker/reset"
+# Served by every aggregator, remediation on or off (aggregator/service.py).
+HEALTH_PATH = "/readyz"
+
+
+class _HTTPStatus(ConfigError):
+    def __init__(self, url: str, status: int, body: str) -> None:
+        super().__init__(f"{url}: HTTP {status}: {body}")
+        self.status = status
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,13 +50,36 @@ def _call(req: urllib.request.Request, timeout: float) -> dict[str, object]:
             return data
     except urllib.error.HTTPError as exc:
         body = exc.read().decode("utf-8", "replace")[:500]
-        raise ConfigError(f"{req.full_url}: HTTP {exc.code}: {body}") from exc
+        raise _HTTPStatus(req.full_url, exc.code, body) from exc
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
         raise ConfigError(f"{req.full_url}: {exc}") from exc
 
 
+def _is_an_aggregator(base: str, timeout: float) -> bool:
+    """Whether ``base`` answers the aggregator's health check (ready or not)."""
+    try:
+        _call(urllib.request.Request(base + HEALTH_PATH), timeout)
+    except _HTTPStatus as exc:
+        return exc.status != 404
+    except ConfigError:
+        return False
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     base = args.aggregator.rstrip("/")
+    try:
+        return _run(args, base)
+    except _HTTPStatus as exc:
+        if exc.status != 404 or not _is_an_aggregator(base, args.timeout):
+            raise
+        raise ConfigError(
+            f"remediation is off on the aggregator at {base}: it has no safety breaker "
+            "(start it with --remediation dry-run or enforce, or remediation.mode in its config)"
+        ) from exc
+
+
+def _run(args: argparse.Namespace, base: str) -> int:
     if args.action == "status":
         out = _call(urllib.request.Request(base + STATUS_PATH), args.timeout)
     else:

@@ -29,12 +29,12 @@ from aggregator.configload import load_config
 from aggregator.decisions import Decision, DecisionLog
 from aggregator.metrics import Metrics
 from aggregator.notify import make_dispatcher
-from aggregator.pipeline import Pipeline
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.rules.model import Rule
 from aggregator.service import create_app, serve
 
 if TYPE_CHECKING:
+    from aggregator.pipeline import Pipeline
     from aggregator.remediate.runtime import Remediation
 
 
@@ -131,6 +131,10 @@ async def _serve(
     address: tuple[str, int],
     admin_tokens: list[str] | None,
 ) -> None:
+    # Imported here, not at the top: the pipeline loads numpy and scikit-learn (seconds), which
+    # `--help` and a bad --listen must not wait for.
+    from aggregator.pipeline import Pipeline  # noqa: PLC0415
+
     host, port = address
     clock = SystemClock()
     registry = CollectorRegistry()

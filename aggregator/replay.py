@@ -8,17 +8,20 @@ as live ingestion sees them, are put back in time order through a short reorder 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import heapq
 import logging
 import math
+import os
 import statistics
 import sys
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, TextIO
 
 import msgspec
 import numpy as np
@@ -29,7 +32,6 @@ from agent.report import Report, decode
 from aggregator.config import Config
 from aggregator.decisions import Decision, DecisionLog
 from aggregator.model import IngestOutcome
-from aggregator.pipeline import TICK_SECONDS, Pipeline
 from aggregator.rules.model import Rule
 from aggregator.service import plausibility_errors
 
@@ -38,6 +40,11 @@ log = logging.getLogger(__name__)
 REORDER_SECONDS = 30.0  # reports may arrive this far out of time order and still be ordered
 SKEW_WINDOW_LINES = 64  # lines around a line whose median report time is the fleet's time there
 SKEW_MIN_SECONDS = 10.0  # node clocks closer than this to the fleet's are used as they are
+PROGRESS_EVERY_LINES = 256  # how often the trace reader reports how far it got
+PROGRESS_EVERY_SECONDS = 0.2  # how often the terminal's progress line is redrawn
+
+# (reports read so far, fraction of the trace file consumed)
+Progress = Callable[[int, float], None]
 
 
 class TraceError(GpuwardenError):
@@ -49,16 +56,27 @@ class ReplaySummary:
     reports_read: int = 0
     reports_replayed: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    first_rejected: dict[str, int] = field(default_factory=dict)  # reason -> its first line number
     duplicates: int = 0
     decisions: Counter[str] = field(default_factory=Counter)
     skew: dict[str, float] = field(default_factory=dict)  # node clocks corrected, seconds ahead
+
+    def reject(self, reason: str, lineno: int, error: str) -> None:
+        """Count a skipped line. Each is logged only at INFO (``-v``): a damaged stream can yield
+        thousands, and the summary, or the one error line, says how many there were."""
+        self.rejected[reason] += 1
+        self.first_rejected.setdefault(reason, lineno)
+        log.info("skipping line", extra={"line": lineno, "reason": reason, "error": error})
 
     def render(self) -> str:
         lines = [
             f"reports read: {self.reports_read}, replayed: {self.reports_replayed}, "
             f"duplicates: {self.duplicates}, rejected: {sum(self.rejected.values())}"
         ]
-        lines += [f"  rejected ({why}): {n}" for why, n in sorted(self.rejected.items())]
+        lines += [
+            f"  rejected ({why}): {n} (first at line {self.first_rejected[why]})"
+            for why, n in sorted(self.rejected.items())
+        ]
         lines += [f"  clock of {who} corrected by {-off:+.0f} s" for who, off in self.skew.items()]
         lines.append(
             "decisions: "
@@ -134,14 +152,20 @@ def estimate_skew(path: Path) -> dict[tuple[str, str], float]:
     return offsets
 
 
-def read_trace(path: Path, summary: ReplaySummary) -> Iterator[Report]:
+def read_trace(path: Path, summary: ReplaySummary, progress: Progress | None = None) -> Iterator[Report]:
     """Reports of a JSONL trace in file order. A line that is not a report, or one the live
     service would refuse as implausible, is counted and skipped; a file whose first report line
-    is not a report is unusable."""
+    is not a report is unusable, and so is a stream that breaks (a truncated or corrupt gzip):
+    its one error says how many lines were skipped before it broke."""
     lineno = 0
+    size = path.stat().st_size if path.exists() else 0
     with _open(path) as stream:
+        # The compressed file's position, for a gzip trace: how far through the file we are.
+        raw: IO[bytes] = stream.fileobj if isinstance(stream, gzip.GzipFile) else stream  # type: ignore[assignment]
         try:
             for lineno, line in enumerate(stream, 1):
+                if progress is not None and lineno % PROGRESS_EVERY_LINES == 0:
+                    progress(summary.reports_read, raw.tell() / size if size else 0.0)
                 if not line.strip():
                     continue
                 summary.reports_read += 1
@@ -150,18 +174,17 @@ def read_trace(path: Path, summary: ReplaySummary) -> Iterator[Report]:
                 except ReportError as exc:
                     if summary.reports_read == 1:
                         raise TraceError(f"{path}:{lineno}: not a gpuwarden report: {exc}") from exc
-                    reason = "schema" if "does not match" in str(exc) else "json"
-                    summary.rejected[reason] += 1
-                    log.warning("skipping line", extra={"line": lineno, "error": str(exc)})
+                    summary.reject("schema" if "does not match" in str(exc) else "json", lineno, str(exc))
                     continue
                 problems = plausibility_errors(report)
                 if problems:
-                    summary.rejected["implausible"] += 1
-                    log.warning("skipping line", extra={"line": lineno, "error": "; ".join(problems)})
+                    summary.reject("implausible", lineno, "; ".join(problems))
                     continue
                 yield report
         except (OSError, EOFError, gzip.BadGzipFile) as exc:
-            raise TraceError(f"{path}: unreadable trace after line {lineno}: {exc}") from exc
+            skipped = sum(summary.rejected.values())
+            before = f" ({skipped} damaged lines skipped before it)" if skipped else ""
+            raise TraceError(f"{path}: unreadable trace after line {lineno}{before}: {exc}") from exc
 
 
 def _ordered(
@@ -183,8 +206,12 @@ def _ordered(
 
 
 def replay(
-    trace: Path, out: Path | None, config: Config, rules: list[Rule]
+    trace: Path, out: Path | None, config: Config, rules: list[Rule], *, progress: Progress | None = None
 ) -> tuple[list[Decision], ReplaySummary]:
+    # Imported here, not at the top: the pipeline loads scikit-learn (seconds), which `--help`
+    # and a refused argument must not wait for.
+    from aggregator.pipeline import TICK_SECONDS, Pipeline  # noqa: PLC0415
+
     summary = ReplaySummary()
     produced: list[Decision] = []
 
@@ -192,15 +219,14 @@ def replay(
         produced.append(d)
         summary.decisions[d.state] += 1
 
-    if out is not None and out.exists() and trace.exists() and out.resolve() == trace.resolve():
-        raise TraceError(f"{trace}: --out is the trace itself; it would be overwritten")
+    _refuse_the_trace_as_out(trace, out)
     offsets = estimate_skew(trace)
     summary.skew = {f"{node} (boot {boot[:8]})": off for (node, boot), off in sorted(offsets.items())}
     decisions = DecisionLog(out, truncate=True)  # a replay's output is its own, not appended
     pipeline = Pipeline(config, rules, decisions, on_decision=_record)
     try:
         last: float | None = None
-        for at, report in _ordered(read_trace(trace, summary), offsets):
+        for at, report in _ordered(read_trace(trace, summary, progress), offsets):
             # Live, time-driven work runs every second whether reports arrive or not; here it
             # runs for every tick between two reports, so a gap in the trace is judged as live.
             if last is not None:
@@ -221,27 +247,88 @@ def replay(
     return produced, summary
 
 
+def _refuse_the_trace_as_out(trace: Path, out: Path | None) -> None:
+    if out is not None and out.exists() and trace.exists() and out.resolve() == trace.resolve():
+        raise TraceError(f"{trace}: --out is the trace itself; it would be overwritten")
+
+
+@contextlib.contextmanager
+def _written_on_success(out: Path) -> Iterator[Path]:
+    """A temporary file beside ``out`` that becomes ``out`` (one rename) only if the block
+    succeeds: a replay that fails leaves no partial decision log, and an earlier one in place."""
+    # In the same directory, so the rename is atomic; hidden, and named by process, so two
+    # replays into one folder never share it.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class TerminalProgress:
+    """One self-overwriting line on a terminal: how far through the trace the replay is."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._next = 0.0
+        self._drawn = False
+
+    def __call__(self, reports: int, fraction: float) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + PROGRESS_EVERY_SECONDS
+        self._stream.write(f"\rreplay: {min(fraction, 1.0):4.0%} of the trace, {reports} reports")
+        self._stream.flush()
+        self._drawn = True
+
+    def clear(self) -> None:
+        if self._drawn:
+            self._stream.write("\r\033[K")
+            self._stream.flush()
+            self._drawn = False
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", type=Path, help="trace file: JSON Lines of reports, .gz allowed")
     p.add_argument("--out", type=Path, required=True, help="where to write the decision log (JSONL)")
     p.add_argument("--config", type=Path, help="aggregator configuration YAML")
     p.add_argument("--rules", type=Path, action="append", help="rules file or directory (repeatable)")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log every decision and every skipped line as it happens (they are in --out and "
+        "the summary either way)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from aggregator.configload import load_config  # noqa: PLC0415
     from aggregator.rules.model import default_rules_dir, load_rules  # noqa: PLC0415
 
+    if not args.verbose:
+        # The pipeline logs each decision at INFO; a replay makes hundreds, all in --out already.
+        root = logging.getLogger().getEffectiveLevel()
+        logging.getLogger("aggregator").setLevel(max(logging.WARNING, root))
+    progress = TerminalProgress(sys.stderr) if sys.stderr.isatty() else None
     try:
         config = load_config(args.config)
         rules = load_rules(
             args.rules or [Path(config.rules_dir) if config.rules_dir else default_rules_dir()]
         )
-        _, summary = replay(args.trace, args.out, config, rules)
+        _refuse_the_trace_as_out(args.trace, args.out)
+        with _written_on_success(args.out) as tmp:
+            _, summary = replay(args.trace, tmp, config, rules, progress=progress)
     except TraceError as exc:
+        if progress is not None:
+            progress.clear()
         print(f"gpuwarden replay: {exc}", file=sys.stderr)
         return 2
     except ConfigError:
         raise
+    if progress is not None:
+        progress.clear()
     print(summary.render(), file=sys.stderr)
     return 0

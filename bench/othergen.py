@@ -2,7 +2,7 @@
 
 gpuwarden's detectors must work on fleets they were not tuned on. ``sim/`` is the project's own
 simulator; this module is a separate one, written only from the public report contract
-(``shared/spec/report-v1.schema.json``), the truth file format (``sim/truth.py``) and public
+(``agent/schema/report-v1.schema.json``), the truth file format (``sim/truth.py``) and public
 hardware facts, with its own modelling choices. It writes a trace (JSON Lines of reports, in the
 order the aggregator receives them) and a truth file, so a detector can be scored on traces it has
 never seen.

@@ -17,6 +17,12 @@ Rules of scoring (docs/simulator.md has the reasoning):
 - The baseline is what dcgm-exporter and the usual alert rules catch on the same trace: a
   critical XID, a volatile DBE, a row-remap failure, a GPU at or above 85 C, an InfiniBand port
   not ACTIVE. It quarantines a node at the first report that trips one and never links.
+
+Inputs that are not about the same trace are refused with one line (``check_inputs``): a decision
+naming a node the truth's fleet does not have, or made outside the truth's time span; with
+``--trace``, a trace with nodes the truth does not have, or without the reports that first showed
+the truth's faults (each fault's ``first_seen`` is a report time in its own trace, so a trace of
+another seed or scenario has next to none of them).
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ import argparse
 import gzip
 import json
 import statistics
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
@@ -41,6 +48,12 @@ NODE_CLASSES: Final = frozenset({"hard", "soft"})
 FALSE_CAUSES: Final = ("no_fault", "lookalike", "silent_rack", "link_end", "before_fault")
 # XIDs the usual DCGM alert rules page on (hardware, driver or NVLink failures, not application errors).
 CRITICAL_XIDS: Final = frozenset({48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
+# Decisions carry their reports' times; replay corrects node clocks more than 10 s off, so ten
+# minutes beyond the truth's span is far more than any honest decision log strays.
+SPAN_SLACK_S: Final = 600.0
+# A trace that is the truth's own has the report behind every fault's first_seen; one perturbed
+# on purpose (reports dropped) has most of them; one of another seed or scenario next to none.
+FIRST_SEEN_FOUND_MIN: Final = 0.5
 
 
 @dataclass(frozen=True)
@@ -259,16 +272,29 @@ def _alert(report: Report) -> str | None:
     return None
 
 
-def baseline(trace: Path | str) -> list[Decision]:
-    """What static alerts would have quarantined: one decision per node, at its first alert."""
+@dataclass(frozen=True)
+class TraceFacts:
+    """What one pass over a trace gives: the baseline's decisions, and what ``check_inputs``
+    compares with the truth."""
+
+    baseline: list[Decision]
+    nodes: frozenset[str]
+    stamps: frozenset[tuple[str, float]]  # (node, report time) of every report
+
+
+def trace_facts(trace: Path | str) -> TraceFacts:
     path = Path(trace)
     seen: set[str] = set()
+    nodes: set[str] = set()
+    stamps: set[tuple[str, float]] = set()
     out = []
     for number, line in _lines(path):
         try:
             report = decode(line)
         except ReportError as exc:
             raise ConfigError(f"{path}:{number}: {exc}") from exc
+        nodes.add(report.node)
+        stamps.add((report.node, report.time))
         if report.node in seen:
             continue
         rule = _alert(report)
@@ -279,7 +305,71 @@ def baseline(trace: Path | str) -> list[Decision]:
                     report.time, "node", report.node, None, "quarantined", frozenset({f"baseline:{rule}"})
                 )
             )
-    return out
+    return TraceFacts(out, frozenset(nodes), frozenset(stamps))
+
+
+def baseline(trace: Path | str) -> list[Decision]:
+    """What static alerts would have quarantined: one decision per node, at its first alert."""
+    return trace_facts(trace).baseline
+
+
+# ---------------------------------------------------------------------------------------------
+# Do the inputs belong together?
+
+
+def _when(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _some(names: Sequence[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def check_inputs(
+    truth: Truth,
+    decisions: Sequence[Decision],
+    trace: TraceFacts | None,
+    *,
+    names: tuple[Path | str, Path | str, Path | str | None] = ("truth", "decisions", "trace"),
+) -> None:
+    """Refuse, with a one-line ``ConfigError``, a decision log or a trace that is not about the
+    truth's trace: scored anyway, it gives figures that mean nothing (negative times to detect)."""
+    truth_name, decisions_name, trace_name = names
+    fleet = set(truth.nodes)
+    strangers = sorted({n for d in decisions for n in (d.node, d.peer) if n is not None and n not in fleet})
+    if strangers:
+        raise ConfigError(
+            f"{decisions_name} does not belong to {truth_name}: it names {len(strangers)} node(s) "
+            f"the truth's fleet does not have ({_some(strangers)})"
+        )
+    lo, hi = truth.start - SPAN_SLACK_S, truth.end + SPAN_SLACK_S
+    outside = [d for d in decisions if not lo <= d.time <= hi]
+    if outside:
+        raise ConfigError(
+            f"{decisions_name} does not belong to {truth_name}: {len(outside)} decision(s) fall "
+            f"outside the truth's time span ({_when(truth.start)} to {_when(truth.end)}), the first "
+            f"at {_when(outside[0].time)}"
+        )
+    if trace is None:
+        return
+    strangers = sorted(trace.nodes - fleet)
+    if strangers:
+        raise ConfigError(
+            f"{trace_name} is not {truth_name}'s trace: it has {len(strangers)} node(s) the truth's "
+            f"fleet does not have ({_some(strangers)})"
+        )
+    # Silent-rack entries have their start as first_seen, not a report's time.
+    shown = [f for f in truth.faults if f.first_seen is not None and f.fault_class != "silent"]
+    found = [
+        f for f in shown if any((n, f.first_seen) in trace.stamps for n in (f.node, f.peer) if n is not None)
+    ]
+    if shown and len(found) < FIRST_SEEN_FOUND_MIN * len(shown):
+        missing = next(f for f in shown if f not in found)
+        raise ConfigError(
+            f"{trace_name} is not {truth_name}'s trace: only {len(found)} of the {len(shown)} reports "
+            f"that first showed its faults are in it (none from {missing.node} at "
+            f"{missing.first_seen}, where fault {missing.id} ({missing.kind}) first showed)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,10 +424,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def evaluate(truth_path: Path, decisions_path: Path, trace: Path | None) -> dict[str, dict[str, Any]]:
+    """Score the decisions (and, with the trace, the baseline) after checking that all three
+    are about one trace."""
     truth = truth_mod.load(truth_path)
-    results = {"gpuwarden": score(truth, load_decisions(decisions_path))}
-    if trace is not None:
-        results["baseline"] = score(truth, baseline(trace))
+    decisions = load_decisions(decisions_path)
+    facts = trace_facts(trace) if trace is not None else None
+    check_inputs(truth, decisions, facts, names=(truth_path, decisions_path, trace))
+    results = {"gpuwarden": score(truth, decisions)}
+    if facts is not None:
+        results["baseline"] = score(truth, facts.baseline)
     return results
 
 

@@ -1,4 +1,4 @@
-"""Shared test fixtures: where the repository and the shared recorded data are."""
+"""Shared test fixtures: where the repository and its recorded data are."""
 
 from __future__ import annotations
 
@@ -7,16 +7,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# shared/ (the contracts and recorded real hardware data) sits beside the repository, in CI too.
-SHARED = REPO.parent / "shared"
 FIXTURES = REPO / "tests" / "fixtures"
+# Trees recorded from real machines (tests/fixtures/sysfs/recorded/README.md: sources, licence).
+# Everything the tests read lives inside the repository, so a fresh clone passes on its own.
+RECORDED_SYSFS = FIXTURES / "sysfs" / "recorded"
 
 
 @pytest.fixture
-def shared_fixtures() -> Path:
-    path = SHARED / "fixtures"
-    assert path.is_dir(), f"shared fixtures missing at {path}"
-    return path
+def recorded_sysfs() -> Path:
+    return RECORDED_SYSFS
 
 
 @pytest.fixture

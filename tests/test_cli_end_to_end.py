@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import jsonschema
 import pytest
 
 from agent.report import json_schema
-from tests.conftest import FIXTURES, REPO, SHARED
+from tests.conftest import FIXTURES, RECORDED_SYSFS, REPO
 
 GPWD = [sys.executable, "-m", "gpuwarden"]
 
@@ -45,7 +46,7 @@ def _int(path: Path) -> int:
 
 @pytest.mark.parametrize("tree", ["node_exporter", "procfs"])
 def test_recorded_tree_report_validates_and_counters_equal_the_files(tree: str) -> None:
-    sysfs = SHARED / "fixtures" / "sysfs" / tree / "sys"
+    sysfs = RECORDED_SYSFS / tree / "sys"
     report = _report(_agent("--gpu-backend", "none", "--sysfs-root", str(sysfs)))
     assert report["gpus"] == []
     ports = [n for n in report["nics"] if n["port"] is not None]
@@ -145,6 +146,40 @@ def test_agent_to_aggregator_over_http_quarantines_a_lost_gpu(tmp_path: Path) ->
             assert server.poll() is None, server.stderr.read() if server.stderr else ""
             assert time.monotonic() < deadline, "aggregator did not become ready"
             time.sleep(0.2)
+
+        # A wrong token: --once has no later to retry in, so the 401 is final and said at once,
+        # with the aggregator's own reason (the spool would otherwise wait out its 30 s flush).
+        (tmp_path / "wrong.token").write_text("0000000000000000000000000\n")
+        started = time.monotonic()
+        refused = subprocess.run(
+            [
+                *GPWD,
+                "agent",
+                "--once",
+                "--node",
+                "node-1",
+                "--gpu-backend",
+                "none",
+                "--sysfs-root",
+                str(FIXTURES / "sysfs" / "h100" / "sys"),
+                "--aggregator",
+                f"http://127.0.0.1:{port}",
+                "--token-file",
+                str(tmp_path / "wrong.token"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+            check=False,
+        )
+        assert time.monotonic() - started < 20.0
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.splitlines()[-1] == (
+            f"gpuwarden agent: error: aggregator http://127.0.0.1:{port} refused the agent's token: "
+            "HTTP 401: unknown bearer token (bad_token)"
+        )
+
         out = subprocess.run(
             [
                 *GPWD,
@@ -229,3 +264,22 @@ def test_the_simulated_fleet_demo_runs_and_scores_itself() -> None:
     assert "healthy -> quarantined (taint)" in out.stdout  # the XID 79 two minutes in
     assert "app_xid" in out.stdout and "not quarantined (right)" in out.stdout
     assert "0 false" in out.stdout and "(0 refused)" in out.stdout
+
+
+def test_a_sysfs_root_that_does_not_exist_is_an_error_in_the_report_and_the_log(tmp_path: Path) -> None:
+    missing = tmp_path / "nonexistent"
+    out = _agent("--gpu-backend", "none", "--sysfs-root", str(missing))
+    report = _report(out)
+    assert report["nics"] == []
+    said = f"sysfs root {missing} does not exist"
+    assert {e["collector"] for e in report["errors"] if said in e["message"]} == {"infiniband", "netdev"}
+    assert [line for line in out.stderr.splitlines() if "collector failed" in line and said in line]
+
+
+def test_a_real_sysfs_without_rdma_devices_is_not_an_error(tmp_path: Path) -> None:
+    # The procfs recording's class/net alone: a node with Ethernet and no RDMA device.
+    root = tmp_path / "sys"
+    shutil.copytree(RECORDED_SYSFS / "procfs" / "sys" / "class" / "net", root / "class" / "net")
+    report = _report(_agent("--gpu-backend", "none", "--sysfs-root", str(root)))
+    assert [n["device"] for n in report["nics"]] == ["eth0"]
+    assert not [e for e in report.get("errors", []) if e["collector"] in ("infiniband", "netdev")]

@@ -1,4 +1,4 @@
-"""The decision log is append-only JSONL in the shared/spec format, robust to a torn last line."""
+"""The decision log is append-only JSONL in the docs/spec.md format, robust to a torn last line."""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ from sim import scenario as scenario_mod
 from sim.cli import write_trace
 from sim.eval import baseline, evaluate, load_decisions, markdown, score
 from sim.truth import load as load_truth
+from tests.conftest import REPO
 
 T0 = 1_764_000_000.0
 
@@ -204,3 +207,94 @@ def test_a_node_whose_clock_runs_a_little_behind_is_caught_from_its_first_showin
         assert (r["classes"]["hard"]["caught"], r["quarantines"]["false"]) == (caught, false)
         if caught:
             assert r["classes"]["hard"]["time_to_detect"]["median_s"] == 0.0
+
+
+# -- inputs that do not belong together ---------------------------------------------------------
+
+
+SMALL = {
+    "minutes": 20,
+    "interval_s": 30,
+    "pools": [{"name": "h100", "profile": "h100-sxm-80gb", "nodes": 8}],
+    "faults": [
+        {"kind": "xid79", "node": "gpu-0001", "gpu": 0, "at_s": 300},
+        {"kind": "ib_port_down", "node": "gpu-0002", "port": 1, "at_s": 400},
+        {"kind": "dbe", "node": "gpu-0003", "gpu": 2, "at_s": 500},
+    ],
+}
+
+
+def _simulated(tmp_path: Path, name: str, seed: int) -> tuple[Path, Path, Path]:
+    """A trace, its truth, and (as the decision log) what the baseline decides on it."""
+    trace = tmp_path / f"{name}.jsonl"
+    _, truth = write_trace(scenario_mod.parse({**SMALL, "seed": seed}), trace)
+    truth_path = tmp_path / f"{name}.truth.json"
+    truth_path.write_text(json.dumps(truth.to_json()))
+    decisions = tmp_path / f"{name}.decisions.jsonl"
+    decisions.write_text(
+        "".join(json.dumps(_d(d.time - T0, d.node, d.state)) + "\n" for d in baseline(trace))
+    )
+    return trace, truth_path, decisions
+
+
+def _eval_cli(*args: Path | str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpuwarden", "eval", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_inputs_of_one_trace_are_scored(tmp_path: Path) -> None:
+    trace, truth, decisions = _simulated(tmp_path, "a", seed=5)
+    results = evaluate(truth, decisions, trace)
+    assert results["gpuwarden"]["classes"]["hard"]["recall"] == 1.0
+
+
+def test_a_truth_of_another_seed_is_refused_with_the_trace(tmp_path: Path) -> None:
+    # Same fleet, same start, same faults: only the trace can tell that the truth is another's.
+    trace_a, truth_a, decisions_a = _simulated(tmp_path, "a", seed=5)
+    _, truth_b, _ = _simulated(tmp_path, "b", seed=6)
+    proc = _eval_cli(truth_b, decisions_a, "--trace", trace_a)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"gpuwarden eval: error: {trace_a} is not {truth_b}'s trace: only 0 of the 3")
+    assert proc.stdout == ""
+    assert _eval_cli(truth_a, decisions_a, "--trace", trace_a).returncode == 0
+
+
+def test_a_trace_with_other_nodes_is_refused(tmp_path: Path) -> None:
+    trace, truth, decisions = _simulated(tmp_path, "a", seed=5)
+    other = tmp_path / "other.jsonl"
+    other.write_text(trace.read_text().replace('"gpu-0007"', '"node-x007"'))
+    with pytest.raises(
+        ConfigError, match=r"other.jsonl is not .*a.truth.json's trace: it has 1 node\(s\) .*node-x007"
+    ):
+        evaluate(truth, decisions, other)
+
+
+def test_decisions_about_another_fleet_are_refused(files: tuple[Path, Path], tmp_path: Path) -> None:
+    truth, _ = files
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps(_d(140, "gpu-0042", "quarantined")) + "\n")
+    proc = _eval_cli(truth, other)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.splitlines()
+    assert "does not belong to" in line and "1 node(s) the truth's fleet does not have (gpu-0042)" in line
+
+
+def test_decisions_outside_the_truths_time_span_are_refused(files: tuple[Path, Path], tmp_path: Path) -> None:
+    truth, _ = files
+    later = tmp_path / "later.jsonl"
+    # A day later: a replay of another run of the same fleet (negative or absurd times to detect).
+    later.write_text(
+        "".join(json.dumps(_d(86_400 + d["time"] - T0, d["node"], d["state"])) + "\n" for d in DECISIONS[:3])
+    )
+    with pytest.raises(ConfigError, match=r"3 decision\(s\) fall outside the truth's time span"):
+        evaluate(truth, later, None)
+    # Minutes past the end are still the same run (decisions carry their reports' clocks).
+    near = tmp_path / "near.jsonl"
+    near.write_text(json.dumps(_d(3600 + 120, "gpu-0001", "quarantined")) + "\n")
+    evaluate(truth, near, None)

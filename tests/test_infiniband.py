@@ -155,8 +155,8 @@ def validate(nics: list[Nic]) -> None:
 
 
 @pytest.fixture(params=["node_exporter", "procfs"])
-def recorded(request: pytest.FixtureRequest, shared_fixtures: Path) -> Path:
-    return shared_fixtures / "sysfs" / request.param / "sys"
+def recorded(request: pytest.FixtureRequest, recorded_sysfs: Path) -> Path:
+    return recorded_sysfs / request.param / "sys"
 
 
 def test_recorded_tree_reports_every_port_as_its_files_say(recorded: Path) -> None:
@@ -174,8 +174,8 @@ def test_recorded_tree_reports_every_port_as_its_files_say(recorded: Path) -> No
     validate(list(out.nics))
 
 
-def test_recorded_spot_checks(shared_fixtures: Path) -> None:
-    procfs = nics_by_port(collector(shared_fixtures / "sysfs" / "procfs" / "sys").collect().nics)
+def test_recorded_spot_checks(recorded_sysfs: Path) -> None:
+    procfs = nics_by_port(collector(recorded_sysfs / "procfs" / "sys").collect().nics)
     mlx5 = procfs[("mlx5_0", 1)]
     assert mlx5.rate_bytes_per_second == 3.125e9  # 25 Gb/sec (1X EDR)
     assert mlx5.tx_bytes_total == 2880761508848 * 4
@@ -186,9 +186,7 @@ def test_recorded_spot_checks(shared_fixtures: Path) -> None:
     assert "lifespan" not in mlx5.counters
     assert procfs[("hfi1_0", 1)].rate_bytes_per_second == 1.25e10  # 100 Gb/sec (4X EDR)
 
-    node_exporter = nics_by_port(
-        collector(shared_fixtures / "sysfs" / "node_exporter" / "sys").collect().nics
-    )
+    node_exporter = nics_by_port(collector(recorded_sysfs / "node_exporter" / "sys").collect().nics)
     iwarp = node_exporter[("i40iw0", 1)]
     # Every counter of the iWARP port reads "N/A (no PMA)": unsupported, not zero, not an error.
     assert iwarp.counters is msgspec.UNSET
@@ -587,13 +585,30 @@ def test_close_releases_files_and_collect_starts_over() -> None:
 
 
 def test_unsupported_without_the_class_directory(tmp_path: Path) -> None:
+    # A real sysfs (it has class/net) on a node without RDMA devices: nothing to report, no error.
+    (tmp_path / "class" / "net").mkdir(parents=True)
     support = collector(tmp_path).supported()
     assert not support.supported
     assert support.reason == f"no {tmp_path}/class/infiniband: no RDMA devices"
 
 
+@pytest.mark.parametrize("root", ["missing", "empty", "a-file"])
+def test_a_root_that_is_no_sysfs_is_a_failure_not_a_node_without_rdma(tmp_path: Path, root: str) -> None:
+    path = tmp_path / root
+    if root == "empty":
+        path.mkdir()
+    elif root == "a-file":
+        path.write_text("")
+    c = collector(path)
+    assert c.supported().supported  # so the runner collects, and reports the failure
+    expected = "neither class/net nor class/infiniband" if root == "empty" else "does not exist"
+    with pytest.raises(CollectorFailure, match=f"sysfs root {path} .*{expected}"):
+        c.collect()
+
+
 def test_class_directory_vanishing_is_a_collector_failure(tmp_path: Path) -> None:
     root = copy_devices(tmp_path, "mlx5_0", tree="edge")
+    (root / "class" / "net").mkdir(exist_ok=True)  # the rest of a real sysfs stays
     c = collector(root)
     assert c.supported().supported
     c.collect()

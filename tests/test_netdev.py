@@ -111,8 +111,8 @@ def validate(nics: list[Nic]) -> None:
 # ---------------------------------------------------------------- recorded trees
 
 
-def test_procfs_recording_reports_eth0_from_its_files(shared_fixtures: Path) -> None:
-    root = shared_fixtures / "sysfs" / "procfs" / "sys"
+def test_procfs_recording_reports_eth0_from_its_files(recorded_sysfs: Path) -> None:
+    root = recorded_sysfs / "procfs" / "sys"
     out = collector(root).collect()
 
     assert out.errors == ()
@@ -125,10 +125,10 @@ def test_procfs_recording_reports_eth0_from_its_files(shared_fixtures: Path) -> 
     validate([eth0])
 
 
-def test_node_exporter_recording_has_only_bonds_and_a_flattened_link(shared_fixtures: Path) -> None:
+def test_node_exporter_recording_has_only_bonds_and_a_flattened_link(recorded_sysfs: Path) -> None:
     # bond0, dmz and int are bonds (bonding/); eth0 was recorded as a plain file holding its link
     # target, which is not an interface directory; bonding_masters is a file.
-    root = shared_fixtures / "sysfs" / "node_exporter" / "sys"
+    root = recorded_sysfs / "node_exporter" / "sys"
     out = collector(root).collect()
     assert out == type(out)()
 
@@ -141,16 +141,14 @@ def test_node_exporter_recording_has_only_bonds_and_a_flattened_link(shared_fixt
     validate(list(included.nics))
 
 
-def test_node_exporter_eth0_with_its_link_restored_is_physical(shared_fixtures: Path, tmp_path: Path) -> None:
+def test_node_exporter_eth0_with_its_link_restored_is_physical(recorded_sysfs: Path, tmp_path: Path) -> None:
     # As on the machine it was recorded from: class/net/eth0 -> ../../devices/pci.../net/eth0.
     # That recording kept no `device` link; resolving into devices/ outside devices/virtual/ is
     # the same fact seen from the other side.
     root = tmp_path / "sys"
-    shutil.copytree(
-        shared_fixtures / "sysfs" / "node_exporter" / "sys" / "class" / "net", root / "class" / "net"
-    )
-    shutil.copytree(shared_fixtures / "sysfs" / "node_exporter" / "sys" / "devices", root / "devices")
-    os.chmod(root / "class" / "net", 0o755)  # the shared tree is read-only
+    shutil.copytree(recorded_sysfs / "node_exporter" / "sys" / "class" / "net", root / "class" / "net")
+    shutil.copytree(recorded_sysfs / "node_exporter" / "sys" / "devices", root / "devices")
+    os.chmod(root / "class" / "net", 0o755)  # in case the checkout is read-only
     entry = root / "class" / "net" / "eth0"
     target = entry.read_text().rstrip("/")
     entry.unlink()
@@ -339,13 +337,28 @@ def test_over_the_open_file_budget_files_are_read_by_path() -> None:
 
 
 def test_unsupported_without_the_class_directory(tmp_path: Path) -> None:
+    # A tree with only class/infiniband (a recording of the RDMA side): no interfaces, no error.
+    (tmp_path / "class" / "infiniband").mkdir(parents=True)
     support = collector(tmp_path).supported()
     assert not support.supported
     assert support.reason == f"no {tmp_path}/class/net: no network interfaces"
 
 
+@pytest.mark.parametrize("root", ["missing", "empty"])
+def test_a_root_that_is_no_sysfs_is_a_failure_not_one_without_interfaces(tmp_path: Path, root: str) -> None:
+    path = tmp_path / root
+    if root == "empty":
+        path.mkdir()
+    c = collector(path)
+    assert c.supported().supported
+    expected = "neither class/net nor class/infiniband" if root == "empty" else "does not exist"
+    with pytest.raises(CollectorFailure, match=f"sysfs root {path} .*{expected}"):
+        c.collect()
+
+
 def test_class_directory_vanishing_is_a_collector_failure(tmp_path: Path) -> None:
     root = copy_netdevs(tmp_path, "eth1", tree="edge")
+    (root / "class" / "infiniband").mkdir(exist_ok=True)  # the rest of the tree stays
     c = collector(root)
     c.collect()
     shutil.rmtree(root / "class" / "net")

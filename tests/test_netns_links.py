@@ -14,7 +14,7 @@ per node and per pair, so each is judged as if alone; running them together halv
   end's address): a degraded link decision for that pair, with neither end quarantined;
 
 then both are un-throttled: the link returns to healthy and the node goes through probation to
-healthy with its taint lifted. The decision log (shared/spec section 2) is the evidence.
+healthy with its taint lifted. The decision log (docs/spec.md section 2) is the evidence.
 
 Every node's veth is shaped to ``BASE_RATE`` and a throttled path to ``SLOW_RATE``, a tenth of
 it. The baseline cap is what makes the test stable on a small CI machine: unshaped, a 16 MiB

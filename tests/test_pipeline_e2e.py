@@ -3,7 +3,7 @@
 Hard faults quarantine from the report that shows them, for the right reason; look-alikes (application
 XIDs, reboots, skewed clocks, lost and duplicated reports) make no decision at all; silence makes a
 node suspect and a silent rack one systemic event; a fault cleared by a reboot goes through
-probation. Every decision is checked against the shared decision format (shared/spec/README.md,
+probation. Every decision is checked against the shared decision format (docs/spec.md,
 section 2). Reports are ingested with their receive times, as the live service does.
 """
 
@@ -44,7 +44,7 @@ TICK_SLACK_S = 2.0  # time-driven decisions happen on the next whole-second tick
 
 _NODE_STATES = ["healthy", "suspect", "quarantined", "probation"]
 _LINK_STATES = ["healthy", "suspect", "degraded"]
-# The decision record of shared/spec/README.md section 2, as a JSON Schema.
+# The decision record of docs/spec.md section 2, as a JSON Schema.
 DECISION_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "type": "object",

@@ -10,7 +10,9 @@ through the real client over HTTP.
 
 Time is real (the replicas' SystemClock), with short leader and health timings so a fail-over or
 a probation takes seconds. Every wait polls a condition with a deadline; nothing sleeps for
-behaviour.
+behaviour. A test whose outcome must not depend on how busy the machine is gives the replicas a
+``SteppedClock`` instead: the Lease's times then pass only as the test waits, never while the
+event loop is stalled.
 
 The replicas' Kubernetes client is wrapped by ``Severable``, which can cut the replica off from
 the API server (every call then fails as an unreachable server would): that is how a test
@@ -21,6 +23,7 @@ controller's write land between our read of a node and our patch.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gzip
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -33,7 +36,7 @@ import aiohttp
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from agent.clock import SystemClock
+from agent.clock import Clock, SystemClock
 from agent.report import Event
 from aggregator.audit import AuditLog
 from aggregator.auth import StaticTokens
@@ -92,6 +95,37 @@ def config(
             ),
         ),
     )
+
+
+class SteppedClock:
+    """Wall time as it is (report, Lease and breaker times); monotonic time, the one the leader
+    election measures its renew deadline and the lease's expiry on, advances only by what the
+    test's own waits poll for (``eventually``, ``keep_reporting``).
+
+    Under load the event loop can stall for longer than the renew deadline between two renewals:
+    on the system clock the leader then steps down and the other replica may take over, so which
+    replica writes depends on the machine's load. On this clock a stall costs no lease time; only
+    waiting that long without a single renewal would, as on an idle machine."""
+
+    def __init__(self) -> None:
+        self._mono = 1000.0
+
+    def time(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return self._mono
+
+    def sleep(self, seconds: float) -> None:
+        self.advance(seconds)
+
+    def advance(self, seconds: float) -> None:
+        self._mono += max(0.0, seconds)
+
+
+def stall_the_event_loop(seconds: float) -> None:
+    """What a busy machine does to the replicas: nothing in the loop runs for ``seconds``."""
+    time.sleep(seconds)
 
 
 # -- the replicas' Kubernetes client --------------------------------------------------------------
@@ -157,8 +191,10 @@ class Replica:
         await self.shutdown()
 
 
-async def start_replica(name: str, double: KubeApiDouble, tmp_path: Path, cfg: Config) -> Replica:
-    clock = SystemClock()
+async def start_replica(
+    name: str, double: KubeApiDouble, tmp_path: Path, cfg: Config, clock: Clock | None = None
+) -> Replica:
+    clock = clock if clock is not None else SystemClock()
     registry = CollectorRegistry()
     metrics = Metrics(registry)
     authenticator = StaticTokens(tmp_path / "tokens")
@@ -246,6 +282,7 @@ class Fleet:
         self.tmp_path = tmp_path
         self.session = session
         self.agents: dict[str, Agent] = {}
+        self.clock: SteppedClock | None = None  # advanced by keep_reporting's pauses when set
 
     def add(self, count: int, *, reporting: int, taints: list[dict[str, str]] | None = None) -> list[str]:
         names = [f"gpu-{i:04d}" for i in range(1, count + 1)]
@@ -286,17 +323,25 @@ class Fleet:
             for node in nodes:
                 await self.send(node, replicas)
             await asyncio.sleep(0.2)
+            if self.clock is not None:
+                self.clock.advance(0.2)
 
 
-async def eventually(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+async def eventually(
+    check: Callable[[], bool], what: str, timeout: float = WAIT_S, *, clock: SteppedClock | None = None
+) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not check():
         assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.02)
+        if clock is not None:
+            clock.advance(0.02)
 
 
-async def leader_of(replicas: Sequence[Replica]) -> tuple[Replica, list[Replica]]:
-    await eventually(lambda: sum(r.is_leader for r in replicas) == 1, "one leader")
+async def leader_of(
+    replicas: Sequence[Replica], *, clock: SteppedClock | None = None
+) -> tuple[Replica, list[Replica]]:
+    await eventually(lambda: sum(r.is_leader for r in replicas) == 1, "one leader", clock=clock)
     leader = next(r for r in replicas if r.is_leader)
     return leader, [r for r in replicas if r is not leader]
 
@@ -309,12 +354,17 @@ async def cluster(tmp_path: Path) -> AsyncIterator[tuple[KubeApiDouble, Fleet]]:
 
 @asynccontextmanager
 async def replicas(
-    double: KubeApiDouble, tmp_path: Path, cfg: Config, names: Sequence[str] = ("agg-0", "agg-1")
+    double: KubeApiDouble,
+    tmp_path: Path,
+    cfg: Config,
+    names: Sequence[str] = ("agg-0", "agg-1"),
+    *,
+    clock: Clock | None = None,
 ) -> AsyncIterator[list[Replica]]:
     started: list[Replica] = []
     try:
         for name in names:
-            started.append(await start_replica(name, double, tmp_path, cfg))
+            started.append(await start_replica(name, double, tmp_path, cfg, clock))
         yield started
     finally:
         for r in started:
@@ -492,29 +542,32 @@ async def test_other_controllers_taints_survive_concurrent_changes(tmp_path: Pat
 
 
 async def test_safety_limits_hold_then_release_after_a_reset(tmp_path: Path) -> None:
+    # Which replica leads decides who writes; on a SteppedClock the machine's load cannot change it.
+    clock = SteppedClock()
+    wait = functools.partial(eventually, clock=clock)
+    cfg = config(max_pool_share=0.1)
     async with cluster(tmp_path) as (double, fleet):
+        fleet.clock = clock
         first, second, *_ = fleet.add(10, reporting=2)
-        async with replicas(double, tmp_path, config(max_pool_share=0.1)) as both:
-            leader, (follower,) = await leader_of(both)
+        async with replicas(double, tmp_path, cfg, clock=clock) as both:
+            leader, (follower,) = await leader_of(both, clock=clock)
             for node in (first, second):
                 await fleet.send(node, both)
             await fleet.fault(first, both)
-            await eventually(lambda: bool(ours(double, first)), "the first node's taint")
+            await wait(lambda: bool(ours(double, first)), "the first node's taint")
 
             # 1 of 10 may be out: the second fault is held, everywhere, and the breaker opens.
             await fleet.fault(second, both)
-            await eventually(lambda: all(r.decisions(second) for r in both), "both replicas' decisions")
+            await wait(lambda: all(r.decisions(second) for r in both), "both replicas' decisions")
             for r in both:
                 (d,) = r.decisions(second)
                 assert (d.state, d.action) == ("quarantined", "held")
-            await eventually(
+            await wait(
                 lambda: (c := gpu_condition(double, second)) is not None and c["reason"] == "QuarantineHeld",
                 "the held condition",
             )
             assert not ours(double, second)
-            await eventually(
-                lambda: BREAKER_ANNOTATION in lease_annotations(double), "the breaker in the Lease"
-            )
+            await wait(lambda: BREAKER_ANNOTATION in lease_annotations(double), "the breaker in the Lease")
             stored = decode_breaker(lease_annotations(double)[BREAKER_ANNOTATION])
             assert stored is not None and stored.open and stored.limit == "pool_share"
             for r in both:
@@ -552,6 +605,14 @@ async def test_safety_limits_hold_then_release_after_a_reset(tmp_path: Path) -> 
             assert not ours(double, second)
             assert all(r.pipeline.limits.open for r in both)
 
+            # The machine is busy: the loop stalls for longer than the lease lasts. On the system
+            # clock the leader would have stepped down by then, and the follower would find the
+            # lease expired and race it for the next one. Here the leader stays the leader.
+            stall_the_event_loop(cfg.remediation.leader.lease_duration_seconds + 0.5)
+            assert leader.is_leader
+            await asyncio.sleep(2 * cfg.remediation.leader.retry_period_seconds)  # both lease loops run
+            assert leader.is_leader and not follower.is_leader
+
             # A human resets it, on the replica that does not lead: the leader learns it from the
             # Lease and taints the held node.
             reset = {"by": "alice", "reason": "first node repaired, second checked"}
@@ -570,9 +631,9 @@ async def test_safety_limits_hold_then_release_after_a_reset(tmp_path: Path) -> 
             assert body["breaker"].get("open", False) is False and body["breaker"]["reset_by"] == "alice"
             assert [a.by for a in follower.audit.recent if a.action == "breaker_reset"] == ["alice"]
 
-            await eventually(lambda: bool(ours(double, second)), "the held node's taint")
+            await wait(lambda: bool(ours(double, second)), "the held node's taint")
             assert bare(ours(double, second)) == [{"key": OURS, "value": "xid-79", "effect": "NoSchedule"}]
-            await eventually(lambda: not any(r.pipeline.limits.open for r in both), "both adopting the reset")
+            await wait(lambda: not any(r.pipeline.limits.open for r in both), "both adopting the reset")
             for r in both:
                 last = r.decisions(second)[-1]
                 assert (last.state, last.previous, last.action) == ("quarantined", "quarantined", "taint")
@@ -580,7 +641,7 @@ async def test_safety_limits_hold_then_release_after_a_reset(tmp_path: Path) -> 
                 assert status["breaker"].get("open", False) is False and status["held_nodes"] == []
             stored = decode_breaker(lease_annotations(double)[BREAKER_ANNOTATION])
             assert stored is not None and not stored.open and stored.reset_by == "alice"
-            await eventually(
+            await wait(
                 lambda: (c := gpu_condition(double, second)) is not None and c["reason"] == "Quarantined",
                 "the quarantined condition",
             )

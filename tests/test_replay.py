@@ -89,7 +89,7 @@ def summary_of(stderr: str) -> dict[str, Any]:
     (head,) = own_lines(stderr, "reports read: ")
     counts = dict(part.split(": ") for part in head.split(", "))
     rejected = {
-        line.split("(")[1].split(")")[0]: int(line.rsplit(": ", 1)[1])
+        line.split("(")[1].split(")")[0]: int(line.split("): ", 1)[1].split()[0])
         for line in own_lines(stderr, "  rejected (")
     }
     (tail,) = own_lines(stderr, "decisions: ")
@@ -199,12 +199,26 @@ def _truncated_gzip(work: Path) -> Path:
     return path
 
 
+def _corrupt_gzip(work: Path) -> Path:
+    """Bytes damaged in the middle of the compressed stream: it still inflates, to garbage, and
+    only the CRC at the end says so."""
+    data = bytearray(gzip.compress((work / "trace.jsonl").read_bytes(), mtime=0))
+    middle = len(data) // 3
+    data[middle : middle + 64] = bytes(b ^ 0x55 for b in data[middle : middle + 64])
+    path = work / "corrupt.jsonl.gz"
+    path.write_bytes(bytes(data))
+    return path
+
+
 @pytest.mark.parametrize(
     ("make", "says"),
     [
         pytest.param(_not_json, [":1: not a gpuwarden report"], id="not-json"),
         pytest.param(_missing, ["cannot open trace", "No such file"], id="missing"),
         pytest.param(_truncated_gzip, ["unreadable trace after line "], id="truncated-gzip"),
+        pytest.param(
+            _corrupt_gzip, ["unreadable trace after line ", "damaged lines skipped"], id="corrupt-gzip"
+        ),
         pytest.param(_empty, ["no reports in the trace"], id="empty"),
     ],
 )
@@ -212,13 +226,93 @@ def test_unusable_input_exits_2_with_a_one_line_reason(
     work: Path, trace: Path, make: Callable[[Path], Path], says: list[str]
 ) -> None:
     path = make(work)
-    proc = run_replay(path, work / f"{path.name}.out", work / "config.yaml")
+    out_dir = work / f"{path.name}.out.d"
+    out_dir.mkdir()
+    out = out_dir / "decisions.jsonl"
+    proc = run_replay(path, out, work / "config.yaml")
     assert proc.returncode == 2
-    (reason,) = own_lines(proc.stderr, "gpuwarden replay: ")
+    # One line, and nothing else: no warning per damaged line, no summary of a replay that did
+    # not happen.
+    (reason,) = proc.stderr.splitlines()
+    assert reason.startswith("gpuwarden replay: ")
     assert str(path) in reason
     for text in says:
         assert text in reason
-    assert not own_lines(proc.stderr, "reports read: ")  # no summary of a replay that did not happen
+    # No partial decision log, and no temporary file left behind.
+    assert list(out_dir.iterdir()) == []
+
+
+def test_a_failed_replay_keeps_the_previous_decision_log(work: Path) -> None:
+    out = work / "kept-decisions.jsonl"
+    out.write_bytes(b"the previous replay's decisions\n")
+    proc = run_replay(_truncated_gzip(work), out, work / "config.yaml")
+    assert proc.returncode == 2
+    assert out.read_bytes() == b"the previous replay's decisions\n"
+    assert sorted(p.name for p in work.glob(".kept-decisions*")) == []
+
+
+def test_the_summary_comes_last_and_decisions_are_logged_only_with_verbose(
+    replayed: tuple[Path, subprocess.CompletedProcess[str]], work: Path, trace: Path
+) -> None:
+    out, quiet = replayed
+    assert quiet.returncode == 0, quiet.stderr
+    decisions = list(read_decisions(out))
+    assert decisions
+    # Not a terminal: no progress line, no log line; the summary is all there is.
+    assert quiet.stderr.splitlines()[0].startswith("reports read: ")
+    assert quiet.stderr.splitlines()[-1].startswith("decisions: ")
+    assert "\r" not in quiet.stderr and " INFO " not in quiet.stderr
+
+    verbose = gpuwarden(
+        "replay", trace, "--out", work / "verbose.jsonl", "--config", work / "config.yaml", "-v"
+    )
+    assert verbose.returncode == 0, verbose.stderr
+    logged = [line for line in verbose.stderr.splitlines() if " INFO aggregator.pipeline: decision " in line]
+    assert len(logged) == len(decisions)
+    assert verbose.stderr.splitlines()[-1].startswith("decisions: ")
+    assert (work / "verbose.jsonl").read_bytes() == out.read_bytes()
+
+
+def test_a_terminal_gets_a_progress_line_cleared_before_the_summary(work: Path, trace: Path) -> None:
+    import os
+    import pty
+
+    primary, secondary = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpuwarden",
+                "replay",
+                str(trace),
+                "--out",
+                str(work / "tty.jsonl"),
+                "--config",
+                str(work / "config.yaml"),
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=secondary,
+        )
+        os.close(secondary)
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            seen += chunk
+        assert proc.wait(timeout=60) == 0
+    finally:
+        os.close(primary)
+    text = seen.decode().replace("\r\n", "\n")
+    assert "\rreplay: " in text and "reports" in text
+    # The progress line is erased before the summary, which comes last.
+    assert text.index("\r\033[K") < text.index("reports read: ")
+    assert text.rstrip("\n").splitlines()[-1].startswith("decisions: ")
 
 
 def test_a_bad_line_in_the_middle_is_counted_and_skipped(

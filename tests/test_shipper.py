@@ -292,6 +292,38 @@ def test_401_keeps_the_report_and_rereads_the_token(
     assert stats.sent_total == 1
 
 
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_one_shot_run_takes_a_refused_token_as_final(
+    aggregator: FakeAggregator, make_shipper: Callable[..., Shipper], status: int
+) -> None:
+    body = b'{"error": "bad_token", "message": "unknown bearer token"}'
+    aggregator.respond = lambda _req: Reply(status, body=body)
+    shipper = make_shipper(aggregator.url(), credentials_final=True, backoff_base_s=5.0, backoff_max_s=5.0)
+    shipper.submit(make_report(0))
+    started = time.monotonic()
+    assert shipper.flush(timeout_s=10.0)  # settled: nothing left to retry
+    assert time.monotonic() - started < 4.0  # never waited out a backoff
+    assert aggregator.seqs_tried() == [0]  # asked once, not again
+    refusal = shipper.refusal()
+    assert refusal is not None and (refusal.status, refusal.url) == (status, aggregator.url())
+    assert str(refusal) == (
+        f"aggregator {aggregator.url()} refused the agent's token: "
+        f"HTTP {status}: unknown bearer token (bad_token)"
+    )
+    assert shipper.stats().rejected_total == 1
+
+
+def test_a_long_running_agent_never_takes_a_refused_token_as_final(
+    aggregator: FakeAggregator, make_shipper: Callable[..., Shipper]
+) -> None:
+    answers = iter([401, 200])
+    aggregator.respond = lambda _req: Reply(next(answers))
+    shipper = make_shipper(aggregator.url())
+    shipper.submit(make_report(0))
+    assert shipper.flush(timeout_s=3.0)
+    assert shipper.refusal() is None and aggregator.accepted_seqs() == [0]
+
+
 # -- (2) outages --------------------------------------------------------------------------------
 
 

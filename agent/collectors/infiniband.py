@@ -131,7 +131,8 @@ class InfinibandCollector:
         """``max_open_files``: files held open for cheap re-reads (default: ``sysfs.fd_budget()``)."""
         if rescan_every < 1:
             raise ValueError(f"rescan_every must be at least 1, got {rescan_every}")
-        self._class_dir = os.path.join(os.fspath(ctx.paths.sysfs), "class", "infiniband")
+        self._root = os.fspath(ctx.paths.sysfs)
+        self._class_dir = os.path.join(self._root, "class", "infiniband")
         self._rescan_every = rescan_every
         self._files = sysfs.HeldFiles(max_open_files)
         self._devices: list[str] | None = None  # None: not discovered yet
@@ -140,7 +141,8 @@ class InfinibandCollector:
         self._warn = _WarnOnce()
 
     def supported(self) -> Support:
-        if os.path.isdir(self._class_dir):
+        # A root that is no sysfs at all is a failure (collect says why), not "no RDMA devices".
+        if os.path.isdir(self._class_dir) or sysfs.root_problem(self._root) is not None:
             return Support(True)
         return Support(False, f"no {self._class_dir}: no RDMA devices")
 
@@ -148,7 +150,8 @@ class InfinibandCollector:
         try:
             devices = sorted(os.listdir(self._class_dir))
         except OSError as exc:
-            raise CollectorFailure(f"cannot list {self._class_dir}: {exc.strerror or exc}") from exc
+            why = sysfs.root_problem(self._root) or f"cannot list {self._class_dir}: {exc.strerror or exc}"
+            raise CollectorFailure(why) from exc
         self._cycles += 1
         if devices != self._devices or self._cycles >= self._rescan_every:
             self._discover(devices)

@@ -87,7 +87,8 @@ class NetdevCollector:
         self._cycles = 0
 
     def supported(self) -> Support:
-        if os.path.isdir(self._class_dir):
+        # A root that is no sysfs at all is a failure (collect says why), not "no interfaces".
+        if os.path.isdir(self._class_dir) or sysfs.root_problem(self._sysfs) is not None:
             return Support(True)
         return Support(False, f"no {self._class_dir}: no network interfaces")
 
@@ -95,7 +96,8 @@ class NetdevCollector:
         try:
             names = os.listdir(self._class_dir)
         except OSError as exc:
-            raise CollectorFailure(f"cannot list {self._class_dir}: {exc.strerror or exc}") from exc
+            why = sysfs.root_problem(self._sysfs) or f"cannot list {self._class_dir}: {exc.strerror or exc}"
+            raise CollectorFailure(why) from exc
         self._cycles += 1
         if self._cycles >= self._rescan_every:
             self._forget_all()
