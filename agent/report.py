@@ -1,7 +1,7 @@
 """The node report, version 1: typed, fast, and the one source of truth for its shape.
 
-The JSON Schema in ``agent/schema/report-v1.schema.json`` is the published contract (a copy of
-``shared/spec/report-v1.schema.json``); these msgspec structs are the same contract as Python
+The JSON Schema in ``agent/schema/report-v1.schema.json`` is the published contract (docs/spec.md
+section 1 describes it); these msgspec structs are the same contract as Python
 types. ``tests/test_report_schema.py`` proves that the two agree, field by field and constraint by
 constraint, so neither can drift from the other.
 
@@ -691,7 +691,7 @@ def decode(data: bytes | str) -> Report:
 
 @cache
 def json_schema() -> dict[str, Any]:
-    """The published JSON Schema (the project's copy of the shared contract)."""
+    """The published JSON Schema (the report contract, docs/spec.md section 1)."""
     text = resources.files("agent").joinpath("schema/report-v1.schema.json").read_text("utf-8")
     schema: dict[str, Any] = json.loads(text)
     return schema

@@ -1,6 +1,6 @@
 """The operator audit log: what humans did to the aggregator (breaker resets, overrides seen).
 
-Decisions (shared/spec section 2) record what the aggregator decided; this log records what
+Decisions (docs/spec.md section 2) record what the aggregator decided; this log records what
 people did about it, one JSON object per line, appended and flushed like the decision log:
 ``{"time": ..., "action": "breaker_reset", "by": "alice", "detail": {...}}``.
 """

@@ -15,7 +15,7 @@ Per unordered pair of nodes: ``healthy -> suspect -> degraded -> healthy``.
 A link decision never taints either end (``action`` is always ``none``): the nodes are fine, the
 path between them is not, and the scheduler's fix (avoid placing a ring over that pair, reseat a
 cable) is a human's or a topology-aware scheduler's. ``node`` and ``peer`` are the two ends sorted
-by name (shared/spec section 2).
+by name (docs/spec.md section 2).
 """
 
 from __future__ import annotations
