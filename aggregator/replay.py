@@ -26,10 +26,11 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from agent.errors import ConfigError, GpuwardenError, ReportError
 from agent.report import Report, decode
+from aggregator.app import build_pipeline
 from aggregator.config import Config
 from aggregator.decisions import Decision, DecisionLog
 from aggregator.model import IngestOutcome
-from aggregator.pipeline import TICK_SECONDS, Pipeline
+from aggregator.pipeline import TICK_SECONDS
 from aggregator.rules.model import Rule
 from aggregator.service import plausibility_errors
 
@@ -197,7 +198,7 @@ def replay(
     offsets = estimate_skew(trace)
     summary.skew = {f"{node} (boot {boot[:8]})": off for (node, boot), off in sorted(offsets.items())}
     decisions = DecisionLog(out, truncate=True)  # a replay's output is its own, not appended
-    pipeline = Pipeline(config, rules, decisions, on_decision=_record)
+    pipeline = build_pipeline(config, rules, decisions, on_decision=_record)
     try:
         last: float | None = None
         for at, report in _ordered(read_trace(trace, summary), offsets):
