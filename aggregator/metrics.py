@@ -5,7 +5,9 @@ tests (and two aggregators in one process) do not share counters.
 
 The service calls the ingest methods; the pipeline and the decision log call ``decision`` and the
 service's periodic task ``detection_cycle``. ``gpuwarden_aggregator_nodes{state}`` is read from the
-pipeline at scrape time by a custom collector, so it can never drift from the pipeline's truth.
+pipeline at scrape time by a custom collector, so it can never drift from the pipeline's truth;
+so are the per-detector runs, run time and errors (``gpuwarden_detector_*_total{detector}``, from
+``Pipeline.detector_stats``), as node_exporter exports them per collector.
 
 Label values come from closed sets (rejection reasons, node states, detectors), which keeps
 cardinality fixed whatever the fleet sends: no node name is ever a label here.

@@ -92,7 +92,8 @@ probes:
   expected_min_results: 3        # confirms start after the first round's results
 """
 DETECT_WITHIN_S: Final = 90.0
-SETTLE_S: Final = 40.0 + 6.0 + 2.0  # detectors.link.max_age_seconds + links.link_clear_for_seconds + every_seconds
+# detectors.link.max_age_seconds + links.link_clear_for_seconds + detectors.link.every_seconds
+SETTLE_S: Final = 40.0 + 6.0 + 2.0
 HEAL_WITHIN_S: Final = 90.0
 
 
