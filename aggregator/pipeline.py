@@ -34,7 +34,7 @@ import msgspec
 from agent.report import Report
 from aggregator.config import Config
 from aggregator.decisions import Decision, DecisionLog
-from aggregator.detect import BUILTIN_SOURCES, DETECTORS, Detector, DetectorSpec, Verdict
+from aggregator.detect import BUILTIN_SOURCES, DETECTORS, Detector, DetectorSpec
 from aggregator.detect.base import SwitchAlert
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
@@ -106,11 +106,9 @@ class _Running:
     logged_at: float = -math.inf
     unlogged: int = 0  # failures since the last one logged
 
-    def guarded(self, hook: str, now: float) -> _Guard:
-        """Run one of its hooks: an exception is counted and logged (rate-limited), never raised."""
-        return _Guard(self, hook, now)
-
     def failed(self, hook: str, now: float) -> None:
+        """One of its hooks raised (call from the ``except``): counted, and logged with the trace
+        unless it was logged less than ``_ERROR_LOG_EVERY_S`` ago; never raised further."""
         self.errors += 1
         if now - self.logged_at >= _ERROR_LOG_EVERY_S or now < self.logged_at:
             log.exception(
@@ -120,22 +118,6 @@ class _Running:
             self.logged_at, self.unlogged = now, 0
         else:
             self.unlogged += 1
-
-
-@dataclass(frozen=True)
-class _Guard:
-    run: _Running
-    hook: str
-    now: float
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
-        if kind is None or not issubclass(kind, Exception):
-            return False  # KeyboardInterrupt, cancellation: not the detector's doing
-        self.run.failed(self.hook, self.now)
-        return True
 
 
 @dataclass
@@ -248,8 +230,10 @@ class Pipeline:
             # its pool's newest slot forward and clear everyone's data.
             self.frames.record(view, placement, at=received)
             for run in self._detectors:
-                with run.guarded("observe_report", received):
+                try:
                     run.detector.observe_report(report, placement, received)
+                except Exception:
+                    run.failed("observe_report", received)
             if self.probes is not None:
                 self.probes.observe(
                     report.node,
@@ -330,13 +314,14 @@ class Pipeline:
     def _run_detector(self, run: _Running, tick: float) -> None:
         run.due = tick + run.detector.every_seconds
         started = _time.perf_counter()
-        verdict: Verdict | None = None
-        with run.guarded("run", tick):
+        try:
             verdict = run.detector.run(self.frames, tick)
-        run.runs += 1
-        run.seconds += _time.perf_counter() - started
-        if verdict is None:
-            return  # it failed: what it found before stands until a run succeeds
+        except Exception:
+            run.failed("run", tick)
+            return  # what it found before stands until a run succeeds
+        finally:
+            run.runs += 1
+            run.seconds += _time.perf_counter() - started
         for node, found in verdict.nodes.items():
             self._emit(self.health.update(node, run.name, found, tick))
         if verdict.links is not None:
@@ -374,8 +359,10 @@ class Pipeline:
             self.fleet.forget(node)
             self.frames.forget(node)
             for run in self._detectors:
-                with run.guarded("forget", now):
+                try:
                     run.detector.forget(node)
+                except Exception:
+                    run.failed("forget", now)
 
     # -- remediation ------------------------------------------------------------------------------
 
