@@ -12,30 +12,21 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
-from prometheus_client import CollectorRegistry
 
 from agent.clock import SystemClock
 from agent.errors import ConfigError
 from agent.probes.protocol import read_probe_key
-from aggregator.audit import AuditLog
-from aggregator.auth import Authenticator, StaticTokens, TokenReviewAuthenticator
 from aggregator.config import Config
 from aggregator.configload import load_config
-from aggregator.decisions import Decision, DecisionLog
-from aggregator.metrics import Metrics
-from aggregator.notify import make_dispatcher
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.rules.model import Rule
-from aggregator.service import create_app, serve
 
 if TYPE_CHECKING:
-    from aggregator.pipeline import Pipeline
-    from aggregator.remediate.runtime import Remediation
+    from aggregator.kube.api import KubeApi
 
 
 def read_admin_tokens(path: Path) -> list[str]:
@@ -131,123 +122,27 @@ async def _serve(
     address: tuple[str, int],
     admin_tokens: list[str] | None,
 ) -> None:
-    # Imported here, not at the top: the pipeline loads numpy and scikit-learn (seconds), which
-    # `--help` and a bad --listen must not wait for.
-    from aggregator.pipeline import Pipeline  # noqa: PLC0415
+    from aggregator.app import build_aggregator  # noqa: PLC0415 - the service's imports, only here
 
-    host, port = address
-    clock = SystemClock()
-    registry = CollectorRegistry()
-    metrics = Metrics(registry)
+    if args.auth == "static" and args.token_file is None:
+        raise ConfigError("--auth static needs --token-file")
 
-    authenticator: Authenticator
-    if args.auth == "static":
-        if args.token_file is None:
-            raise ConfigError("--auth static needs --token-file")
-        authenticator = StaticTokens(args.token_file)
-    else:
-        authenticator = TokenReviewAuthenticator.in_cluster(
-            audience=config.auth.audience,
-            agent_namespace=config.auth.agent_namespace,
-            agent_service_account=config.auth.agent_service_account,
-            clock=clock,
-            metrics=metrics,
-            cache_seconds=config.auth.cache_seconds,
-        )
+    async def kube() -> KubeApi:
+        from aggregator.kube.client import KubeClient  # noqa: PLC0415 - only with remediation on
 
-    decisions = DecisionLog(args.decisions)
-    audit = AuditLog(args.audit or args.decisions.with_suffix(".audit.jsonl"))
-    pipeline: Pipeline | None = None
-    remediation: Remediation | None = None
-    notify = make_dispatcher(
-        config.notify,
-        registry,
-        clock=clock,
-        pool_of=lambda node: pipeline.pool_of(node) if pipeline is not None else None,
-        sending=lambda: remediation is None or remediation.elector.is_leader,
-    )
+        return await KubeClient.from_environment(kubeconfig=args.kubeconfig)
 
-    def on_decision(d: Decision) -> None:
-        metrics.decision(d.reasons[0].detector if d.reasons else "none", d.state)
-        notify.on_decision(d)  # only queues: delivery never blocks detection
-        if remediation is not None:
-            remediation.on_decision(d)  # only queues too
-
-    def k8s_labels(node: str) -> Mapping[str, str]:
-        return remediation.k8s_labels(node) if remediation is not None else {}
-
-    pipeline = Pipeline(
+    aggregator = await build_aggregator(
         config,
         rules,
-        decisions,
-        k8s_labels=k8s_labels,
-        on_decision=on_decision,
-        on_systemic=notify.on_systemic,
+        auth=args.token_file if args.auth == "static" else "tokenreview",
+        clock=SystemClock(),
+        decisions=args.decisions,
+        audit=args.audit or args.decisions.with_suffix(".audit.jsonl"),
+        kube=kube,
+        identity=args.identity or os.environ.get("POD_NAME") or socket.gethostname(),
+        admin_tokens=admin_tokens,
+        probe_key=read_probe_key(args.probe_key_file) if args.probe_key_file is not None else None,
     )
-    mode = config.remediation.mode
-    if mode != "off":
-        from aggregator.kube.client import KubeClient  # noqa: PLC0415 - only with remediation on
-        from aggregator.remediate.runtime import Remediation as _Remediation  # noqa: PLC0415
-
-        api = await KubeClient.from_environment(kubeconfig=args.kubeconfig)
-        remediation = _Remediation(
-            pipeline,
-            config.remediation,
-            api=api,
-            identity=args.identity or os.environ.get("POD_NAME") or socket.gethostname(),
-            clock=clock,
-            registry=registry,
-            audit=audit,
-            admin_tokens=admin_tokens,
-        )
-    scheduler = None
-    if args.probe_key_file is not None and config.probes.enabled:
-        from aggregator.probes.metrics import ProbeMetrics  # noqa: PLC0415
-        from aggregator.probes.scheduler import ProbeScheduler  # noqa: PLC0415
-
-        scheduler = ProbeScheduler(
-            config.probes,
-            read_probe_key(args.probe_key_file),
-            report_interval_seconds=config.fleet.interval_seconds,
-        )
-        pipeline.probes = scheduler
-        ProbeMetrics(registry, scheduler, clock.time)
-    if remediation is not None:
-        pipeline.has_preflight_taint = remediation.has_preflight_taint
-        remediation.on_leadership(notify.resend_now)
-    log.info(
-        "aggregator starting",
-        extra={
-            "rules": len(rules),
-            "decisions": str(args.decisions),
-            "remediation": mode,
-            "probes": scheduler is not None,
-        },
-    )
-
-    def readiness() -> list[str]:
-        return [] if decisions.writable else [f"decision log {args.decisions} is not writable"]
-
-    app = create_app(pipeline, authenticator, config, clock, registry, metrics=metrics, readiness=readiness)
-    app.cleanup_ctx.append(notify.lifecycle)
-    if scheduler is not None:
-        from aggregator.probes.api import probe_routes  # noqa: PLC0415
-
-        leader = remediation.elector if remediation is not None else None
-        app.router.add_routes(
-            probe_routes(
-                scheduler,
-                authenticator,
-                clock,
-                # One scheduler plans at a time: the leader's (every replica, without remediation).
-                is_leader=(lambda: leader.is_leader) if leader is not None else (lambda: True),
-            )
-        )
-    if remediation is not None:
-        app.router.add_routes(remediation.routes())
-        app.cleanup_ctx.append(remediation.lifecycle)
-    try:
-        await serve(app, host, port)
-    finally:
-        decisions.close()
-        audit.close()
+    host, port = address
+    await aggregator.serve(host, port)

@@ -5,7 +5,7 @@ Each part owns its section's type here so that a newcomer finds every knob in on
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
@@ -87,22 +87,65 @@ class NotifyConfig(_Section, frozen=True):
 
 
 class LinksConfig(_Section, frozen=True):
-    """Pair-probe localization (aggregator/detect/links.py): a slow node, a degraded link, or a
-    switch. The defaults suit a fleet probed every few minutes; tests and small labs shorten them."""
+    """The link state machine (aggregator/links.py). The localizer that finds slow links is a
+    detector: its settings are ``detectors.link`` (aggregator/detect/links.py)."""
 
-    every_seconds: PositiveSeconds = 60.0  # how often the localizer runs
-    half_life_seconds: PositiveSeconds = 1800.0  # a probe this old weighs half a fresh one
-    max_age_seconds: PositiveSeconds = 4 * 3600.0
-    dedupe_seconds: PositiveSeconds = 30.0  # both ends' copies of one probe land this close
-    min_partners: Annotated[int, Meta(ge=2)] = 3  # a node is judged on this many partners
-    min_low_probes: Annotated[int, Meta(ge=1)] = 2  # a verdict needs this many slow results
-    node_ratio: Ratio = 0.85
-    pair_ratio: Ratio = 0.85
-    # An end with too few other partners when its pair was last slow is judged on the first
-    # partners that follow within this long (the confirm step's fresh partners).
-    judge_after_seconds: Annotated[float, Meta(ge=0)] = 300.0
     # A degraded link returns to healthy after this long without slow results.
     link_clear_for_seconds: PositiveSeconds = 900.0
+
+
+# -- detectors: each detector's settings (aggregator/detect/, docs/detection.md) ------------------
+
+
+class DetectorSettings(_Section, frozen=True):
+    """The base of every detector's settings. The detector's module declares the subclass (its
+    ``name`` and its knobs with their defaults); ``aggregator.detect.DETECTORS`` lists it, and the
+    ``detectors:`` section then has a key of that name. A check that spans fields belongs in the
+    subclass's ``__post_init__`` (raise ValueError): the config file is then refused at start with
+    the key path, as for any other bad value."""
+
+    name: ClassVar[str]  # the detector's name: its findings' source, its key under detectors:
+    every_seconds: PositiveSeconds = 30.0  # how often the pipeline runs it (the aggregator's clock)
+
+
+class DetectorsSection(_Section, frozen=True):
+    """The ``detectors:`` section: one field per entry of ``aggregator.detect.DETECTORS``, named
+    after the detector, holding its settings (see ``DetectorsConfig``)."""
+
+    def of(self, name: str) -> DetectorSettings:
+        """The settings of the detector called ``name``."""
+        found: Any = getattr(self, name, None)
+        if not isinstance(found, DetectorSettings):
+            raise KeyError(f"no detector called {name!r} in the detectors section")
+        return found
+
+
+if TYPE_CHECKING:
+    DetectorsConfig = DetectorsSection
+else:
+
+    def __getattr__(name: str) -> Any:
+        if name == "DetectorsConfig":
+            return detectors_config()
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def detectors_config() -> type[DetectorsSection]:
+    """The ``detectors:`` section's type, built from ``DETECTORS`` on first use. The detector
+    modules import this one (their settings derive from ``DetectorSettings``, their frames from
+    ``FleetConfig``), so it cannot import them while it loads; msgspec resolves ``Config``'s
+    annotations only when it first converts one, and ``configload`` calls this first."""
+    built = globals().get("DetectorsConfig")
+    if built is None:
+        from aggregator.detect import DETECTORS, detectors_section  # noqa: PLC0415 - see above
+
+        built = detectors_section(DETECTORS)
+        globals()["DetectorsConfig"] = built  # the name Config's annotation refers to
+    return built
+
+
+def _default_detectors() -> DetectorsSection:
+    return detectors_config()()
 
 
 TaintEffect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
@@ -239,5 +282,6 @@ class Config(_Section, frozen=True):
     auth: AuthConfig = AuthConfig()
     notify: NotifyConfig = NotifyConfig()
     links: LinksConfig = LinksConfig()
+    detectors: DetectorsConfig = msgspec.field(default_factory=_default_detectors)
     remediation: RemediationConfig = RemediationConfig()
     probes: ProbesConfig = ProbesConfig()

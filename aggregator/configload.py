@@ -18,7 +18,7 @@ import msgspec
 import yaml
 
 from agent.errors import ConfigError
-from aggregator.config import Config
+from aggregator.config import Config, detectors_config
 
 __all__ = ["load_config", "parse_config"]
 
@@ -114,6 +114,7 @@ def parse_config(text: str, source: str) -> Config:
     bad = _non_finite(data)
     if bad is not None:
         raise ConfigError(f"config file {source}: at {bad}: must be a finite number, not NaN or infinity")
+    detectors_config()  # the detectors: section's type, before msgspec resolves Config's fields
     try:
         return msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as exc:

@@ -419,7 +419,7 @@ def _small(value: Any) -> bool:
 def finding_of_snapshot(f: SnapshotFinding) -> Finding:
     """A finding as a snapshot kept it (restore after a restart)."""
     return Finding(
-        detector=f.detector,  # type: ignore[arg-type]  # written by snapshot() from a Finding
+        detector=f.detector,
         key=f.key,
         severity=f.severity,  # type: ignore[arg-type]
         action=f.action,  # type: ignore[arg-type]

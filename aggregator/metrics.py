@@ -5,7 +5,9 @@ tests (and two aggregators in one process) do not share counters.
 
 The service calls the ingest methods; the pipeline and the decision log call ``decision`` and the
 service's periodic task ``detection_cycle``. ``gpuwarden_aggregator_nodes{state}`` is read from the
-pipeline at scrape time by a custom collector, so it can never drift from the pipeline's truth.
+pipeline at scrape time by a custom collector, so it can never drift from the pipeline's truth;
+so are the per-detector runs, run time and errors (``gpuwarden_detector_*_total{detector}``, from
+``Pipeline.detector_stats``), as node_exporter exports them per collector.
 
 Label values come from closed sets (rejection reasons, node states, detectors), which keeps
 cardinality fixed whatever the fleet sends: no node name is ever a label here.
@@ -15,15 +17,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Final
 
 from prometheus_client import Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "DETECTOR_FAMILIES",
     "NODE_STATES",
     "REJECT_REASONS",
     "TOKEN_REVIEW_RESULTS",
@@ -106,6 +110,67 @@ class _NodeStates(Collector):
         return [GaugeMetricFamily("gpuwarden_aggregator_nodes", "", labels=["state"])]
 
 
+@dataclass(frozen=True)
+class DetectorStats:
+    """One detector's counts so far, as the pipeline keeps them."""
+
+    detector: str
+    runs: int
+    seconds: float  # the time of all its runs together
+    errors: int  # exceptions from any of its hooks (observe, run, forget)
+
+
+# Per detector, as node_exporter exports per collector.
+DETECTOR_FAMILIES: Final = (
+    "gpuwarden_detector_runs_total",
+    "gpuwarden_detector_duration_seconds_total",
+    "gpuwarden_detector_errors_total",
+)
+
+
+class _Detectors(Collector):
+    """``gpuwarden_detector_*{detector}``, read from the pipeline's counts when scraped."""
+
+    def __init__(self, source: Callable[[], Iterable[DetectorStats]]) -> None:
+        self._source = source
+
+    def _families(self) -> tuple[CounterMetricFamily, CounterMetricFamily, CounterMetricFamily]:
+        # CounterMetricFamily appends "_total" to a counter's samples itself.
+        return (
+            CounterMetricFamily(
+                DETECTOR_FAMILIES[0].removesuffix("_total"),
+                "Runs of each detector (a failed run counts too).",
+                labels=["detector"],
+            ),
+            CounterMetricFamily(
+                DETECTOR_FAMILIES[1].removesuffix("_total"),
+                "Time spent in each detector's runs.",
+                labels=["detector"],
+            ),
+            CounterMetricFamily(
+                DETECTOR_FAMILIES[2].removesuffix("_total"),
+                "Exceptions raised by each detector (logged; the pipeline goes on without its answer).",
+                labels=["detector"],
+            ),
+        )
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            stats = tuple(self._source())
+        except Exception:
+            log.exception("reading detector counts for /metrics failed")
+            return []
+        runs, seconds, errors = self._families()
+        for st in stats:
+            runs.add_metric([st.detector], float(st.runs))
+            seconds.add_metric([st.detector], st.seconds)
+            errors.add_metric([st.detector], float(st.errors))
+        return [runs, seconds, errors]
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families())
+
+
 class Metrics:
     """The aggregator's metric families, registered on ``registry``."""
 
@@ -169,6 +234,11 @@ class Metrics:
             raise ValueError("node states are already exported from another source")
         self._node_states = _NodeStates(source)
         self.registry.register(self._node_states)
+
+    def watch_detectors(self, source: Callable[[], Iterable[DetectorStats]]) -> None:
+        """Export ``gpuwarden_detector_{runs,duration_seconds,errors}_total{detector}`` from
+        ``source`` (the pipeline's ``detector_stats``) at every scrape."""
+        self.registry.register(_Detectors(source))
 
     def accepted(self) -> None:
         self._accepted.inc()

@@ -1,8 +1,9 @@
 """The aggregator's common currency: a Finding is one piece of evidence about one node (or link).
 
-Detectors (rules, peers, trend, forest, probes, links, silence) produce findings; the health state
-machine (``aggregator.health``) turns the set of active findings per node into state changes and
-decision records. Nothing else decides.
+Its sources (the rule engine, the silence detector and the detectors of ``aggregator.detect``,
+listed in ``aggregator.detect.SOURCES``) produce findings; the health state machine
+(``aggregator.health``) turns the set of active findings per node into state changes and decision
+records. Nothing else decides.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ Severity = Literal["info", "warning", "critical"]
 # else once it has persisted); "alert": tell on-call, leave the node in (the node becomes
 # ``suspect``); "none": record only.
 Action = Literal["quarantine", "alert", "none"]
-Detector = Literal["rule", "peer", "trend", "forest", "probe", "link", "silence"]
 # How a finding goes away: "condition" when the detector stops seeing it; "reboot" when the node
 # reports a new boot_id (an XID 79 stays true until the GPU was reset, whatever later reports say).
 Clears = Literal["condition", "reboot"]
@@ -28,7 +28,7 @@ RemediationAction = Literal["taint", "untaint", "none", "held"]
 
 @dataclass(frozen=True)
 class Finding:
-    detector: Detector
+    detector: str  # its source, one of aggregator.detect.SOURCES ("rule", "peer", ...)
     key: str  # stable identity of the problem on its node, e.g. "xid-79:gpu3"; same key, same problem
     severity: Severity
     action: Action

@@ -1,11 +1,22 @@
 """The aggregator's one detection pipeline, shared by the live service and by replay.
 
-    ingest(report, received)   fleet history -> rule engine -> health machine -> decision log
-    advance(now)               silence and systemic events, time-driven transitions (probation)
+    ingest(report, received)   fleet history -> detectors' observe -> rule engine -> health
+                               machine -> decision log
+    advance(now)               silence and systemic events, the detectors' runs, time-driven
+                               transitions (probation)
 
 Everything is driven by the ``received``/``now`` times passed in: the live service passes its
 clock, replay passes the reports' own times. Given the same reports in the same order with the
 same times, the decisions are the same, which is what makes replay a faithful test of history.
+
+What the pipeline needs from outside, it is given when it is built (``aggregator.app`` builds it):
+the cluster's view of the nodes (``ClusterView``: node labels, the preflight taint, pool sizes; the
+remediation runtime's node cache, or ``NO_CLUSTER``), the active probe scheduler (or None), the
+detectors (``aggregator.detect.DETECTORS``) and the callbacks for decisions and systemic events.
+
+A detector that raises is isolated: the exception is logged (once per ``_ERROR_LOG_EVERY_S`` per
+detector) and counted, its earlier findings stay as they were, and everything else goes on: the
+report is still ingested, the health machine still ticks.
 """
 
 from __future__ import annotations
@@ -14,23 +25,23 @@ import logging
 import math
 import time as _time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal, Protocol
 
 import msgspec
 
 from agent.report import Report
 from aggregator.config import Config
 from aggregator.decisions import Decision, DecisionLog
-from aggregator.detect import DETECTORS
-from aggregator.detect.links import LinkConfig, LinkLocalizer, SwitchAlert
-from aggregator.detect.localprobe import LocalProbeDetector
+from aggregator.detect import BUILTIN_SOURCES, DETECTORS, Detector, DetectorSpec
+from aggregator.detect.base import SwitchAlert
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import UNKNOWN_POOL, Placement, placement_of
 from aggregator.health import HealthMachine, NodeHealth, finding_of_snapshot
 from aggregator.links import LinkHealth
+from aggregator.metrics import DetectorStats
 from aggregator.model import Finding, IngestOutcome
 from aggregator.probes.scheduler import ProbeScheduler, report_is_idle
 from aggregator.remediate.limits import BreakerState, SafetyLimits
@@ -43,6 +54,70 @@ log = logging.getLogger(__name__)
 
 TICK_SECONDS = 1.0  # time-driven work runs at most once per tick of the aggregator's clock
 _HISTORY_KEEP = 60  # recent report summaries per node for the API
+# A failing detector fails on every report or every run: one log line (with the trace) per this
+# many seconds per detector says so; the count of failures is in its metrics.
+_ERROR_LOG_EVERY_S: Final = 60.0
+
+
+class ClusterView(Protocol):
+    """What the cluster says about nodes (the remediation runtime's node cache)."""
+
+    def labels(self, node: str) -> Mapping[str, str]:
+        """The node's Kubernetes labels (pools may come from them); empty when unknown."""
+        ...
+
+    def has_preflight_taint(self, node: str) -> bool:
+        """Whether the node carries the preflight taint now."""
+        ...
+
+    def pool_size(self, pool: str) -> int:
+        """How many nodes the cluster has in ``pool``, reporting or not (0 when unknown)."""
+        ...
+
+
+class _NoCluster:
+    """No Kubernetes (remediation off, replay): no labels, no taints, no pool sizes."""
+
+    def labels(self, node: str) -> Mapping[str, str]:
+        return {}
+
+    def has_preflight_taint(self, node: str) -> bool:
+        return False
+
+    def pool_size(self, pool: str) -> int:
+        return 0
+
+
+NO_CLUSTER: Final[ClusterView] = _NoCluster()
+
+
+@dataclass
+class _Running:
+    """One detector in the pipeline: when it runs next, its own link state machine, its counts."""
+
+    name: str
+    detector: Detector
+    links: LinkHealth
+    due: float = -math.inf
+    switches: list[SwitchAlert] = field(default_factory=list)
+    runs: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    logged_at: float = -math.inf
+    unlogged: int = 0  # failures since the last one logged
+
+    def failed(self, hook: str, now: float) -> None:
+        """One of its hooks raised (call from the ``except``): counted, and logged with the trace
+        unless it was logged less than ``_ERROR_LOG_EVERY_S`` ago; never raised further."""
+        self.errors += 1
+        if now - self.logged_at >= _ERROR_LOG_EVERY_S or now < self.logged_at:
+            log.exception(
+                "detector failed",
+                extra={"detector": self.name, "hook": hook, "failures_unlogged": self.unlogged},
+            )
+            self.logged_at, self.unlogged = now, 0
+        else:
+            self.unlogged += 1
 
 
 @dataclass
@@ -67,7 +142,9 @@ class Pipeline:
         rules: list[Rule],
         decisions: DecisionLog,
         *,
-        k8s_labels: Callable[[str], Mapping[str, str]] | None = None,
+        cluster: ClusterView = NO_CLUSTER,
+        probes: ProbeScheduler | None = None,
+        detectors: Sequence[DetectorSpec[Any]] = DETECTORS,
         on_decision: Callable[[Decision], None] | None = None,
         on_systemic: Callable[[SystemicEvent], None] | None = None,
     ) -> None:
@@ -95,41 +172,25 @@ class Pipeline:
         # so a snapshot rewritten before the node reports again must still name it.
         self._restored_boot: dict[str, str] = {}
         self.shadow_findings: dict[str, list[Finding]] = {}  # node -> findings of rules on trial
-        self._cluster_pool_size: Callable[[str], int] = lambda _pool: 0
-        # Active probes (aggregator/probes): set by the service when probes are on, never in replay.
-        self.probes: ProbeScheduler | None = None
-        # Whether the node carries the preflight taint (the remediation actuator's node cache).
-        self.has_preflight_taint: Callable[[str], bool] = lambda _node: False
+        self._cluster = cluster
+        # Active probes (aggregator/probes): given when probes are on, never in replay.
+        self.probes = probes
         self.silence = SilenceDetector(config.silence)
-        # Fleet-wide detectors (peers, trend) run on the pool frames every few seconds.
-        self.detectors = [make() for make in DETECTORS]
-        self._detector_due: dict[str, float] = {d.name: -math.inf for d in self.detectors}
         self.decisions = decisions
-        # Pair probes: a slow node, a degraded link, or a shared switch (aggregator/detect/links.py).
-        lc = config.links
-        self.links = LinkLocalizer(
-            LinkConfig(
-                every_seconds=lc.every_seconds,
-                half_life_seconds=lc.half_life_seconds,
-                max_age_seconds=lc.max_age_seconds,
-                dedupe_seconds=lc.dedupe_seconds,
-                min_partners=lc.min_partners,
-                min_low_probes=lc.min_low_probes,
-                node_ratio=lc.node_ratio,
-                pair_ratio=lc.pair_ratio,
-                judge_after_seconds=lc.judge_after_seconds,
+        names = [spec.name for spec in detectors]
+        if len(set(names)) != len(names) or set(names) & set(BUILTIN_SOURCES):
+            raise ValueError(f"detector names must be unique and not {BUILTIN_SOURCES}: {names}")
+        # Each detector has its own link state machine: one that judges links confirms a slow link
+        # over two of its own runs (the state machine stays empty for the others).
+        self._detectors: list[_Running] = []
+        for spec in detectors:
+            det = spec.build(config.detectors)
+            links = LinkHealth(
+                suspect_for_seconds=config.health.suspect_for_seconds,
+                clear_for_seconds=config.links.link_clear_for_seconds,
+                confirm_for_seconds=det.every_seconds,
             )
-        )
-        self.link_health = LinkHealth(
-            suspect_for_seconds=config.health.suspect_for_seconds,
-            clear_for_seconds=lc.link_clear_for_seconds,
-            confirm_for_seconds=lc.every_seconds,
-        )
-        self._links_due = -math.inf
-        # Local all-reduce probes against the pool (aggregator/detect/localprobe.py).
-        self.local_probes = LocalProbeDetector()
-        self.switches: list[SwitchAlert] = []  # shared-switch problems the probes point at now
-        self._k8s_labels = k8s_labels or (lambda _node: {})
+            self._detectors.append(_Running(spec.name, det, links))
         self._on_decision = on_decision
         self._on_systemic = on_systemic
         self._nodes: dict[str, _NodeRecord] = {}
@@ -146,7 +207,7 @@ class Pipeline:
         key = (report.boot_id, report.seq, report.time)
         if rec is not None and key in rec.seen_set:
             return IngestOutcome.DUPLICATE
-        placement = placement_of(report, self._k8s_labels(report.node))
+        placement = placement_of(report, self._cluster.labels(report.node))
         if rec is None:
             rec = self._nodes[report.node] = _NodeRecord(
                 placement, received, report.time, first_received=received
@@ -168,16 +229,18 @@ class Pipeline:
             # The aggregator's clock places the sample: a node whose clock runs ahead must not move
             # its pool's newest slot forward and clear everyone's data.
             self.frames.record(view, placement, at=received)
-            if report.probes:
-                self.links.observe(report, placement, received)
-                self.local_probes.observe(report, placement, received)
+            for run in self._detectors:
+                try:
+                    run.detector.observe_report(report, placement, received)
+                except Exception:
+                    run.failed("observe_report", received)
             if self.probes is not None:
                 self.probes.observe(
                     report.node,
                     placement,
                     idle=report_is_idle(report, self.config.probes),
                     now=received,
-                    preflight=self.has_preflight_taint(report.node),
+                    preflight=self._cluster.has_preflight_taint(report.node),
                 )
                 for probe in report.probes or ():
                     self.probes.result(report.node, probe, placement, received)
@@ -238,27 +301,42 @@ class Pipeline:
             self._emit(self.health.update(node, "silence", (), tick))
         self._silent = set(per_node)
         self._forget_long_gone(tick)
-        for det in self.detectors:
-            if tick >= self._detector_due[det.name]:
-                self._detector_due[det.name] = tick + det.every_seconds
-                for node, found in det.run(self.frames, tick).items():
-                    self._emit(self.health.update(node, det.name, found, tick))
-        if tick >= self._links_due:
-            self._links_due = tick + self.links.every_seconds
-            verdict = self.links.run(tick)
-            for node, found in verdict.nodes.items():
-                self._emit(self.health.update(node, "link", found, tick))
-            for d in self.link_health.update(verdict.links, tick):
-                self._emit(d)
-            for node, found in self.local_probes.run(tick).items():
-                self._emit(self.health.update(node, "probe", found, tick))
-            self.switches = list(verdict.switches)
+        for run in self._detectors:
+            if tick >= run.due:
+                self._run_detector(run, tick)
         if self.probes is not None:
             self.probes.tick(tick)
         for d in self.health.expire_restored(tick):
             self._emit(d)
         for d in self.health.tick(tick):
             self._emit(d)
+
+    def _run_detector(self, run: _Running, tick: float) -> None:
+        run.due = tick + run.detector.every_seconds
+        started = _time.perf_counter()
+        try:
+            verdict = run.detector.run(self.frames, tick)
+        except Exception:
+            run.failed("run", tick)
+            return  # what it found before stands until a run succeeds
+        finally:
+            run.runs += 1
+            run.seconds += _time.perf_counter() - started
+        for node, found in verdict.nodes.items():
+            self._emit(self.health.update(node, run.name, found, tick))
+        if verdict.links is not None:
+            for d in run.links.update(verdict.links, tick):
+                self._emit(d)
+        run.switches = list(verdict.switches)
+
+    @property
+    def switches(self) -> list[SwitchAlert]:
+        """The shared-switch problems the detectors point at now."""
+        return [sw for run in self._detectors for sw in run.switches]
+
+    def detector_stats(self) -> tuple[DetectorStats, ...]:
+        """Each detector's runs, their time and its failures so far (for its metrics)."""
+        return tuple(DetectorStats(r.name, r.runs, r.seconds, r.errors) for r in self._detectors)
 
     def _forget_long_gone(self, now: float) -> None:
         """Drop nodes silent for ``silence.forget_after_seconds`` (decommissioned, renamed), so
@@ -280,18 +358,17 @@ class Pipeline:
             self.engine.forget(node)
             self.fleet.forget(node)
             self.frames.forget(node)
-            self.local_probes.forget(node)
+            for run in self._detectors:
+                try:
+                    run.detector.forget(node)
+                except Exception:
+                    run.failed("forget", now)
 
     # -- remediation ------------------------------------------------------------------------------
 
     def placement(self, node: str) -> Placement | None:
         rec = self._nodes.get(node)
         return rec.placement if rec is not None else self._restored_placement.get(node)
-
-    def set_cluster_pool_size(self, size_of: Callable[[str], int]) -> None:
-        """How many nodes the cluster has in a pool (the actuator's node cache): the pool-share
-        limit then counts nodes that are down or not reporting yet, as it should after a restart."""
-        self._cluster_pool_size = size_of
 
     def _gate(self, h: NodeHealth, now: float) -> str | None:
         placement = self.placement(h.node) or Placement(UNKNOWN_POOL)
@@ -303,7 +380,9 @@ class Pipeline:
         known = sum(1 for r in self._nodes.values() if r.placement.pool == placement.pool) + sum(
             1 for p in self._restored_placement.values() if p.pool == placement.pool
         )
-        pool_size = max(known, self._cluster_pool_size(placement.pool))
+        # The cluster's count includes nodes that are down or not reporting yet, as the pool-share
+        # limit must after a restart.
+        pool_size = max(known, self._cluster.pool_size(placement.pool))
         hold = self.limits.check(h.node, placement, out, pool_size, now)
         return hold.reason if hold is not None else None
 
@@ -340,7 +419,7 @@ class Pipeline:
         if (
             self.probes is None
             or not self.config.remediation.preflight.require_probes
-            or not self.has_preflight_taint(node)
+            or not self._cluster.has_preflight_taint(node)
         ):
             return
         verdict, evidence = self.probes.preflight_status(node)

@@ -210,7 +210,8 @@ def replay(
 ) -> tuple[list[Decision], ReplaySummary]:
     # Imported here, not at the top: the pipeline loads scikit-learn (seconds), which `--help`
     # and a refused argument must not wait for.
-    from aggregator.pipeline import TICK_SECONDS, Pipeline  # noqa: PLC0415
+    from aggregator.app import build_pipeline  # noqa: PLC0415
+    from aggregator.pipeline import TICK_SECONDS  # noqa: PLC0415
 
     summary = ReplaySummary()
     produced: list[Decision] = []
@@ -223,7 +224,7 @@ def replay(
     offsets = estimate_skew(trace)
     summary.skew = {f"{node} (boot {boot[:8]})": off for (node, boot), off in sorted(offsets.items())}
     decisions = DecisionLog(out, truncate=True)  # a replay's output is its own, not appended
-    pipeline = Pipeline(config, rules, decisions, on_decision=_record)
+    pipeline = build_pipeline(config, rules, decisions, on_decision=_record)
     try:
         last: float | None = None
         for at, report in _ordered(read_trace(trace, summary, progress), offsets):

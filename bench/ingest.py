@@ -80,13 +80,13 @@ from prometheus_client import CollectorRegistry
 from agent.clock import SystemClock
 from agent.report import Report, decode
 from agent.shipper import encode_body
+from aggregator.app import build_pipeline
 from aggregator.auth import StaticTokens
 from aggregator.config import Config
 from aggregator.configload import load_config
 from aggregator.decisions import DecisionLog
 from aggregator.metrics import Metrics
 from aggregator.model import IngestOutcome
-from aggregator.pipeline import Pipeline
 from aggregator.rules.model import Rule, default_rules_dir, load_rules
 from aggregator.service import REPORTS_PATH, create_app, gunzip_bounded, plausibility_errors, serve
 
@@ -279,7 +279,7 @@ def measure_in_process(work: Workload, tmp: Path, profile: bool) -> list[InProce
     reports = [decode(gunzip_bounded(b, limit)) for b in bodies]
     decisions = DecisionLog(tmp / "pipeline-decisions.jsonl")
     try:
-        pipeline = Pipeline(config, rules, decisions)
+        pipeline = build_pipeline(config, rules, decisions)
         for r in warm:
             pipeline.ingest(r, r.time)
 

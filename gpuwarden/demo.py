@@ -94,13 +94,9 @@ def _get(url: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aggregator.auth import StaticTokens  # noqa: PLC0415 - the agent side must not need these
+    from aggregator.app import build_aggregator  # noqa: PLC0415 - the agent side must not need these
     from aggregator.configload import parse_config  # noqa: PLC0415
-    from aggregator.decisions import DecisionLog  # noqa: PLC0415
-    from aggregator.metrics import Metrics  # noqa: PLC0415
-    from aggregator.pipeline import Pipeline  # noqa: PLC0415
     from aggregator.rules import default_rules_dir, load_rules  # noqa: PLC0415
-    from aggregator.service import create_app, serve  # noqa: PLC0415
 
     if not H100_TREE.is_dir():
         print(f"demo: recorded tree missing at {H100_TREE}", file=sys.stderr)
@@ -117,13 +113,17 @@ def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.interval) and 0.5 <= args.interval <= 10):
         raise ConfigError("--interval must be between 0.5 and 10 seconds for the demo")
     config = parse_config(demo_config(args.interval), "demo config")
-    registry = CollectorRegistry()
-    metrics = Metrics(registry)
-    decisions = DecisionLog(work / "decisions.jsonl")
-    pipeline = Pipeline(config, load_rules([default_rules_dir()]), decisions)
-    app = create_app(pipeline, StaticTokens(work / "tokens"), config, clock, registry, metrics=metrics)
-
     loop = asyncio.new_event_loop()
+    aggregator = loop.run_until_complete(
+        build_aggregator(
+            config,
+            load_rules([default_rules_dir()]),
+            auth=work / "tokens",
+            clock=clock,
+            decisions=work / "decisions.jsonl",
+            registry=CollectorRegistry(),
+        )
+    )
     stop = asyncio.Event()
     bound: list[int] = []
     started = threading.Event()
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
             bound.append(port)
             started.set()
 
-        loop.run_until_complete(serve(app, "127.0.0.1", 0, stop=stop, on_started=_on_started))
+        loop.run_until_complete(aggregator.serve("127.0.0.1", 0, stop=stop, on_started=_on_started))
 
     server = threading.Thread(target=_serve, name="aggregator", daemon=True)
     server.start()
@@ -255,5 +255,5 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {row['node']:10} {row['state']:12} {row['rack']:8} {'; '.join(row['reasons'])[:100]}")
         loop.call_soon_threadsafe(stop.set)
         server.join(15)
-        decisions.close()
+        aggregator.close()  # closed by serve() already, unless it never started
     return 0

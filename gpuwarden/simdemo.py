@@ -283,23 +283,25 @@ def _summary(
 async def _demo(s: scenario_mod.Scenario, speed: float, work: Path, out: TextIO) -> int:
     from prometheus_client import CollectorRegistry  # noqa: PLC0415
 
-    from aggregator.auth import StaticTokens  # noqa: PLC0415
+    from aggregator.app import build_aggregator  # noqa: PLC0415
     from aggregator.config import Config  # noqa: PLC0415
-    from aggregator.decisions import DecisionLog  # noqa: PLC0415
-    from aggregator.pipeline import Pipeline  # noqa: PLC0415
     from aggregator.rules import default_rules_dir, load_rules  # noqa: PLC0415
-    from aggregator.service import REPORTS_PATH, create_app, serve  # noqa: PLC0415
+    from aggregator.service import REPORTS_PATH  # noqa: PLC0415
 
     tokens = {n: secrets.token_urlsafe(24) for n in s.node_names()}
     (work / "tokens").write_text("".join(f"{n} {t}\n" for n, t in tokens.items()))
-    config = Config()
-    decisions_log = DecisionLog(work / "decisions.jsonl")
-    pipeline = Pipeline(config, load_rules([default_rules_dir()]), decisions_log)
     clock = _SimClock(s.start)
     # No periodic task: the demo advances the pipeline itself, once per simulated second.
-    app = create_app(
-        pipeline, StaticTokens(work / "tokens"), config, clock, CollectorRegistry(), advance_interval_s=None
+    aggregator = await build_aggregator(
+        Config(),
+        load_rules([default_rules_dir()]),
+        auth=work / "tokens",
+        clock=clock,
+        decisions=work / "decisions.jsonl",
+        registry=CollectorRegistry(),
+        advance_interval_s=None,
     )
+    pipeline = aggregator.pipeline
     loop = asyncio.get_running_loop()
     interrupted = asyncio.Event()
     with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
@@ -307,7 +309,7 @@ async def _demo(s: scenario_mod.Scenario, speed: float, work: Path, out: TextIO)
     stop = asyncio.Event()
     bound: asyncio.Future[int] = loop.create_future()
     server = asyncio.create_task(
-        serve(app, "127.0.0.1", 0, stop=stop, on_started=lambda _h, port: bound.set_result(port)),
+        aggregator.serve("127.0.0.1", 0, stop=stop, on_started=lambda _h, port: bound.set_result(port)),
         name="aggregator",
     )
     progress = _Progress(last_time=s.start)
@@ -345,7 +347,7 @@ async def _demo(s: scenario_mod.Scenario, speed: float, work: Path, out: TextIO)
         stop.set()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(server, 15)
-        decisions_log.close()
+        aggregator.close()  # closed by serve() already, unless it never started
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.remove_signal_handler(signal.SIGINT)
     if progress.interrupted:

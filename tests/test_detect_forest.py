@@ -268,7 +268,7 @@ def test_run_covers_every_pool_of_the_fleet() -> None:
     frames = FleetFrames(FleetConfig())
     frames._frames["h100"] = Pool(nodes=64, seed=21, odd=[MILD]).frame()
     frames._frames["tiny"] = Pool(nodes=2, seed=2, prefix="tiny").frame()
-    out = ForestDetector().run(frames, NOW)
+    out = ForestDetector().run(frames, NOW).nodes
     assert len(out) == 66
     assert [(node, f.key) for node, fs in out.items() for f in fs] == [("node-011", "forest:gpu3")]
 

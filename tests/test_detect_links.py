@@ -9,10 +9,14 @@ from collections.abc import Callable
 import pytest
 
 from agent.report import SCHEMA_ID, Probe, Report
-from aggregator.detect.links import LinkConfig, LinkLocalizer, LinkVerdict
+from aggregator.config import FleetConfig
+from aggregator.detect import Verdict
+from aggregator.detect.links import LinkConfig, LinkLocalizer
+from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.pools import Placement
 
 T0 = 1_764_000_000.0
+FRAMES = FleetFrames(FleetConfig())  # the localizer reads probes, not the pool frames
 BW = 380e9
 NODES = [f"gpu-{i:04d}" for i in range(16)]
 # 16 nodes, racks of 4, leaves of 8 (two racks each): the small scenario's topology.
@@ -58,7 +62,7 @@ def feed(
     return t + 120
 
 
-def quarantined(v: LinkVerdict) -> set[str]:
+def quarantined(v: Verdict) -> set[str]:
     return {n for n, fs in v.nodes.items() if any(f.action == "quarantine" for f in fs)}
 
 
@@ -66,7 +70,7 @@ def quarantined(v: LinkVerdict) -> set[str]:
 def test_healthy_fleet_with_noise_blames_nothing(seed: int) -> None:
     loc = LinkLocalizer()
     now = feed(loc, healthy, seed=seed, noise=0.03)
-    v = loc.run(now)
+    v = loc.run(FRAMES, now)
     assert set(v.nodes) == set(NODES)
     assert all(fs == [] for fs in v.nodes.values())
     assert v.links == {} and v.switches == []
@@ -76,7 +80,7 @@ def test_slow_node_is_the_node_not_its_links() -> None:
     bad = "gpu-0005"
     loc = LinkLocalizer()
     now = feed(loc, lambda a, b, _t: 0.7 if bad in (a, b) else 1.0)
-    v = loc.run(now)
+    v = loc.run(FRAMES, now)
     assert quarantined(v) == {bad}
     (f,) = v.nodes[bad]
     assert f.detector == "link" and not f.hard
@@ -91,7 +95,7 @@ def test_degraded_pair_between_good_nodes_is_a_link() -> None:
     loc = LinkLocalizer()
     slow = {"gpu-0002", "gpu-0006"}
     now = feed(loc, lambda a, b, _t: 0.65 if {a, b} == slow else 1.0)
-    v = loc.run(now)
+    v = loc.run(FRAMES, now)
     assert quarantined(v) == set()
     assert all(fs == [] for fs in v.nodes.values())
     assert list(v.links) == [("gpu-0002", "gpu-0006")]
@@ -105,7 +109,7 @@ def test_slow_pairs_through_one_leaf_are_one_switch_alert() -> None:
     slow = [{"gpu-0008", "gpu-0012"}, {"gpu-0009", "gpu-0013"}, {"gpu-0010", "gpu-0014"}]
     loc = LinkLocalizer()
     now = feed(loc, lambda a, b, _t: 0.6 if {a, b} in slow else 1.0)
-    v = loc.run(now)
+    v = loc.run(FRAMES, now)
     assert quarantined(v) == set()
     assert v.links == {}
     (alert,) = v.switches
@@ -122,7 +126,7 @@ def test_too_few_partners_judges_nobody() -> None:
     few = ["gpu-0000", "gpu-0001", "gpu-0002"]
     loc = LinkLocalizer()
     now = feed(loc, lambda a, b, _t: 0.6 if "gpu-0000" in (a, b) else 1.0, nodes=few)
-    v = loc.run(now)
+    v = loc.run(FRAMES, now)
     assert set(v.nodes) == set(few)
     assert all(fs == [] for fs in v.nodes.values())
     assert v.links == {}
@@ -132,10 +136,10 @@ def test_a_single_slow_probe_never_decides() -> None:
     slow = {"gpu-0002", "gpu-0006"}
     loc = LinkLocalizer()
     now = feed(loc, lambda a, b, _t: 0.6 if {a, b} == slow else 1.0, rounds=1)
-    assert loc.run(now).links == {}
+    assert loc.run(FRAMES, now).links == {}
     # The second slow result of the same pair is what makes it a link.
     now = feed(loc, lambda a, b, _t: 0.6 if {a, b} == slow else 1.0, rounds=1, start=now + 480, seed=1)
-    assert list(loc.run(now).links) == [("gpu-0002", "gpu-0006")]
+    assert list(loc.run(FRAMES, now).links) == [("gpu-0002", "gpu-0006")]
 
 
 def test_old_slow_period_heals_under_recent_good_probes() -> None:
@@ -144,9 +148,9 @@ def test_old_slow_period_heals_under_recent_good_probes() -> None:
     loc = LinkLocalizer(LinkConfig(half_life_seconds=1800.0))
     factor: Factor = lambda a, b, t: 0.7 if bad in (a, b) and t < slow_until else 1.0  # noqa: E731
     mid = feed(loc, factor, rounds=3)
-    assert quarantined(loc.run(mid)) == {bad}
+    assert quarantined(loc.run(FRAMES, mid)) == {bad}
     end = feed(loc, factor, rounds=9, start=slow_until)
-    v = loc.run(end)
+    v = loc.run(FRAMES, end)
     assert quarantined(v) == set()
     assert v.nodes[bad] == []
 
@@ -172,10 +176,10 @@ def test_a_node_no_longer_probed_is_cleared() -> None:
     bad = "gpu-0005"
     loc = LinkLocalizer(LinkConfig(max_age_seconds=3600.0))
     now = feed(loc, lambda a, b, _t: 0.7 if bad in (a, b) else 1.0)
-    assert quarantined(loc.run(now)) == {bad}
-    v = loc.run(now + 7200)  # every probe aged out
+    assert quarantined(loc.run(FRAMES, now)) == {bad}
+    v = loc.run(FRAMES, now + 7200)  # every probe aged out
     assert v.nodes[bad] == []
-    assert loc.run(now + 7300).nodes == {}
+    assert loc.run(FRAMES, now + 7300).nodes == {}
 
 
 # Two cases the real-network test (test_netns_links.py) found: sparse probes, as a scheduler
@@ -212,7 +216,7 @@ def test_a_confirm_reprobe_of_the_slow_pair_does_not_move_the_blame() -> None:
         (3, 4, 108, 119),
         (0, 2, 109, 12),
     ]
-    verdict = _sparse(data).run(T0 + 110)
+    verdict = _sparse(data).run(FRAMES, T0 + 110)
     blamed = {n for n, fs in verdict.nodes.items() if any(f.key == "link-node" for f in fs)}
     assert blamed <= {"node2"}
 
@@ -232,7 +236,7 @@ def test_a_fixed_nodes_stale_slow_pairs_are_not_degraded_links() -> None:
         (0, 3, 173, 120),
         (1, 3, 174, 120),
     ]
-    verdict = _sparse(old + new).run(T0 + 180)
+    verdict = _sparse(old + new).run(FRAMES, T0 + 180)
     assert ("node2", "node3") not in verdict.links
 
 
@@ -252,12 +256,12 @@ def test_an_end_busy_until_just_before_is_judged_on_the_partners_that_follow() -
                 loc.observe(report(me, T0 + t, [p]), SIX_PLACE, received=T0 + t + 1.0)
         return loc
 
-    verdict = fed(LinkLocalizer()).run(T0 + 330)
+    verdict = fed(LinkLocalizer()).run(FRAMES, T0 + 330)
     assert set(verdict.links) == {(SIX[0], SIX[1])}
     assert not quarantined(verdict)
     # Judged only on what it had by the pair's last slow result, node1 had no other partner and
     # nothing could be said.
-    assert not fed(LinkLocalizer(LinkConfig(judge_after_seconds=0.0))).run(T0 + 330).links
+    assert not fed(LinkLocalizer(LinkConfig(judge_after_seconds=0.0))).run(FRAMES, T0 + 330).links
 
 
 def test_a_node_that_recovers_soon_after_its_first_slow_pair_does_not_make_it_a_link() -> None:
@@ -274,7 +278,7 @@ def test_a_node_that_recovers_soon_after_its_first_slow_pair_does_not_make_it_a_
         for me, peer in ((SIX[a], SIX[b]), (SIX[b], SIX[a])):
             p = Probe(kind="tcp_pair", time=T0 + t, ok=True, peer=peer, busbw_bytes_per_second=mbps * 1e6)
             loc.observe(report(me, T0 + t, [p]), SIX_PLACE, received=T0 + t + 1.0)
-    verdict = loc.run(T0 + 450)
+    verdict = loc.run(FRAMES, T0 + 450)
     assert (SIX[1], SIX[4]) not in verdict.links
 
 
@@ -310,7 +314,7 @@ def test_sparse_prober_a_slow_pair_with_ends_normal_elsewhere_is_a_link() -> Non
     # A prober that is not ours: two slow results for the pair, one normal partner per end.
     loc = LinkLocalizer()
     now = sparse(loc, lambda a, b, _t: 0.65 if {a, b} == {"gpu-0004", "gpu-0005"} else 1.0, SPARSE)
-    v = loc.run(now)
+    v = loc.run(FRAMES, now)
     assert set(v.links) == {("gpu-0004", "gpu-0005")}
     assert quarantined(v) == set()
     # Slow since the first of its two slow results (on the aggregator's clock: within the 2 s of
@@ -322,7 +326,7 @@ def test_sparse_prober_an_end_slow_with_its_other_partner_too_is_no_link() -> No
     # gpu-0004 is slow with everyone (a slow NIC): its pair with gpu-0005 is its own slowness.
     loc = LinkLocalizer()
     now = sparse(loc, lambda a, b, _t: 0.65 if "gpu-0004" in (a, b) else 1.0, SPARSE)
-    v = loc.run(now)
+    v = loc.run(FRAMES, now)
     assert v.links == {}
     # Two partners are too few to quarantine a node on: it waits for a third.
     assert quarantined(v) == set()
@@ -357,7 +361,7 @@ def test_a_node_gone_slow_is_not_vouched_for_by_its_results_from_before() -> Non
         lambda a, b, t: 0.65 if "gpu-0004" in (a, b) and t >= T0 + 500 else 1.0,
         sorted(before + around),
     )
-    assert loc.run(now).links == {}
+    assert loc.run(FRAMES, now).links == {}
 
 
 def test_a_slow_node_among_the_partners_does_not_hide_a_link() -> None:
@@ -388,6 +392,6 @@ def test_a_slow_node_among_the_partners_does_not_hide_a_link() -> None:
         return 0.65 if {a, b} == {"gpu-0004", "gpu-0005"} else 1.0
 
     loc = LinkLocalizer()
-    v = loc.run(sparse(loc, factor, pairs))
+    v = loc.run(FRAMES, sparse(loc, factor, pairs))
     assert quarantined(v) == {"gpu-0002"}
     assert set(v.links) == {("gpu-0004", "gpu-0005")}

@@ -7,10 +7,13 @@ import random
 import pytest
 
 from agent.report import SCHEMA_ID, Probe, Report
+from aggregator.config import FleetConfig
 from aggregator.detect.localprobe import LocalProbeDetector
+from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.pools import Placement
 
 T0 = 1_764_000_000.0
+FRAMES = FleetFrames(FleetConfig())  # the detector reads probes, not the pool frames
 BW = 480e9  # 8 H100 with NVSwitch, nccl-tests all_reduce_perf busbw
 POOL = Placement("h100", rack="r0", leaf="l0")
 
@@ -53,14 +56,14 @@ def flagged(out: dict[str, list[object]]) -> set[str]:
 def test_a_healthy_noisy_pool_stays_quiet(seed: int) -> None:
     det = LocalProbeDetector()
     end = feed(det, {}, rounds=6, seed=seed, noise=0.02)
-    assert flagged(det.run(end)) == set()
+    assert flagged(det.run(FRAMES, end).nodes) == set()
 
 
 def test_a_node_with_a_slow_gpu_is_found_with_its_evidence() -> None:
     # A GPU at 0.88 of its clock paces the ring: the node's all-reduce runs about 9 % slow.
     det = LocalProbeDetector()
     end = feed(det, {"gpu-0007": 0.91})
-    out = det.run(end)
+    out = det.run(FRAMES, end).nodes
     assert flagged(out) == {"gpu-0007"}
     [f] = out["gpu-0007"]
     assert f.detector == "probe" and f.action == "quarantine" and not f.hard
@@ -74,22 +77,22 @@ def test_one_slow_result_is_not_enough() -> None:
     end = feed(det, {}, rounds=3)
     p = Probe(kind="nccl_allreduce_local", time=end, ok=True, busbw_bytes_per_second=BW * 0.8)
     det.observe(report("gpu-0003", end, [p]), POOL, received=end)
-    assert flagged(det.run(end + 1)) == set()
+    assert flagged(det.run(FRAMES, end + 1).nodes) == set()
 
 
 def test_a_small_pool_cannot_say_what_normal_is() -> None:
     det = LocalProbeDetector()
     end = feed(det, {"gpu-0001": 0.8}, nodes=4)
-    assert flagged(det.run(end)) == set()
+    assert flagged(det.run(FRAMES, end).nodes) == set()
 
 
 def test_a_repaired_node_is_cleared_once_its_fresh_results_are_normal() -> None:
     det = LocalProbeDetector()
     end = feed(det, {"gpu-0007": 0.85}, rounds=3)
-    assert flagged(det.run(end)) == {"gpu-0007"}
+    assert flagged(det.run(FRAMES, end).nodes) == {"gpu-0007"}
     # Repaired: the old results age out of weight (half-life 30 min) and fast ones come in.
     later = feed(det, {}, rounds=8, start=end + 3 * 3600.0, seed=1)
-    out = det.run(later)
+    out = det.run(FRAMES, later).nodes
     assert out["gpu-0007"] == []
 
 
@@ -101,4 +104,4 @@ def test_failed_and_single_gpu_results_are_not_bandwidth() -> None:
         Probe(kind="nccl_allreduce_local", time=end + 1, ok=True, busbw_bytes_per_second=None),
     ]
     det.observe(report("gpu-0002", end, bad), POOL, received=end)
-    assert flagged(det.run(end + 2)) == set()
+    assert flagged(det.run(FRAMES, end + 2).nodes) == set()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from agent.report import Gpu, Report
-from aggregator.config import FleetConfig
+from aggregator.config import Config, FleetConfig
 from aggregator.detect import DETECTORS, PeerDetector
 from aggregator.detect.cusum import cusum
 from aggregator.fleet.frame import GPU_COLUMN, GPU_FIELDS, FleetFrames, PoolFrame
@@ -322,16 +322,15 @@ def test_end_to_end_from_reports_through_the_fleet_frames() -> None:
     config = FleetConfig(window_seconds=1800.0, interval_seconds=INTERVAL)
     fleet, frames = Fleet(config), FleetFrames(config, frame_seconds=600.0)
     placement = Placement("h100")
-    made = [make() for make in DETECTORS]
-    detector = next(d for d in made if d.name == "peer")
-    assert {d.name for d in made} == {"peer", "trend", "forest"}
+    assert [spec.name for spec in DETECTORS] == ["peer", "trend", "forest", "link", "probe"]
+    detector = next(spec for spec in DETECTORS if spec.name == "peer").build(Config().detectors)
     out: dict[str, list[Finding]] = {}
     for k in range(30):
         t = 1_000_000.0 + k * INTERVAL
         for j in range(10):
             view = fleet.add(_report(f"n{j:02d}", t + j * 0.5, MAX_HZ * 0.80, k))
             frames.record(view, placement, at=t + j * 0.5)
-        out = dict(detector.run(frames, t + INTERVAL))
+        out = dict(detector.run(frames, t + INTERVAL).nodes)
     assert set(out) == {f"n{j:02d}" for j in range(10)}
     assert [f.key for f in out["n05"]] == ["peer-sm-clock:gpu4"]
     assert all(out[n] == [] for n in out if n != "n05")

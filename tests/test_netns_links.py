@@ -66,14 +66,16 @@ health:
   suspect_for_seconds: 6.0       # a finding must hold over 3 localizer runs to act
   clear_for_seconds: 3.0
   probation_seconds: 6.0
+detectors:
+  link:
+    every_seconds: 2.0
+    half_life_seconds: 60.0      # longer than max_age: every partner weighs about the same
+    max_age_seconds: 40.0        # two rotations of a pair; what the healing waits for
+    dedupe_seconds: 1.0          # both ends' copies of one probe land within ~0.1 s
+    judge_after_seconds: 4.0     # one round: a fresh end is judged on the partners that follow
+    min_partners: 3
+    min_low_probes: 2
 links:
-  every_seconds: 2.0
-  half_life_seconds: 60.0        # longer than max_age: every partner weighs about the same
-  max_age_seconds: 40.0          # two rotations of a pair; what the healing waits for
-  dedupe_seconds: 1.0            # both ends' copies of one probe land within ~0.1 s
-  judge_after_seconds: 4.0       # one round: a fresh end is judged on the partners that follow
-  min_partners: 3
-  min_low_probes: 2
   link_clear_for_seconds: 6.0
 remediation:
   mode: "off"
@@ -90,7 +92,8 @@ probes:
   expected_min_results: 3        # confirms start after the first round's results
 """
 DETECT_WITHIN_S: Final = 90.0
-SETTLE_S: Final = 40.0 + 6.0 + 2.0  # links.max_age_seconds + link_clear_for_seconds + every_seconds
+# detectors.link.max_age_seconds + links.link_clear_for_seconds + detectors.link.every_seconds
+SETTLE_S: Final = 40.0 + 6.0 + 2.0
 HEAL_WITHIN_S: Final = 90.0
 
 

@@ -36,15 +36,11 @@ from prometheus_client.registry import CollectorRegistry
 
 from agent.clock import FakeClock
 from agent.metrics import CLOCK_EVENT_REASONS, INFINIBAND_COUNTERS
-from aggregator.audit import AuditLog
+from aggregator.app import build_aggregator
 from aggregator.config import Config, RemediationConfig
-from aggregator.decisions import DecisionLog
+from aggregator.kube.api import KubeApi
 from aggregator.kube.client import KubeClient
-from aggregator.metrics import NODE_STATES, Metrics
-from aggregator.pipeline import Pipeline
-from aggregator.probes.metrics import ProbeMetrics
-from aggregator.probes.scheduler import ProbeScheduler
-from aggregator.remediate.runtime import Remediation
+from aggregator.metrics import NODE_STATES
 from tests.kube_double import KubeApiDouble
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,29 +121,31 @@ def _recorded_names() -> set[str]:
 
 
 async def _build_aggregator_registry(workdir: Path) -> CollectorRegistry:
-    registry = CollectorRegistry()
-    metrics = Metrics(registry)
-    config = Config()
-    pipeline = Pipeline(config, [], DecisionLog(None))
-    metrics.watch_node_states(dict)
-    clock = FakeClock()
+    (workdir / "tokens").write_text("gpu-0001 token-for-the-registry-test\n")
+    config = msgspec.structs.replace(
+        Config(), remediation=msgspec.convert({"mode": "dry-run"}, RemediationConfig)
+    )
     async with KubeApiDouble() as kube:
         client = await KubeClient.from_kubeconfig(kube.write_kubeconfig(workdir / "kubeconfig"))
+
+        async def connect() -> KubeApi:
+            return client
+
         try:
-            # Constructing it registers every remediation family; nothing is started or written.
-            Remediation(
-                pipeline,
-                msgspec.convert({"mode": "dry-run"}, RemediationConfig),
-                api=client,
+            # Built as gpuwarden aggregator builds it, with remediation and probes on: building
+            # registers every family; nothing is started or written.
+            aggregator = await build_aggregator(
+                config,
+                [],
+                auth=workdir / "tokens",
+                clock=FakeClock(),
+                kube=connect,
                 identity="gpuwarden-aggregator-0",
-                clock=clock,
-                registry=registry,
-                audit=AuditLog(None),
+                probe_key=b"k" * 32,
             )
         finally:
             await client.close()
-    ProbeMetrics(registry, ProbeScheduler(config.probes, b"k" * 32), clock.time)
-    return registry
+    return aggregator.registry
 
 
 def aggregator_registry(workdir: Path) -> CollectorRegistry:

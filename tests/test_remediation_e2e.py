@@ -1,10 +1,9 @@
 """End to end: aggregators with remediation on (``enforce``), fed reports over HTTP, against the
 Kubernetes API-server double.
 
-Each test runs two replicas the way ``gpuwarden aggregator --remediation enforce`` wires one
-(``aggregator.cli._serve``: a Pipeline, the remediation runtime with its own KubeClient from a
-kubeconfig, ``create_app`` plus the remediation routes and lifecycle, served by ``serve``) and
-plays the agents: every report goes to every replica, gzip JSON with the node's bearer token.
+Each test runs two replicas built as ``gpuwarden aggregator --remediation enforce`` builds one
+(``aggregator.app.build_aggregator``, with its own KubeClient from a kubeconfig) and plays the
+agents: every report goes to every replica, gzip JSON with the node's bearer token.
 Only the tests' view of the cluster is the double's own state; what the aggregators do, they do
 through the real client over HTTP.
 
@@ -26,7 +25,7 @@ import asyncio
 import functools
 import gzip
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +37,8 @@ from prometheus_client import CollectorRegistry
 
 from agent.clock import Clock, SystemClock
 from agent.report import Event
+from aggregator.app import build_aggregator
 from aggregator.audit import AuditLog
-from aggregator.auth import StaticTokens
 from aggregator.config import (
     Config,
     HealthConfig,
@@ -47,20 +46,19 @@ from aggregator.config import (
     LimitsConfig,
     RemediationConfig,
 )
-from aggregator.decisions import Decision, DecisionLog
+from aggregator.decisions import Decision
+from aggregator.kube.api import KubeApi
 from aggregator.kube.client import KubeClient
 from aggregator.kube.objects import (
     KubeUnavailable,
 )
-from aggregator.metrics import Metrics
-from aggregator.notify import make_dispatcher
 from aggregator.pipeline import Pipeline
 from aggregator.remediate.limits import decode_breaker
 from aggregator.remediate.model import decode_snapshot
 from aggregator.remediate.runtime import BREAKER_ANNOTATION, BREAKER_RESET_PATH, REMEDIATION_PATH, Remediation
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.rules.model import Rule
-from aggregator.service import REPORTS_PATH, create_app, serve
+from aggregator.service import REPORTS_PATH
 from tests.kube_double import Intercepted, KubeApiDouble
 from tests.rulekit import report, xid
 
@@ -144,7 +142,7 @@ class Severable(Intercepted):
             raise KubeUnavailable(f"{op}: connection refused (severed by the test)")
 
 
-# -- one replica, wired as aggregator.cli._serve wires it -----------------------------------------
+# -- one replica, built by the composition root as gpuwarden aggregator builds it ------------------
 
 
 @dataclass
@@ -194,57 +192,30 @@ class Replica:
 async def start_replica(
     name: str, double: KubeApiDouble, tmp_path: Path, cfg: Config, clock: Clock | None = None
 ) -> Replica:
-    clock = clock if clock is not None else SystemClock()
-    registry = CollectorRegistry()
-    metrics = Metrics(registry)
-    authenticator = StaticTokens(tmp_path / "tokens")
-    decisions = DecisionLog(None)
-    audit = AuditLog(None)
-    pipeline: Pipeline | None = None
-    remediation: Remediation | None = None
-    notify = make_dispatcher(
-        cfg.notify,
-        registry,
-        clock=clock,
-        pool_of=lambda node: pipeline.pool_of(node) if pipeline is not None else None,
-    )
+    kube: Severable | None = None
 
-    def on_decision(d: Decision) -> None:
-        metrics.decision(d.reasons[0].detector if d.reasons else "none", d.state)
-        notify.on_decision(d)
-        if remediation is not None:
-            remediation.on_decision(d)
+    async def connect() -> KubeApi:
+        nonlocal kube
+        client = await KubeClient.from_kubeconfig(double.write_kubeconfig(tmp_path / f"{name}.kubeconfig"))
+        kube = Severable(client)
+        return kube
 
-    def k8s_labels(node: str) -> Mapping[str, str]:
-        return remediation.k8s_labels(node) if remediation is not None else {}
-
-    pipeline = Pipeline(
-        cfg, RULES, decisions, k8s_labels=k8s_labels, on_decision=on_decision, on_systemic=notify.on_systemic
-    )
-    kube = Severable(
-        await KubeClient.from_kubeconfig(double.write_kubeconfig(tmp_path / f"{name}.kubeconfig"))
-    )
-    remediation = Remediation(
-        pipeline,
-        cfg.remediation,
-        api=kube,
+    agg = await build_aggregator(
+        cfg,
+        RULES,
+        auth=tmp_path / "tokens",
+        clock=clock if clock is not None else SystemClock(),
+        kube=connect,
         identity=name,
-        clock=clock,
-        registry=registry,
-        audit=audit,
         admin_tokens=[ADMIN_TOKEN],
     )
-    pipeline.has_preflight_taint = remediation.has_preflight_taint
-    app = create_app(pipeline, authenticator, cfg, clock, registry, metrics=metrics)
-    app.cleanup_ctx.append(notify.lifecycle)
-    app.router.add_routes(remediation.routes())
-    app.cleanup_ctx.append(remediation.lifecycle)
+    assert agg.remediation is not None and kube is not None
+    remediation = agg.remediation
 
     stop = asyncio.Event()
     bound: asyncio.Future[tuple[str, int]] = asyncio.get_running_loop().create_future()
     task = asyncio.create_task(
-        serve(
-            app,
+        agg.serve(
             "127.0.0.1",
             0,
             stop=stop,
@@ -256,7 +227,9 @@ async def start_replica(
     host, port = await asyncio.wait_for(bound, WAIT_S)
     # Agents' reports must find the node labels (the pool) in the informer's cache.
     await asyncio.wait_for(remediation.actuator.synced(), WAIT_S)
-    return Replica(name, f"http://{host}:{port}", pipeline, remediation, registry, kube, audit, stop, task)
+    return Replica(
+        name, f"http://{host}:{port}", agg.pipeline, remediation, agg.registry, kube, agg.audit, stop, task
+    )
 
 
 # -- the agents -----------------------------------------------------------------------------------

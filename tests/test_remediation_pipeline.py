@@ -14,8 +14,9 @@ import pytest
 
 from agent.errors import ConfigError
 from agent.report import Report
+from aggregator.app import build_pipeline
 from aggregator.config import Config, HealthConfig, LimitsConfig, RemediationConfig
-from aggregator.decisions import Decision, DecisionLog
+from aggregator.decisions import Decision
 from aggregator.pipeline import Pipeline
 from aggregator.remediate.model import HealthSnapshot, decode_snapshot, encode_snapshot
 from aggregator.rules import default_rules_dir, load_rules
@@ -36,7 +37,7 @@ class Fleet:
     """A pipeline fed with reports of nodes n00..nNN in racks of ``rack_size``, every 10 s."""
 
     def __init__(self, cfg: Config, nodes: int = 20, rack_size: int = 4, rules: list[Rule] = RULES) -> None:
-        self.pipeline = Pipeline(cfg, rules, DecisionLog(None))
+        self.pipeline = build_pipeline(cfg, rules)
         self.names = [f"n{i:02d}" for i in range(nodes)]
         self.rack = {n: f"r{i // rack_size}" for i, n in enumerate(self.names)}
         self.seq = 0
@@ -196,7 +197,7 @@ def test_taint_effect_on_a_rule_that_does_not_quarantine_is_refused(tmp_path: Pa
 
 def _restart(old: Pipeline, cfg: Config, now: float) -> Pipeline:
     """A new pipeline rebuilt from the snapshots the actuator wrote on the nodes."""
-    new = Pipeline(cfg, RULES, DecisionLog(None))
+    new = build_pipeline(cfg, RULES)
     for node in old.intent_nodes():
         intent = old.intent(node)
         assert intent is not None
@@ -272,7 +273,7 @@ def test_a_restart_resumes_the_probation_clock_and_keeps_the_lemon_count() -> No
 
 
 def test_our_taint_without_a_snapshot_is_restored_as_quarantined(tmp_path: Path) -> None:
-    new = Pipeline(config(), RULES, DecisionLog(None))
+    new = build_pipeline(config(), RULES)
     new.restore("n09", None, "xid-79", T0)
     intent = new.intent("n09")
     assert intent is not None and intent.state == "quarantined" and intent.effect == "NoSchedule"

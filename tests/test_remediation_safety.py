@@ -12,15 +12,15 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from prometheus_client import CollectorRegistry
 
 from agent.clock import FakeClock
-from aggregator.audit import AuditLog
+from aggregator.app import build_aggregator
 from aggregator.config import RemediationConfig
+from aggregator.kube.api import KubeApi
 from aggregator.kube.client import KubeClient
 from aggregator.kube.leader import LeaderElector
 from aggregator.remediate.limits import BreakerState, decode_breaker, encode_breaker
-from aggregator.remediate.runtime import BREAKER_ANNOTATION, Remediation
+from aggregator.remediate.runtime import BREAKER_ANNOTATION
 from tests.kube_double import KubeApiDouble
 from tests.rulekit import gpu, report
 from tests.test_actuator import OURS, Recording, World, intent, node_writes, ours, taints, until
@@ -108,16 +108,21 @@ async def test_a_starting_replica_never_closes_an_open_breaker(world: World, tmp
     other = LeaderElector(client, rcfg.leader, identity="agg-0", clock=world.clock)
     opened = BreakerState(open=True, since=T0, reason="pool h100", limit="pool_share")
     await other.update_annotations({BREAKER_ANNOTATION: encode_breaker(opened)})
-    fleet = Fleet(config())
-    rem = Remediation(
-        fleet.pipeline,
-        rcfg,
-        api=client,
-        identity="agg-1",
+    (tmp_path / "tokens").write_text("n00 token-of-n00\n")
+
+    async def connect() -> KubeApi:
+        return client
+
+    agg = await build_aggregator(
+        msgspec.structs.replace(config(), remediation=rcfg),
+        [],
+        auth=tmp_path / "tokens",
         clock=world.clock,
-        registry=CollectorRegistry(),
-        audit=AuditLog(None),
+        kube=connect,
+        identity="agg-1",
     )
+    rem = agg.remediation
+    assert rem is not None
     await rem.sync_breaker()  # before its elector has read the Lease: it must not write
     lease = world.api.lease(rcfg.leader.namespace, rcfg.leader.lease_name)
     assert lease is not None
@@ -125,7 +130,7 @@ async def test_a_starting_replica_never_closes_an_open_breaker(world: World, tmp
     assert stored is not None and stored.open
     await rem.elector._attempt()  # one election round reads the Lease
     await rem.sync_breaker()
-    assert fleet.pipeline.limits.open
+    assert agg.pipeline.limits.open
     await client.close()
 
 

@@ -1,21 +1,45 @@
-"""Fleet-wide detectors that run on a tick over the pool frames (see ``base.Detector``).
+"""The detectors the pipeline runs (see ``base.Detector``): one ``DetectorSpec`` each.
 
-``DETECTORS`` is the explicit list the pipeline builds its detectors from: one factory each,
-called with no arguments (every parameter has a documented default, see docs/detection.md).
+``DETECTORS`` is the explicit list. Each entry names the detector's settings type (whose ``name``
+is the detector's name: its findings' source and its key under ``detectors:`` in the config file)
+and the factory that makes it from those settings. Adding a detector is a module and a line here.
+
+``SOURCES`` is every name a finding's ``detector`` can have: the few sources built into the
+pipeline, then the detectors in the order they run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
-from aggregator.detect.base import Detector
-from aggregator.detect.forest import ForestDetector
-from aggregator.detect.peers import PeerDetector
-from aggregator.detect.trend import TrendDetector
+from aggregator.detect.base import Detector, DetectorSpec, PoolDetector, Verdict, detectors_section
+from aggregator.detect.forest import ForestConfig, ForestDetector
+from aggregator.detect.links import LinkConfig, LinkLocalizer
+from aggregator.detect.localprobe import LocalProbeConfig, LocalProbeDetector
+from aggregator.detect.peers import PeerConfig, PeerDetector
+from aggregator.detect.trend import TrendConfig, TrendDetector
 
-# The forest only ever raises suspicion (action "alert"); a quarantine needs evidence of one kind
-# that persists (docs/detection.md, "Multivariate model").
-DETECTORS: Final[tuple[Callable[[], Detector], ...]] = (PeerDetector, TrendDetector, ForestDetector)
+# Run in this order, each on its own period. The forest only ever raises suspicion (action
+# "alert"); a quarantine needs evidence of one kind that persists (docs/detection.md).
+DETECTORS: Final[tuple[DetectorSpec[Any], ...]] = (
+    DetectorSpec(PeerConfig, PeerDetector),
+    DetectorSpec(TrendConfig, TrendDetector),
+    DetectorSpec(ForestConfig, ForestDetector),
+    DetectorSpec(LinkConfig, LinkLocalizer),  # pair probes: a slow node, a degraded link, a switch
+    DetectorSpec(LocalProbeConfig, LocalProbeDetector),  # local all-reduce probes against the pool
+)
 
-__all__ = ["DETECTORS", "Detector", "ForestDetector", "PeerDetector", "TrendDetector"]
+# Sources of findings built into the pipeline: the rule engine and the silence detector.
+BUILTIN_SOURCES: Final = ("rule", "silence")
+SOURCES: Final[tuple[str, ...]] = BUILTIN_SOURCES + tuple(d.name for d in DETECTORS)
+
+__all__ = [
+    "BUILTIN_SOURCES",
+    "DETECTORS",
+    "SOURCES",
+    "Detector",
+    "DetectorSpec",
+    "PoolDetector",
+    "Verdict",
+    "detectors_section",
+]

@@ -1,32 +1,147 @@
-"""What every fleet-wide detector is to the pipeline: a name, a period, and a run over the frames.
+"""What every detector is to the pipeline: settings, a period, hooks for what it watches, a run.
 
-The pipeline builds one of each entry of ``aggregator.detect.DETECTORS``, runs each every
-``every_seconds`` of its clock, and hands each node's list to the health machine
-(``HealthMachine.update(node, detector.name, findings, now)``). A detector answers for every node
-it looked at, with an empty list where it sees nothing: that is how its earlier findings on a node
-clear. A node it did not look at (not in any frame) keeps whatever it had until it is forgotten.
+The pipeline builds one detector of each entry of ``aggregator.detect.DETECTORS`` (a
+``DetectorSpec``: the settings type, whose ``name`` is the detector's, and the factory), with the
+settings the ``detectors:`` section of the config file gives it. Then, for every detector alike:
+
+- ``observe_report(report, placement, received)`` for every report ingested (a detector that reads
+  only the pool frames does nothing here; the probe detectors keep the report's probe results);
+- ``run(frames, now)`` every ``every_seconds`` of the aggregator's clock, returning a ``Verdict``:
+  findings per node, handed to the health machine (``HealthMachine.update(node, name, findings,
+  now)``), and optionally slow links (for the link state machine) and switch alerts;
+- ``forget(node)`` when the pipeline forgets a node that has been silent for a long time.
+
+A detector answers for every node it looked at, with an empty list where it sees nothing: that is
+how its earlier findings on a node clear. A node it did not look at keeps whatever it had until it
+is forgotten. A detector that raises is logged, counted and skipped for that call; nothing else in
+the pipeline waits for it (``aggregator.pipeline``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar, cast
 
-from aggregator.fleet.frame import FleetFrames
+import msgspec
+
+from agent.report import Report
+from aggregator.config import DetectorSettings, DetectorsSection
+from aggregator.fleet.frame import FleetFrames, PoolFrame
+from aggregator.fleet.pools import Placement
 from aggregator.model import Finding
+
+Pair = tuple[str, str]  # two node names, sorted
+
+
+@dataclass(frozen=True)
+class SwitchAlert:
+    """A shared switch the findings point at: several culprits in one rack or leaf."""
+
+    domain_kind: str  # "rack" or "leaf"
+    domain: str
+    pool: str
+    nodes: tuple[str, ...]  # the nodes involved (bad nodes, ends of slow pairs)
+    pairs: tuple[Pair, ...]  # the slow pairs behind it
+    summary: str
+
+
+@dataclass
+class Verdict:
+    """One run's answer.
+
+    ``nodes``: findings per node, for every node judged ([] clears). ``links``: the slow pairs now
+    (every other pair is clear), or None from a detector that does not judge links, which then
+    leaves the link state machine alone. ``switches``: the shared-switch problems it sees now.
+    """
+
+    nodes: dict[str, list[Finding]] = field(default_factory=dict)
+    links: dict[Pair, Finding] | None = None
+    switches: list[SwitchAlert] = field(default_factory=list)
 
 
 class Detector(Protocol):
-    @property
-    def name(self) -> str:
-        """The detector's name as decision records spell it ("peer", "trend"): its findings' source."""
-        ...
-
     @property
     def every_seconds(self) -> float:
         """How often the pipeline runs it, in seconds of the aggregator's clock."""
         ...
 
-    def run(self, frames: FleetFrames, now: float) -> Mapping[str, list[Finding]]:
+    def observe_report(self, report: Report, placement: Placement, received: float) -> None:
+        """A report was ingested (``received`` on the aggregator's clock)."""
+        ...
+
+    def run(self, frames: FleetFrames, now: float) -> Verdict:
         """Findings per node, for every node looked at (an empty list clears its findings)."""
         ...
+
+    def forget(self, node: str) -> None:
+        """The node is gone (silent for ``silence.forget_after_seconds``): drop its state."""
+        ...
+
+
+class PoolDetector(abc.ABC):
+    """A detector of the pool frames alone: each pool judged on its own, nothing kept per node
+    between runs but what the frames hold."""
+
+    every_seconds: float
+
+    def observe_report(self, report: Report, placement: Placement, received: float) -> None:  # noqa: B027
+        """The frames already hold what it needs."""
+
+    def forget(self, node: str) -> None:  # noqa: B027 - a hook it does not need, not an abstract one
+        """Nothing of its own to drop: the frames forget the node."""
+
+    def run(self, frames: FleetFrames, now: float) -> Verdict:
+        out = Verdict()
+        for pool in frames.pools():
+            frame = frames.frame(pool)
+            if frame is not None:
+                out.nodes.update(self.run_pool(frame, now))
+        return out
+
+    @abc.abstractmethod
+    def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
+        """Findings for every node of one pool's frame (empty lists where nothing stands out)."""
+
+
+S = TypeVar("S", bound=DetectorSettings)
+
+
+@dataclass(frozen=True)
+class DetectorSpec(Generic[S]):
+    """One entry of ``DETECTORS``: the settings type (with the detector's ``name``) and the
+    factory that makes the detector from them."""
+
+    settings: type[S]
+    make: Callable[[S], Detector]
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+    def build(self, section: DetectorsSection) -> Detector:
+        """The detector, with the settings ``section`` holds for it (its defaults where the section
+        was built without it, e.g. a detector registered by a test)."""
+        found: Any = getattr(section, self.name, None)
+        settings = found if isinstance(found, self.settings) else self.settings()
+        return self.make(settings)
+
+
+def detectors_section(specs: tuple[DetectorSpec[Any], ...]) -> type[DetectorsSection]:
+    """The type of the ``detectors:`` config section for ``specs``: a key per detector, holding its
+    settings, each with its defaults. Unknown keys are refused, at every level."""
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two detectors share a name: {names}")
+    fields = [(s.name, s.settings, msgspec.field(default_factory=s.settings)) for s in specs]
+    built = msgspec.defstruct(
+        "DetectorsConfig",
+        fields,
+        bases=(DetectorsSection,),
+        module="aggregator.config",
+        kw_only=True,
+        frozen=True,
+        forbid_unknown_fields=True,
+    )
+    return cast("type[DetectorsSection]", built)

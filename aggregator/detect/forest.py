@@ -39,23 +39,27 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Final, Literal
+from typing import Annotated, ClassVar, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
+from msgspec import Meta
 from sklearn.ensemble import IsolationForest  # type: ignore[import-untyped]  # no stubs shipped
 
+from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
+from aggregator.detect.base import PoolDetector
 from aggregator.detect.load import settled
 from aggregator.detect.peers import MAD_SCALE, nanmedian
-from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, FleetFrames, PoolFrame
+from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, PoolFrame
 from aggregator.model import Finding
 
 log = logging.getLogger(__name__)
 
 Float = npt.NDArray[np.float64]
+AtLeastOne = Annotated[int, Meta(ge=1)]
+NonNegative = Annotated[float, Meta(ge=0)]
 
 
 @dataclass(frozen=True)
@@ -120,25 +124,44 @@ FEATURES: Final[tuple[ForestFeature, ...]] = (
 )
 
 
-@dataclass(frozen=True)
-class ForestConfig:
-    every_seconds: float = 300.0  # refit at most this often: the forest is the costliest detector
-    window_seconds: float = 300.0  # the complete slots each run looks at
-    load_threshold: float = 0.5  # utilization ratio at which a GPU counts as under load
-    min_loaded_slots: int = 6  # loaded slots in the window for a GPU to have a vector (1 min at 10 s)
-    settle_seconds: float = 180.0  # busy this long before a slot counts as loaded (thermal settling)
-    min_gpus: int = 16  # GPUs with a vector for the pool to be modelled at all ...
-    min_nodes: int = 4  # ... on at least this many nodes
-    n_estimators: int = 100
-    max_fit_samples: int = 4096  # rows the forest is fitted on (a seeded sample of a bigger pool)
-    seed: int = 0
-    score_mads: float = 6.0  # the score must be this many MADs above the pool's median score ...
-    min_score: float = 0.6  # ... and at least this (0.5 is "as easy to isolate as any point")
-    min_distance: float = 5.0  # robust_distance for the explanation to be worth it ...
+class ForestConfig(DetectorSettings, frozen=True):
+    """``detectors.forest``."""
+
+    name: ClassVar[str] = "forest"
+    every_seconds: PositiveSeconds = 300.0  # refit at most this often: the forest is the costliest detector
+    window_seconds: PositiveSeconds = 300.0  # the complete slots each run looks at
+    load_threshold: Ratio = 0.5  # utilization ratio at which a GPU counts as under load
+    min_loaded_slots: AtLeastOne = 6  # loaded slots in the window for a GPU to have a vector (1 min at 10 s)
+    settle_seconds: NonNegative = 180.0  # busy this long before a slot counts as loaded (thermal settling)
+    min_gpus: Annotated[int, Meta(ge=2)] = 16  # GPUs with a vector for the pool to be modelled at all ...
+    min_nodes: AtLeastOne = 4  # ... on at least this many nodes
+    n_estimators: AtLeastOne = 100
+    # Rows the forest is fitted on (a seeded sample of a bigger pool).
+    max_fit_samples: Annotated[int, Meta(ge=2)] = 4096
+    seed: Annotated[int, Meta(ge=0)] = 0
+    score_mads: NonNegative = 6.0  # the score must be this many MADs above the pool's median score ...
+    min_score: Ratio = 0.6  # ... and at least this (0.5 is "as easy to isolate as any point")
+    min_distance: NonNegative = 5.0  # robust_distance for the explanation to be worth it ...
     # ... and beyond the pool's own healthy maximum: the expected number of healthy GPUs of a pool
     # past the distance line in one run, under the tail fitted to that pool (``distance_gate``).
-    healthy_exceedances: float = 0.05
-    top_features: int = 3  # features named in the explanation
+    healthy_exceedances: Annotated[float, Meta(gt=0, lt=1)] = 0.05
+    top_features: AtLeastOne = 3  # features named in the explanation
+
+    def __post_init__(self) -> None:
+        if not (
+            self.every_seconds > 0
+            and self.window_seconds > 0
+            and self.min_loaded_slots >= 1
+            and self.min_gpus >= 2
+            and self.min_nodes >= 1
+            and self.n_estimators >= 1
+            and self.max_fit_samples >= 2
+            and self.top_features >= 1
+            and self.score_mads >= 0
+            and self.min_distance >= 0
+            and 0 < self.healthy_exceedances < 1
+        ):
+            raise ValueError(f"forest detector needs positive periods, sizes and thresholds; got {self}")
 
 
 @dataclass(frozen=True)
@@ -262,37 +285,12 @@ def _fmt(value: float, digits: int) -> str:
     return f"{value:.{digits}f}"
 
 
-class ForestDetector:
+class ForestDetector(PoolDetector):
     """Per pool IsolationForest over robust per-GPU feature vectors; findings are alerts only."""
-
-    name: Final = "forest"
 
     def __init__(self, config: ForestConfig | None = None) -> None:
         self.config = config if config is not None else ForestConfig()
-        c = self.config
-        if not (
-            c.every_seconds > 0
-            and c.window_seconds > 0
-            and c.min_loaded_slots >= 1
-            and c.min_gpus >= 2
-            and c.min_nodes >= 1
-            and c.n_estimators >= 1
-            and c.max_fit_samples >= 2
-            and c.top_features >= 1
-            and c.score_mads >= 0
-            and c.min_distance >= 0
-            and 0 < c.healthy_exceedances < 1
-        ):
-            raise ValueError(f"forest detector needs positive periods, sizes and thresholds; got {c}")
-        self.every_seconds = c.every_seconds
-
-    def run(self, frames: FleetFrames, now: float) -> Mapping[str, list[Finding]]:
-        out: dict[str, list[Finding]] = {}
-        for pool in frames.pools():
-            frame = frames.frame(pool)
-            if frame is not None:
-                out.update(self.run_pool(frame, now))
-        return out
+        self.every_seconds = self.config.every_seconds
 
     def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
         """Findings for every node of one pool's frame (empty lists where nothing stands out)."""
@@ -390,7 +388,7 @@ class ForestDetector:
             f"(isolation score {score:.2f}, threshold {threshold:.2f}): " + "; ".join(parts)
         )
         return Finding(
-            detector="forest",
+            detector=ForestConfig.name,
             key=f"forest:gpu{gpu}",
             severity="warning",
             action="alert",

@@ -32,13 +32,16 @@ import math
 from collections import defaultdict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Annotated, ClassVar, Final
 
 import numpy as np
 import numpy.typing as npt
-from msgspec import UNSET
+from msgspec import UNSET, Meta
 
 from agent.report import Report
+from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
+from aggregator.detect.base import Pair, SwitchAlert, Verdict
+from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.pools import Placement
 from aggregator.model import Finding
 
@@ -48,43 +51,34 @@ Float = npt.NDArray[np.float64]
 MAD_SCALE: Final = 1.4826
 PAIR_KINDS: Final = frozenset({"nccl_allreduce_pair", "tcp_pair"})
 
-Pair = tuple[str, str]  # sorted by name
 
+class LinkConfig(DetectorSettings, frozen=True):
+    """``detectors.link``. The defaults suit a fleet probed every few minutes; tests and small
+    labs shorten them."""
 
-@dataclass(frozen=True)
-class LinkConfig:
-    every_seconds: float = 60.0  # how often the pipeline runs the localizer
-    half_life_seconds: float = 1800.0  # a probe this old weighs half a fresh one
-    max_age_seconds: float = 4 * 3600.0  # older probes are forgotten (weight under 1/256)
-    dedupe_seconds: float = 30.0  # both ends' copies of one probe land this close on our clock
-    max_samples_per_pair: int = 64
-    min_partners: int = 3  # a node is judged only on this many distinct partners
-    min_low_probes: int = 2  # a verdict needs this many slow results of its own
-    node_ratio: float = 0.85  # node effect below this share of the pool's bandwidth
-    pair_ratio: float = 0.85  # pair residual below this share
-    z: float = 3.0  # how many standard errors below normal an effect must be
-    spread_floor: float = 0.02  # lower bound of the robust spread of log bandwidth (2 %)
-    switch_min_culprits: int = 3  # culprits in one rack/leaf that make a switch alert
+    name: ClassVar[str] = "link"
+    every_seconds: PositiveSeconds = 60.0  # how often the pipeline runs the localizer
+    half_life_seconds: PositiveSeconds = 1800.0  # a probe this old weighs half a fresh one
+    max_age_seconds: PositiveSeconds = 4 * 3600.0  # older probes are forgotten (weight under 1/256)
+    dedupe_seconds: PositiveSeconds = 30.0  # both ends' copies of one probe land this close on our clock
+    max_samples_per_pair: Annotated[int, Meta(ge=1)] = 64
+    min_partners: Annotated[int, Meta(ge=2)] = 3  # a node is judged only on this many distinct partners
+    min_low_probes: Annotated[int, Meta(ge=1)] = 2  # a verdict needs this many slow results of its own
+    node_ratio: Ratio = 0.85  # node effect below this share of the pool's bandwidth
+    pair_ratio: Ratio = 0.85  # pair residual below this share
+    z: Annotated[float, Meta(ge=0)] = 3.0  # how many standard errors below normal an effect must be
+    spread_floor: Annotated[float, Meta(gt=0)] = 0.02  # lower bound of the robust spread of log bandwidth
+    switch_min_culprits: Annotated[int, Meta(ge=1)] = 3  # culprits in one rack/leaf that make a switch alert
     # An end of a slow pair with too few other partners by the pair's last slow result (it ran a
     # job until just before) is judged "normal then" on those that follow within this long: the
     # confirm step's fresh partners come minutes later.
-    judge_after_seconds: float = 300.0
-    polish_iterations: int = 30
-
-
-@dataclass(frozen=True)
-class SwitchAlert:
-    domain_kind: str  # "rack" or "leaf"
-    domain: str
-    pool: str
-    nodes: tuple[str, ...]  # the nodes involved (bad nodes, ends of slow pairs)
-    pairs: tuple[Pair, ...]  # the slow pairs behind it
-    summary: str
+    judge_after_seconds: Annotated[float, Meta(ge=0)] = 300.0
+    polish_iterations: Annotated[int, Meta(ge=1)] = 30
 
 
 @dataclass
-class LinkVerdict:
-    """One run's answer: findings per node (every node judged; [] clears), slow pairs, switches."""
+class _Verdict:
+    """A run's answer while it is being put together (``Verdict`` with its links always judged)."""
 
     nodes: dict[str, list[Finding]] = field(default_factory=dict)
     links: dict[Pair, Finding] = field(default_factory=dict)
@@ -122,8 +116,6 @@ def _wmedian(values: Float, weights: Float) -> float:
 
 
 class LinkLocalizer:
-    name: Final = "link"
-
     def __init__(self, config: LinkConfig | None = None) -> None:
         self.config = config or LinkConfig()
         self.every_seconds = self.config.every_seconds
@@ -133,6 +125,10 @@ class LinkLocalizer:
         self._switches: set[tuple[str, str, str]] = set()
 
     # -- input ----------------------------------------------------------------------------------
+
+    def observe_report(self, report: Report, placement: Placement, received: float) -> None:
+        if report.probes:  # a node's placement is learnt from the reports that carry its probes
+            self.observe(report, placement, received)
 
     def observe(self, report: Report, placement: Placement, received: float) -> int:
         """Take the report's pair probes; returns how many were new (not the other end's copy)."""
@@ -158,7 +154,16 @@ class LinkLocalizer:
 
     # -- judgement ------------------------------------------------------------------------------
 
-    def run(self, now: float) -> LinkVerdict:
+    def forget(self, node: str) -> None:
+        """Its probes are older than ``max_age_seconds`` by the time a node is forgotten (a day
+        of silence by default), so only the placement and the judged mark are left to drop."""
+        self._placements.pop(node, None)
+        self._judged.discard(node)
+        for key in [k for k in self._samples if node in k[0]]:
+            del self._samples[key]
+
+    def run(self, frames: FleetFrames, now: float) -> Verdict:
+        """Judged on the pair probes observed; the pool frames play no part."""
         cfg = self.config
         oldest = now - cfg.max_age_seconds
         by_pool: dict[str, dict[str, list[tuple[Pair, list[_Sample]]]]] = defaultdict(
@@ -178,7 +183,7 @@ class LinkLocalizer:
             live = [s for s in dq if s.time <= now]
             if live:
                 by_pool[pa.pool][kind].append(((a, b), live))
-        verdict = LinkVerdict()
+        verdict = _Verdict()
         for pool in sorted(by_pool):
             self._run_pool(pool, by_pool[pool], now, verdict)
         judged = set(verdict.nodes)
@@ -186,10 +191,10 @@ class LinkLocalizer:
             verdict.nodes[node] = []
         self._judged = judged
         self._log_switches(verdict.switches)
-        return verdict
+        return Verdict(nodes=verdict.nodes, links=verdict.links, switches=verdict.switches)
 
     def _run_pool(
-        self, pool: str, kinds: Mapping[str, list[tuple[Pair, list[_Sample]]]], now: float, out: LinkVerdict
+        self, pool: str, kinds: Mapping[str, list[tuple[Pair, list[_Sample]]]], now: float, out: _Verdict
     ) -> None:
         cfg = self.config
         obs: list[_Obs] = []
@@ -413,7 +418,7 @@ class LinkLocalizer:
         }
         pct = (1 - math.exp(effect)) * 100
         return Finding(
-            detector="link",
+            detector=LinkConfig.name,
             key="link-node",
             severity="critical",
             action="quarantine",
@@ -442,7 +447,7 @@ class LinkLocalizer:
         run = self._slow_run(mine)
         since = now if run is None else min(now, run[0])
         return Finding(
-            detector="link",
+            detector=LinkConfig.name,
             key=f"link-pair:{a}|{b}",
             severity="warning",
             action="none",
@@ -466,7 +471,7 @@ class LinkLocalizer:
         bad_nodes: Mapping[str, Finding],
         bad_pairs: Mapping[Pair, Finding],
         now: float,
-        out: LinkVerdict,
+        out: _Verdict,
     ) -> set[object]:
         """Group culprits by the rack, then the leaf, they share; returns the culprits explained."""
         cfg = self.config
@@ -501,7 +506,7 @@ class LinkLocalizer:
                 out.switches.append(alert)
                 explained.update(members)
                 finding = Finding(
-                    detector="link",
+                    detector=LinkConfig.name,
                     key=f"link-switch:{kind}:{d}",
                     severity="warning",
                     action="alert",

@@ -22,11 +22,15 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Annotated, ClassVar
 
 import numpy as np
-from msgspec import UNSET
+from msgspec import UNSET, Meta
 
 from agent.report import Report
+from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
+from aggregator.detect.base import Verdict
+from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.pools import Placement
 from aggregator.model import Finding
 
@@ -36,16 +40,19 @@ LOCAL_KINDS = frozenset({"nccl_allreduce_local"})
 _MAD_SCALE = 1.4826
 
 
-@dataclass(frozen=True)
-class LocalProbeConfig:
-    half_life_seconds: float = 1800.0
-    max_age_seconds: float = 4 * 3600.0
-    max_samples_per_node: int = 32
-    min_pool_nodes: int = 5
-    min_low_probes: int = 2
-    node_ratio: float = 0.95  # nccl-tests' run-to-run spread on one node is about 1 %
-    z: float = 3.0
-    spread_floor: float = 0.01
+class LocalProbeConfig(DetectorSettings, frozen=True):
+    """``detectors.probe``."""
+
+    name: ClassVar[str] = "probe"
+    every_seconds: PositiveSeconds = 60.0
+    half_life_seconds: PositiveSeconds = 1800.0
+    max_age_seconds: PositiveSeconds = 4 * 3600.0
+    max_samples_per_node: Annotated[int, Meta(ge=1)] = 32
+    min_pool_nodes: Annotated[int, Meta(ge=2)] = 5
+    min_low_probes: Annotated[int, Meta(ge=1)] = 2
+    node_ratio: Ratio = 0.95  # nccl-tests' run-to-run spread on one node is about 1 %
+    z: Annotated[float, Meta(ge=0)] = 3.0
+    spread_floor: Annotated[float, Meta(gt=0)] = 0.01
 
 
 @dataclass(frozen=True)
@@ -55,13 +62,16 @@ class _Sample:
 
 
 class LocalProbeDetector:
-    name = "probe"
-
     def __init__(self, config: LocalProbeConfig | None = None) -> None:
         self.config = config or LocalProbeConfig()
+        self.every_seconds = self.config.every_seconds
         self._samples: dict[tuple[str, str], deque[_Sample]] = {}  # (node, kind) -> results
         self._placements: dict[str, Placement] = {}
         self._judged: set[str] = set()
+
+    def observe_report(self, report: Report, placement: Placement, received: float) -> None:
+        if report.probes:  # a node's placement is learnt from the reports that carry its probes
+            self.observe(report, placement, received)
 
     def observe(self, report: Report, placement: Placement, received: float) -> None:
         self._placements[report.node] = placement
@@ -87,9 +97,9 @@ class LocalProbeDetector:
         for key in [k for k in self._samples if k[0] == node]:
             del self._samples[key]
 
-    def run(self, now: float) -> dict[str, list[Finding]]:
+    def run(self, frames: FleetFrames, now: float) -> Verdict:
         """Findings for every node with local results (an empty list clears), and for nodes that
-        had findings before and no longer have results."""
+        had findings before and no longer have results. The pool frames play no part."""
         cfg = self.config
         oldest = now - cfg.max_age_seconds
         groups: dict[tuple[str, str], dict[str, list[_Sample]]] = {}
@@ -114,7 +124,7 @@ class LocalProbeDetector:
         for node in self._judged - out.keys():
             out[node] = []
         self._judged = {n for n, fs in out.items() if fs}
-        return out
+        return Verdict(nodes=out)
 
     def _judge_pool(
         self,
@@ -141,7 +151,7 @@ class LocalProbeDetector:
                 ratio = math.exp(dev)
                 out[n].append(
                     Finding(
-                        detector="probe",
+                        detector=LocalProbeConfig.name,
                         key=f"probe-local-slow:{kind}",
                         severity="warning",
                         action="quarantine",

@@ -28,15 +28,17 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Annotated, ClassVar, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
+from msgspec import Meta
 
+from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
+from aggregator.detect.base import PoolDetector
 from aggregator.detect.cusum import cusum
-from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, FleetFrames, PoolFrame
+from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, PoolFrame
 from aggregator.model import Action, Finding
 
 log = logging.getLogger(__name__)
@@ -122,18 +124,24 @@ FEATURES: Final[tuple[PeerFeature, ...]] = (
 )
 
 
-@dataclass(frozen=True)
-class PeerConfig:
-    every_seconds: float = 30.0
-    load_threshold: float = 0.5  # utilization ratio at which a GPU counts as under load
-    min_gpus: int = 8  # loaded GPUs in a slot for it to be scored
-    min_nodes: int = 3  # ... on at least this many nodes
-    min_node_gpus: int = 4  # loaded GPUs on a node for a node-relative feature to be scored
+class PeerConfig(DetectorSettings, frozen=True):
+    """``detectors.peer``."""
+
+    name: ClassVar[str] = "peer"
+    every_seconds: PositiveSeconds = 30.0
+    load_threshold: Ratio = 0.5  # utilization ratio at which a GPU counts as under load
+    min_gpus: Annotated[int, Meta(ge=2)] = 8  # loaded GPUs in a slot for it to be scored
+    min_nodes: Annotated[int, Meta(ge=1)] = 3  # ... on at least this many nodes
+    min_node_gpus: Annotated[int, Meta(ge=1)] = 4  # loaded GPUs on a node for a node-relative feature
     # Accumulated excess in MADs. 30 is 10 slots of a 5-MAD deviation with k = 2 (100 s), 7.5 of
     # a 6-MAD one; a 60-slot healthy frame stays far below it (see docs/detection.md).
-    h_alert: float = 30.0
-    h_quarantine: float = 60.0
-    calm_slots: int = 3  # scored slots in a row within the allowance: the deviation has stopped
+    h_alert: Annotated[float, Meta(gt=0)] = 30.0
+    h_quarantine: Annotated[float, Meta(gt=0)] = 60.0
+    calm_slots: Annotated[int, Meta(ge=1)] = 3  # scored slots in a row within the allowance: stopped
+
+    def __post_init__(self) -> None:
+        if not (0 < self.h_alert <= self.h_quarantine and self.min_gpus >= 2 and self.min_nodes >= 1):
+            raise ValueError(f"peer detector needs 0 < h_alert <= h_quarantine and min peers; got {self}")
 
 
 def nanmedian(a: npt.NDArray[np.floating], axis: int) -> Float:
@@ -168,26 +176,13 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
-class PeerDetector:
+class PeerDetector(PoolDetector):
     """Per pool robust z-scores per slot, accumulated per GPU and feature by a one-sided CUSUM."""
-
-    name: Final = "peer"
 
     def __init__(self, config: PeerConfig | None = None) -> None:
         self.config = config if config is not None else PeerConfig()
-        c = self.config
-        if not (0 < c.h_alert <= c.h_quarantine and c.min_gpus >= 2 and c.min_nodes >= 1):
-            raise ValueError(f"peer detector needs 0 < h_alert <= h_quarantine and min peers; got {c}")
-        self.every_seconds = c.every_seconds
+        self.every_seconds = self.config.every_seconds
         self.features = tuple(f for f in FEATURES if all(col in GPU_COLUMN for col in f.columns))
-
-    def run(self, frames: FleetFrames, now: float) -> Mapping[str, list[Finding]]:
-        out: dict[str, list[Finding]] = {}
-        for pool in frames.pools():
-            frame = frames.frame(pool)
-            if frame is not None:
-                out.update(self.run_pool(frame, now))
-        return out
 
     def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
         """Findings for every node of one pool's frame (empty lists where nothing deviates)."""
@@ -268,7 +263,7 @@ class PeerDetector:
             )
             out[node].append(
                 Finding(
-                    detector="peer",
+                    detector=PeerConfig.name,
                     key=f"peer-{feature.key}:gpu{gi}",
                     severity="critical" if quarantine else "warning",
                     action=action,

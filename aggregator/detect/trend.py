@@ -28,21 +28,25 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Annotated, ClassVar, Final
 
 import numpy as np
 import numpy.typing as npt
+from msgspec import Meta
 
+from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
+from aggregator.detect.base import PoolDetector
 from aggregator.detect.load import settled
 from aggregator.detect.peers import MAD_SCALE, nanmedian
-from aggregator.fleet.frame import GPU_COLUMN, NIC_COLUMN, FleetFrames, PoolFrame, nic_name
+from aggregator.fleet.frame import GPU_COLUMN, NIC_COLUMN, PoolFrame, nic_name
 from aggregator.model import Action, Finding
 
 log = logging.getLogger(__name__)
 
 Float = npt.NDArray[np.float64]
+Count = Annotated[int, Meta(ge=1)]
+NonNegative = Annotated[float, Meta(ge=0)]
 
 
 @dataclass(frozen=True)
@@ -84,29 +88,35 @@ DRIFT_COLUMNS: Final[tuple[tuple[str, str, str], ...]] = (
 )
 
 
-@dataclass(frozen=True)
-class TrendConfig:
-    every_seconds: float = 30.0
-    recent_slots: int = 3  # the burst window: 30 s at 10-s reports
-    alert_hits: int = 2  # slots of the burst window above the baseline line
-    long_slots: int = 18  # the persistence window (3 min); the baseline is what is older
-    min_baseline_slots: int = 6  # a port needs a minute of its own past to be judged
-    burst_mads: float = 6.0
-    quarantine_share: float = 0.9  # of the persistence window's slots that have a rate
-    min_long_share: float = 2 / 3  # slots of the persistence window that must have a rate
-    quarantine_floors: float = 10.0
-    load_threshold: float = 0.5
-    drift_slots: int = 12  # the drift window: 2 min
-    min_drift_samples: int = 6  # loaded slots in each of the two windows
+class TrendConfig(DetectorSettings, frozen=True):
+    """``detectors.trend``."""
+
+    name: ClassVar[str] = "trend"
+    every_seconds: PositiveSeconds = 30.0
+    recent_slots: Count = 3  # the burst window: 30 s at 10-s reports
+    alert_hits: Count = 2  # slots of the burst window above the baseline line
+    long_slots: Count = 18  # the persistence window (3 min); the baseline is what is older
+    min_baseline_slots: Count = 6  # a port needs a minute of its own past to be judged
+    burst_mads: NonNegative = 6.0
+    quarantine_share: Ratio = 0.9  # of the persistence window's slots that have a rate
+    min_long_share: Ratio = 2 / 3  # slots of the persistence window that must have a rate
+    quarantine_floors: NonNegative = 10.0
+    load_threshold: Ratio = 0.5
+    drift_slots: Count = 12  # the drift window: 2 min
+    min_drift_samples: Count = 6  # loaded slots in each of the two windows
     # At constant load a GPU's temperature over inlet is power times thermal resistance; healthy
     # ones hold within a couple of degrees from minute to minute. 10 C more at the same power, with
     # the room's change removed, is about a quarter more thermal resistance: a fan, the heat sink,
     # the paste. Not yet a throttle (rules and peers see that), so an alert.
-    drift_celsius: float = 10.0
-    drift_power_ratio: float = 1.1
+    drift_celsius: NonNegative = 10.0
+    drift_power_ratio: NonNegative = 1.1
     # A slot counts as loaded for the drift check only once the GPU was busy for this long before
     # it (aggregator/detect/load.py): a GPU still heating up after its job started is not a drift.
-    settle_seconds: float = 180.0
+    settle_seconds: NonNegative = 180.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.alert_hits <= self.recent_slots <= self.long_slots and self.drift_slots > 0):
+            raise ValueError(f"trend detector needs 0 < alert_hits <= recent_slots <= long_slots; got {self}")
 
 
 @dataclass(frozen=True)
@@ -118,25 +128,12 @@ class _Burst:
     line: Float
 
 
-class TrendDetector:
+class TrendDetector(PoolDetector):
     """Error-counter bursts and temperature drift, each against the same GPU's or port's past."""
-
-    name: Final = "trend"
 
     def __init__(self, config: TrendConfig | None = None) -> None:
         self.config = config if config is not None else TrendConfig()
-        c = self.config
-        if not (0 < c.alert_hits <= c.recent_slots <= c.long_slots and c.drift_slots > 0):
-            raise ValueError(f"trend detector needs 0 < alert_hits <= recent_slots <= long_slots; got {c}")
-        self.every_seconds = c.every_seconds
-
-    def run(self, frames: FleetFrames, now: float) -> Mapping[str, list[Finding]]:
-        out: dict[str, list[Finding]] = {}
-        for pool in frames.pools():
-            frame = frames.frame(pool)
-            if frame is not None:
-                out.update(self.run_pool(frame, now))
-        return out
+        self.every_seconds = self.config.every_seconds
 
     def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
         t0, t1 = now - frame.slots * frame.interval_s, now - frame.interval_s  # complete slots only
@@ -239,7 +236,7 @@ class TrendDetector:
         recent, baseline = float(b.recent[cell]), float(b.baseline[cell])
         window = self.config.long_slots if quarantine else self.config.recent_slots
         return Finding(
-            detector="trend",
+            detector=TrendConfig.name,
             key=f"trend-{counter.column.removesuffix('_per_second').replace('_', '-')}:{where}",
             severity="critical" if quarantine else "warning",
             action=action,
@@ -300,7 +297,7 @@ class TrendDetector:
                 gi = int(g)
                 out[nodes[int(n)]].append(
                     Finding(
-                        detector="trend",
+                        detector=TrendConfig.name,
                         key=f"trend-{key}:gpu{gi}",
                         severity="warning",
                         action="alert",

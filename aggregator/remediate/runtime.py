@@ -140,13 +140,11 @@ class Remediation:
         self._written: BreakerState | None = None  # the breaker as we last wrote or adopted it
         self._wake = asyncio.Event()
         self._leadership_hooks: list[Callable[[], None]] = []
-        # Pools come from node labels too (K8S_POOL_LABELS), and the pool-share limit counts
-        # every node the cluster has in the pool, reporting or not.
-        pipeline.set_cluster_pool_size(self._pool_size)
 
-    # -- the pipeline's side ------------------------------------------------------------------
+    # -- the pipeline's side: its ClusterView (aggregator.pipeline), from the node cache ---------
 
-    def k8s_labels(self, node: str) -> Mapping[str, str]:
+    def labels(self, node: str) -> Mapping[str, str]:
+        """Pools come from node labels too (K8S_POOL_LABELS)."""
         cached = self.actuator.cached(node)
         return cached.labels if cached is not None else {}
 
@@ -161,7 +159,8 @@ class Remediation:
         if self.pipeline.limits.state != self._written:
             self._wake.set()
 
-    def _pool_size(self, pool: str) -> int:
+    def pool_size(self, pool: str) -> int:
+        """Every node the cluster has in the pool, reporting or not (the pool-share limit)."""
         count = 0
         for n in self.actuator.cached_nodes():
             if k8s_pool(n.labels) == pool:  # the same label precedence as placement_of

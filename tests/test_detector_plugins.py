@@ -1,0 +1,267 @@
+"""Detectors plug in: a module and a ``DetectorSpec`` line, nothing else, and one that fails is isolated.
+
+The example detector here is registered exactly as the shipped ones are (a settings struct with its
+``name``, a factory, one ``DetectorSpec``) and goes through the same composition root. Its settings
+come from the ``detectors:`` section, its findings reach the health machine under its name, and its
+run count, time and errors are exported per detector. A detector that raises in every hook costs
+neither an agent's report (200, not 500) nor the rest of detection (rules, silence, the health
+machine's tick), and its log lines are rate-limited.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgspec
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry
+
+from agent.clock import FakeClock
+from agent.report import Report, encode
+from aggregator.app import Aggregator, build_aggregator, build_pipeline
+from aggregator.config import Config, DetectorSettings, PositiveSeconds, SilenceConfig
+from aggregator.configload import parse_config
+from aggregator.detect import DETECTORS, SOURCES, DetectorSpec, PoolDetector, Verdict, detectors_section
+from aggregator.fleet.frame import FleetFrames, PoolFrame
+from aggregator.fleet.pools import Placement
+from aggregator.model import Finding
+from aggregator.service import REPORTS_PATH, SERVER_KWARGS
+from tests.rulekit import T0, gpu, report, xid
+
+TOKEN = "token-of-gpu-0001-for-the-plugin-test"
+
+
+# -- the example: one settings struct, one detector class, one spec -------------------------------
+
+
+class HotConfig(DetectorSettings, frozen=True):
+    name: ClassVar[str] = "hot"
+    every_seconds: PositiveSeconds = 5.0
+    celsius: float = 90.0
+
+
+class HotDetector(PoolDetector):
+    """A node whose last report had a GPU over ``celsius``: from reports, not from the frames."""
+
+    def __init__(self, config: HotConfig) -> None:
+        self.config = config
+        self.every_seconds = config.every_seconds
+        self.hottest: dict[str, float] = {}
+
+    def observe_report(self, report: Report, placement: Placement, received: float) -> None:
+        self.hottest[report.node] = max((g.temperature_celsius or 0.0) for g in report.gpus)
+
+    def forget(self, node: str) -> None:
+        self.hottest.pop(node, None)
+
+    def run(self, frames: FleetFrames, now: float) -> Verdict:
+        out = Verdict()
+        for node, celsius in self.hottest.items():
+            out.nodes[node] = (
+                [Finding("hot", "hot", "warning", "alert", f"a GPU at {celsius:.0f} C", since=now)]
+                if celsius > self.config.celsius
+                else []
+            )
+        return out
+
+    def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
+        raise AssertionError("run() is overridden: it reads reports, not frames")
+
+
+HOT = DetectorSpec(HotConfig, HotDetector)
+WITH_HOT = (*DETECTORS, HOT)
+
+
+class BrokenConfig(DetectorSettings, frozen=True):
+    name: ClassVar[str] = "broken"
+    every_seconds: PositiveSeconds = 1.0
+
+
+class BrokenDetector:
+    """Raises in every hook."""
+
+    def __init__(self, config: BrokenConfig) -> None:
+        self.every_seconds = config.every_seconds
+        self.calls = 0
+
+    def observe_report(self, report: Report, placement: Placement, received: float) -> None:
+        self.calls += 1
+        raise RuntimeError("observe_report is broken")
+
+    def run(self, frames: FleetFrames, now: float) -> Verdict:
+        self.calls += 1
+        raise ZeroDivisionError("run is broken")
+
+    def forget(self, node: str) -> None:
+        raise KeyError(node)
+
+
+WITH_BROKEN = (DetectorSpec(BrokenConfig, BrokenDetector), *DETECTORS)
+
+
+def _hot_config(text: str) -> Config:
+    """A config whose detectors: section also knows the example (built from WITH_HOT, as the
+    shipped section is built from DETECTORS)."""
+    section = detectors_section(WITH_HOT)
+    return msgspec.structs.replace(Config(), detectors=msgspec.convert(msgspec.json.decode(text), section))
+
+
+def sample(registry: CollectorRegistry, name: str, detector: str) -> float:
+    value = registry.get_sample_value(name, {"detector": detector})
+    assert value is not None, (name, detector)
+    return value
+
+
+def _rep(t: float, seq: int, *, temp: float = 60.0, **kw: Any) -> Report:
+    r = report(
+        t, seq=seq, gpus=[gpu(i, temperature_celsius=temp if i == 2 else 60.0) for i in range(8)], **kw
+    )
+    return msgspec.structs.replace(r, node="gpu-0001")
+
+
+# -- the example plugs in ---------------------------------------------------------------------------
+
+
+def test_the_shipped_detectors_and_the_sources_come_from_one_list() -> None:
+    assert [d.name for d in DETECTORS] == ["peer", "trend", "forest", "link", "probe"]
+    assert SOURCES == ("rule", "silence", "peer", "trend", "forest", "link", "probe")
+    # Every shipped detector has its section, with its defaults, in the configuration.
+    assert {d.name: type(Config().detectors.of(d.name)) for d in DETECTORS} == {
+        d.name: d.settings for d in DETECTORS
+    }
+
+
+def test_a_detectors_settings_come_from_the_config_file_and_bad_keys_are_refused() -> None:
+    config = parse_config("detectors: {peer: {every_seconds: 5}, link: {min_partners: 4}}", "test")
+    assert config.detectors.of("peer").every_seconds == 5.0
+    assert config.detectors.of("trend") == Config().detectors.of("trend")
+    pipeline = build_pipeline(config, [])
+    assert {r.name: r.detector.every_seconds for r in pipeline._detectors} == {
+        "peer": 5.0,
+        "trend": 30.0,
+        "forest": 300.0,
+        "link": 60.0,
+        "probe": 60.0,
+    }
+    assert pipeline._detectors[3].detector.config.min_partners == 4  # type: ignore[attr-defined]
+    with pytest.raises(Exception, match=r"at detectors\.peer: unknown key `nope`"):
+        parse_config("detectors: {peer: {nope: 1}}", "test")
+    with pytest.raises(Exception, match=r"at detectors: unknown key `pear`"):
+        parse_config("detectors: {pear: {}}", "test")
+    with pytest.raises(Exception, match=r"at detectors\.trend: trend detector needs"):
+        parse_config("detectors: {trend: {alert_hits: 9}}", "test")
+
+
+def test_a_test_only_detector_plugs_in_through_a_spec_and_reports_to_the_health_machine() -> None:
+    assert _hot_config('{"hot": {"celsius": 80}}').detectors.of("hot") == HotConfig(celsius=80.0)
+    with pytest.raises(msgspec.ValidationError, match=r"unknown field `degrees` - at `\$.hot`"):
+        _hot_config('{"hot": {"degrees": 80}}')
+
+    pipeline = build_pipeline(_hot_config('{"hot": {"celsius": 80}}'), [], detectors=WITH_HOT)
+    for k in range(3):
+        pipeline.ingest(_rep(T0 + 10 * k, k, temp=85.0), T0 + 10 * k)
+    h = pipeline.health.get("gpu-0001")
+    assert h is not None and h.state == "suspect"
+    assert [r.detector for r in h.reasons] == ["hot"]
+    # Repaired: the detector answers [] for the node, and the finding clears.
+    for k in range(3, 30):
+        pipeline.ingest(_rep(T0 + 10 * k, k), T0 + 10 * k)
+    assert pipeline.health.get("gpu-0001").state == "healthy"  # type: ignore[union-attr]
+    stats = {s.detector: s for s in pipeline.detector_stats()}
+    # Time moves only with the reports here (every 10 s): the detector, due every 5 s, runs at each.
+    assert stats["hot"].runs == 30 and stats["hot"].errors == 0
+
+
+async def _serve(tmp_path: Path, config: Config, detectors: Any) -> tuple[Aggregator, FakeClock]:
+    (tmp_path / "tokens").write_text(f"gpu-0001 {TOKEN}\n")
+    clock = FakeClock(start=T0)
+    agg = await build_aggregator(
+        config, [], auth=tmp_path / "tokens", clock=clock, detectors=detectors, advance_interval_s=None
+    )
+    return agg, clock
+
+
+async def _post(client: TestClient[Any, Any], r: Report) -> tuple[int, Any]:
+    headers = {
+        "Content-Type": "application/json",
+        "Content-Encoding": "gzip",
+        "Authorization": f"Bearer {TOKEN}",
+    }
+    resp = await client.post(REPORTS_PATH, data=gzip.compress(encode(r)), headers=headers)
+    return resp.status, await resp.json()
+
+
+async def test_each_detector_exports_its_runs_time_and_errors(tmp_path: Path, aiohttp_client: Any) -> None:
+    agg, clock = await _serve(tmp_path, _hot_config('{"hot": {"celsius": 80}}'), WITH_HOT)
+    server = TestServer(agg.app)
+    await server.start_server(**SERVER_KWARGS)
+    client = await aiohttp_client(server)
+    for k in range(3):
+        assert await _post(client, _rep(clock.time(), k, temp=95.0)) == (200, {"status": "accepted"})
+        clock.advance(10.0)
+    text = await (await client.get("/metrics")).text()
+    for name in ("runs", "duration_seconds", "errors"):
+        assert f'gpuwarden_detector_{name}_total{{detector="hot"}}' in text
+        assert f'gpuwarden_detector_{name}_total{{detector="peer"}}' in text
+    assert sample(agg.registry, "gpuwarden_detector_runs_total", "hot") == 3.0
+    assert sample(agg.registry, "gpuwarden_detector_runs_total", "forest") == 1.0  # every 300 s
+    assert sample(agg.registry, "gpuwarden_detector_errors_total", "hot") == 0.0
+    assert sample(agg.registry, "gpuwarden_detector_duration_seconds_total", "hot") >= 0.0
+
+
+# -- a failing detector is isolated -----------------------------------------------------------------
+
+
+async def test_a_raising_detector_never_fails_a_report_nor_the_rest_of_detection(
+    tmp_path: Path, aiohttp_client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from aggregator.rules import default_rules_dir, load_rules
+
+    config = msgspec.structs.replace(Config(), silence=SilenceConfig(silent_after_seconds=30.0))
+    (tmp_path / "tokens").write_text(f"gpu-0001 {TOKEN}\n")
+    clock = FakeClock(start=T0)
+    agg = await build_aggregator(
+        config,
+        load_rules([default_rules_dir()]),
+        auth=tmp_path / "tokens",
+        clock=clock,
+        detectors=WITH_BROKEN,
+        advance_interval_s=None,
+    )
+    server = TestServer(agg.app)
+    await server.start_server(**SERVER_KWARGS)
+    client = await aiohttp_client(server)
+    caplog.set_level(logging.ERROR, logger="aggregator.pipeline")
+
+    for k in range(20):
+        assert await _post(client, _rep(clock.time(), k)) == (200, {"status": "accepted"})
+        clock.advance(2.0)
+    # The rules still decide: an XID 79 quarantines at once.
+    assert await _post(client, _rep(clock.time(), 20, events=[xid(79, at=clock.time())])) == (
+        200,
+        {"status": "accepted"},
+    )
+    assert agg.pipeline.health.get("gpu-0001").state == "quarantined"  # type: ignore[union-attr]
+    # The health machine still ticks without reports: silence is found after 30 s.
+    for _ in range(40):
+        clock.advance(1.0)
+        agg.pipeline.advance(clock.time())
+    active = agg.pipeline.health.get("gpu-0001").active()  # type: ignore[union-attr]
+    assert "silence" in {t.finding.detector for t in active}
+
+    broken = agg.pipeline._detectors[0]
+    assert broken.name == "broken" and broken.detector.calls > 40  # type: ignore[attr-defined]
+    assert sample(agg.registry, "gpuwarden_detector_errors_total", "broken") == broken.detector.calls  # type: ignore[attr-defined]
+    assert sample(agg.registry, "gpuwarden_detector_errors_total", "peer") == 0.0
+    rejected = agg.registry.get_sample_value(
+        "gpuwarden_aggregator_reports_rejected_total", {"reason": "internal_error"}
+    )
+    assert rejected == 0.0
+    # Rate-limited: over 80 s of failures in two hooks, one line per hook per minute at most.
+    failed = [r for r in caplog.records if r.getMessage() == "detector failed"]
+    assert 1 <= len(failed) <= 4
+    assert {getattr(r, "hook", None) for r in failed} == {"observe_report", "run"}
