@@ -901,6 +901,35 @@ def node_drilldown() -> Json:
             minimum=0,
             maximum=1,
         ),
+        _row("Activity (GPM: Hopper and later)"),
+        _timeseries(
+            "SM and tensor core activity",
+            [
+                _target(f"gpuwarden_gpu_sm_active_ratio{{{_NODE}}}", "GPU {{gpu}} SM"),
+                _target(f"gpuwarden_gpu_tensor_active_ratio{{{_NODE}}}", "GPU {{gpu}} tensor"),
+            ],
+            unit="percentunit",
+            description="NVML GPU Performance Monitoring over the agent's interval: SMs with a warp "
+            "active, tensor pipes active. Empty on GPUs without GPM (Ampere and older).",
+            minimum=0,
+            maximum=1,
+        ),
+        _timeseries(
+            "PCIe and NVLink throughput",
+            [
+                _target(
+                    f"gpuwarden_gpu_pcie_throughput_bytes_per_second{{{_NODE}}}",
+                    "GPU {{gpu}} PCIe {{direction}}",
+                ),
+                _target(
+                    f"gpuwarden_gpu_nvlink_throughput_bytes_per_second{{{_NODE}}}",
+                    "GPU {{gpu}} NVLink {{direction}}",
+                ),
+            ],
+            unit="Bps",
+            description="Bytes per second over the agent's interval, headers included (GPM).",
+            minimum=0,
+        ),
         _row("Memory errors"),
         _timeseries(
             "ECC errors (volatile) per second",
