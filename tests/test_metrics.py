@@ -612,3 +612,19 @@ def test_a_catalogued_field_without_a_metric_is_refused(monkeypatch: pytest.Monk
     monkeypatch.setattr(agent_metrics, "_GPU_FAMILIES", families)
     with pytest.raises(TypeError, match="power_watts"):
         agent_metrics._check_families()
+
+
+def test_nic_counters_are_split_by_unit_and_words_are_bytes() -> None:
+    samples = _samples(_exposition(_snapshot()))
+    by_family: dict[str, dict[str, float]] = {}
+    for (name, labels), value in samples.items():
+        if name.startswith("gpuwarden_nic_stat"):
+            by_family.setdefault(name, {})[dict(labels)["stat"]] = value
+    assert by_family == {
+        # IBTA's port_xmit_data counts 4-byte words: 1,000 words are 4,000 bytes.
+        "gpuwarden_nic_stat_bytes_total": {"port_xmit_data": 4000.0},
+        "gpuwarden_nic_stat_packets_total": {"port_rcv_packets": 77.0},
+        "gpuwarden_nic_stat_errors_total": {"rx_errors": 1.0},
+        "gpuwarden_nic_stat_events_total": {"np_cnp_sent": 42.0, "carrier_changes": 4.0},
+        "gpuwarden_nic_stat_total": {"vendor_specific_thing": 5.0},  # unit unknown
+    }
