@@ -393,7 +393,18 @@ _GPU_FAMILIES: tuple[_GpuFamily, ...] = (
         "pcie_replay_total",
         "PCIe replays (retransmitted packets) the GPU counted, since the driver was loaded.",
     ),
+    _plain(
+        "gpuwarden_gpu_memory_utilization_ratio",
+        "memory_utilization_ratio",
+        "Share of the last sample period during which device memory was read or written (ratio, 0 to 1).",
+    ),
     # NVML's GPU Performance Monitoring (Hopper and later), averaged over the report interval.
+    _plain(
+        "gpuwarden_gpu_graphics_engine_active_ratio",
+        "gr_engine_active_ratio",
+        "Share of the last interval during which the graphics or compute engine was active "
+        "(ratio, 0 to 1; NVML GPM graphics utilization).",
+    ),
     _plain(
         "gpuwarden_gpu_sm_active_ratio",
         "sm_active_ratio",

@@ -108,6 +108,8 @@ class Gpu(_Base, frozen=True):
     # Added within v1 (null from older agents): the driver, and NVML's GPU Performance Monitoring
     # (GPM, Hopper and later) over the last interval; null where the GPU has no GPM.
     driver_version: Str32 | None = None
+    memory_utilization_ratio: Ratio | None = None
+    gr_engine_active_ratio: Ratio | None = None
     sm_active_ratio: Ratio | None = None
     sm_occupancy_ratio: Ratio | None = None
     tensor_active_ratio: Ratio | None = None
@@ -269,7 +271,9 @@ GPU_CATALOGUE: Final[Mapping[str, FieldInfo]] = types.MappingProxyType(
         "pcie_link_width_max": _gauge("lanes"),
         "pcie_replay_total": _counter("replays"),
         "driver_version": _LABEL,
+        "memory_utilization_ratio": _gauge("ratio", (0.0, 1.0)),
         # GPM, averaged over the interval between two samples (the agent's report interval).
+        "gr_engine_active_ratio": _gauge("ratio", (0.0, 1.0)),
         "sm_active_ratio": _gauge("ratio", (0.0, 1.0)),
         "sm_occupancy_ratio": _gauge("ratio", (0.0, 1.0)),
         "tensor_active_ratio": _gauge("ratio", (0.0, 1.0)),

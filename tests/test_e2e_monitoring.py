@@ -716,6 +716,7 @@ def _check_dcgm_compat(stack: Stack) -> None:
         "DCGM_FI_DEV_FB_USED": ("gpuwarden_gpu_memory_used_bytes", 1 / 2**20),  # MiB
         "DCGM_FI_DEV_FB_TOTAL": ("gpuwarden_gpu_memory_total_bytes", 1 / 2**20),  # MiB
         "DCGM_FI_DEV_GPU_UTIL": ("gpuwarden_gpu_utilization_ratio", 100.0),  # %
+        "DCGM_FI_DEV_MEM_COPY_UTIL": ("gpuwarden_gpu_memory_utilization_ratio", 100.0),  # %
         "DCGM_FI_DEV_GPU_TEMP": ("gpuwarden_gpu_temperature_celsius", 1.0),  # C
     }
     for dcgm, (ours, factor) in pairs.items():
@@ -732,6 +733,7 @@ def _check_dcgm_compat(stack: Stack) -> None:
     # The profiling fields (GPM), on the GPUs that have it (the H100s; the A10s have none): ratios
     # and bytes per second, as dcgm-exporter has them; gpu-a runs a training job.
     gpm = {
+        "DCGM_FI_PROF_GR_ENGINE_ACTIVE": ("gpuwarden_gpu_graphics_engine_active_ratio", ""),
         "DCGM_FI_PROF_SM_ACTIVE": ("gpuwarden_gpu_sm_active_ratio", ""),
         "DCGM_FI_PROF_SM_OCCUPANCY": ("gpuwarden_gpu_sm_occupancy_ratio", ""),
         "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": ("gpuwarden_gpu_tensor_active_ratio", ""),

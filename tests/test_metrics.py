@@ -73,6 +73,8 @@ def _gpu(index: int, **overrides: object) -> Gpu:
         "pcie_link_width_max": 16,
         "pcie_replay_total": 12,
         "driver_version": "550.90.07",
+        "memory_utilization_ratio": 0.61,
+        "gr_engine_active_ratio": 0.96,
         "sm_active_ratio": 0.91,
         "sm_occupancy_ratio": 0.375,
         "tensor_active_ratio": 0.625,

@@ -371,6 +371,8 @@ def test_a_lost_gpu_goes_on_the_wire_with_its_code_and_index() -> None:
 
 def test_gpm_fields_come_from_two_samples_in_report_units_and_samples_are_freed() -> None:
     busy = {
+        "utilization_memory": 44,
+        "gpm_gr_engine_active": 95,
         "gpm_sm_active": 87,
         "gpm_sm_occupancy": 41,
         "gpm_tensor_active": 63,
@@ -393,6 +395,8 @@ def test_gpm_fields_come_from_two_samples_in_report_units_and_samples_are_freed(
     assert second.errors == ()
     validate(second)
     g = by_index(second)[1]
+    assert g.memory_utilization_ratio == pytest.approx(0.44)
+    assert g.gr_engine_active_ratio == pytest.approx(0.95)
     assert g.sm_active_ratio == pytest.approx(0.87)
     assert g.sm_occupancy_ratio == pytest.approx(0.41)
     assert g.tensor_active_ratio == pytest.approx(0.63)

@@ -52,6 +52,7 @@ from agent.gpu.api import (
     FI_DEV_MEMORY_TEMP,
     GPM_METRIC_ANY_TENSOR_UTIL,
     GPM_METRIC_DRAM_BW_UTIL,
+    GPM_METRIC_GRAPHICS_UTIL,
     GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC,
     GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC,
     GPM_METRIC_PCIE_RX_PER_SEC,
@@ -87,6 +88,7 @@ from agent.report import Gpu, NvLink
 # MiB/s to bytes per second.
 _MIB: Final = float(2**20)
 GPM_FIELDS: Final[tuple[tuple[int, str, float], ...]] = (
+    (GPM_METRIC_GRAPHICS_UTIL, "gr_engine_active_ratio", 0.01),
     (GPM_METRIC_SM_UTIL, "sm_active_ratio", 0.01),
     (GPM_METRIC_SM_OCCUPANCY, "sm_occupancy_ratio", 0.01),
     (GPM_METRIC_ANY_TENSOR_UTIL, "tensor_active_ratio", 0.01),
@@ -497,6 +499,7 @@ class NvmlCollector:
             model=static.model,
             pci_bus_id=static.pci_bus_id,
             utilization_ratio=_ratio(util.gpu) if util is not None else None,
+            memory_utilization_ratio=_ratio(util.memory) if util is not None else None,
             memory_used_bytes=memory.used if memory is not None else None,
             memory_total_bytes=memory.total if memory is not None else None,
             temperature_celsius=float(temperature) if temperature is not None else None,

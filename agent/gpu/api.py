@@ -279,6 +279,7 @@ def field_value(fv: FieldValue) -> float | int | None:
 
 
 # GPU Performance Monitoring (nvmlGpm*): metrics computed by NVML between two samples.
+GPM_METRIC_GRAPHICS_UTIL: Final[int] = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL  # percent
 GPM_METRIC_SM_UTIL: Final[int] = pynvml.NVML_GPM_METRIC_SM_UTIL  # percent
 GPM_METRIC_SM_OCCUPANCY: Final[int] = pynvml.NVML_GPM_METRIC_SM_OCCUPANCY  # percent
 GPM_METRIC_ANY_TENSOR_UTIL: Final[int] = pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL  # percent

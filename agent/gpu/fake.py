@@ -82,6 +82,7 @@ processes                   [] (idle)                nvmlDeviceGetComputeRunning
                                                      (used_memory in bytes, optional, default 0)
 gpm_supported               true                     nvmlGpmQueryDeviceSupport (Hopper and later);
                                                      false: nvmlGpmSampleGet is NOT_SUPPORTED
+gpm_gr_engine_active        0 (idle)                 nvmlGpmMetricsGet GRAPHICS_UTIL (percent)
 gpm_sm_active               0 (idle)                 nvmlGpmMetricsGet SM_UTIL (percent)
 gpm_sm_occupancy            0                        ... SM_OCCUPANCY (percent)
 gpm_tensor_active           0                        ... ANY_TENSOR_UTIL (percent)
@@ -230,6 +231,7 @@ _GPU_FIELDS: Final[dict[str, _Spec]] = {
     "lost": _Spec("bool"),
     "processes": _Spec("processes"),
     "gpm_supported": _Spec("bool"),
+    "gpm_gr_engine_active": _Spec("int", 0, 100),
     "gpm_sm_active": _Spec("int", 0, 100),
     "gpm_sm_occupancy": _Spec("int", 0, 100),
     "gpm_tensor_active": _Spec("int", 0, 100),
@@ -241,6 +243,7 @@ _GPU_FIELDS: Final[dict[str, _Spec]] = {
 }
 # GPM metric id -> the field that answers it.
 _GPM_FIELDS: Final[dict[int, str]] = {
+    pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: "gpm_gr_engine_active",
     pynvml.NVML_GPM_METRIC_SM_UTIL: "gpm_sm_active",
     pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: "gpm_sm_occupancy",
     pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: "gpm_tensor_active",
@@ -314,6 +317,7 @@ def default_gpu(index: int, seed: str = "gpuwarden-fake") -> dict[str, Value]:
         "lost": False,
         "processes": (),
         "gpm_supported": True,
+        "gpm_gr_engine_active": 0,
         "gpm_sm_active": 0,
         "gpm_sm_occupancy": 0,
         "gpm_tensor_active": 0,
