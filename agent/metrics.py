@@ -934,10 +934,9 @@ class AgentMetrics(Collector):
         self._last_seq = report.seq
         self._count_probes(report)
         uuids = {gpu.index: gpu.uuid for gpu in report.gpus}
-        if uuids.keys() - self._gpu_uuids.keys():
-            for index in uuids.keys() - self._gpu_uuids.keys():
-                for code in XID_CODES_PREDECLARED:
-                    self._xid_counts.setdefault((index, code), 0)
+        for index in uuids.keys() - self._gpu_uuids.keys():
+            for code in XID_CODES_PREDECLARED:
+                self._xid_counts.setdefault((index, code), 0)
         if uuids != self._gpu_uuids:
             self._gpu_uuids = uuids
             self._event_families = None
