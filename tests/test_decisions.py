@@ -13,13 +13,23 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import IO, Any
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry
 
+from agent.clock import FakeClock
 from agent.errors import ConfigError
+from agent.report import Report, encode
+from aggregator.auth import StaticTokens
+from aggregator.config import Config
 from aggregator.decisions import Decision, DecisionLog, Reason, TornLine, encode_decision, read_decisions
+from aggregator.model import IngestOutcome
+from aggregator.service import REPORTS_PATH, SERVER_KWARGS, create_app
+from tests.test_service import NOW, TOKENS, FakePipeline, make_report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -298,3 +308,56 @@ def test_kill_9_and_power_loss_at_random_points_lose_no_acknowledged_decision(
     assert all(not t.glued for t in torn)  # at most the last power loss's torn tail
     assert times == list(range(len(times)))  # in order, none lost in between, none twice
     assert acknowledged >= 0 and times[-1] >= acknowledged
+
+
+class _DecidingPipeline(FakePipeline):
+    """A pipeline whose odd-numbered reports each cause a decision, written to its log."""
+
+    def __init__(self, decisions: DecisionLog) -> None:
+        super().__init__()
+        self.decisions = decisions
+
+    def ingest(self, report: Report, received: float) -> IngestOutcome:
+        outcome = super().ingest(report, received)
+        if report.seq % 2:
+            self.decisions.append(_d(received))
+        return outcome
+
+
+async def test_a_report_is_answered_only_once_the_decisions_it_caused_are_on_disk(
+    tmp_path: Path, aiohttp_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = DecisionLog(tmp_path / "d.jsonl")
+    disk = threading.Event()  # the disk holds every fsync until set
+    real_fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        disk.wait(10.0)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("".join(f"{node} {token}\n" for node, token in TOKENS.items()))
+    app = create_app(
+        _DecidingPipeline(log),
+        StaticTokens(tokens),
+        Config(),
+        FakeClock(start=NOW),
+        CollectorRegistry(),
+        advance_interval_s=None,
+    )
+    server = TestServer(app)
+    await server.start_server(**SERVER_KWARGS)
+    client: TestClient[Any, Any] = await aiohttp_client(server)
+    hdrs = {"Content-Type": "application/json", "Authorization": f"Bearer {TOKENS['gpu-0001']}"}
+
+    deciding = asyncio.create_task(client.post(REPORTS_PATH, data=encode(make_report(seq=1)), headers=hdrs))
+    await asyncio.sleep(0.3)
+    assert not deciding.done()  # its decision is written, not yet durable: no 200 yet
+    quiet = await client.post(REPORTS_PATH, data=encode(make_report(seq=2)), headers=hdrs)
+    assert quiet.status == 200  # a report that decided nothing does not wait for the disk
+    disk.set()
+    answer = await asyncio.wait_for(deciding, 5.0)
+    assert answer.status == 200
+    assert log.durable_seq == log.appended == 1
+    log.close()
