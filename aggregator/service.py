@@ -5,7 +5,8 @@ Endpoints:
 - ``POST /v1/reports``: one report (``Content-Type: application/json``, optionally
   ``Content-Encoding: gzip``) with ``Authorization: Bearer <token>``. 200 ``{"status":
   "accepted"}`` or ``{"status": "duplicate"}`` (same node, boot_id and seq seen before: nothing is
-  processed twice, so an agent's retry is harmless).
+  processed twice, so an agent's retry is harmless). A report that caused decisions is answered
+  once they are fsync'd (``aggregator.decisions``): a 200 survives a power loss.
 - ``GET /healthz`` (the process answers), ``GET /readyz`` (rules loaded, decision log writable:
   whatever the readiness callable says), ``GET /metrics`` (Prometheus text).
 - ``GET /api/v1/nodes``, ``GET /api/v1/nodes/{node}``, ``GET /api/v1/decisions?since=&limit=``.
