@@ -21,6 +21,7 @@ audit trail: lines are only ever appended. Durability, from a crash to a power l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -303,7 +304,8 @@ class DecisionLog:
             if upto is not None and seq > upto:
                 keep.append((seq, loop, fut))
                 continue
-            loop.call_soon_threadsafe(_settle, fut, error)
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, fut, error)
         self._waiters = keep
 
     async def synced(self, seq: int | None = None) -> None:
