@@ -98,6 +98,15 @@ def step(at: int, low: int = 0, high: int = 1) -> Callable[[int], int]:
     return lambda i: high if i >= at else low
 
 
+def stepping(name: str, subject: str, counter_word: str) -> Scenario:
+    """A counter rule that fires on one step of its counter and not on a reboot zeroing it."""
+    return Scenario(
+        fires=counter(name, step(10), 20),
+        key=f"{name}:{subject}",
+        lookalikes={f"a reboot zeroes the {counter_word}": reboot_drop(name)},
+    )
+
+
 def with_event(code: int, at: int, gpu_index: int = 3, count: int = 6) -> Build:
     return series(count, lambda i, r: _events(r, [xid(code, gpu_index, r.time)]) if i == at else r)
 
@@ -339,16 +348,8 @@ SCENARIOS: dict[str, Scenario] = {
             "a trickle of CRC errors": counter("nvlink-crc-data", lambda i: i, 40),
         },
     ),
-    "nvlink-recovery": Scenario(
-        fires=counter("nvlink-recovery", step(10), 20),
-        key="nvlink-recovery:gpu0",
-        lookalikes={"a reboot zeroes the counters": reboot_drop("nvlink-recovery")},
-    ),
-    "nvlink-replay": Scenario(
-        fires=counter("nvlink-replay", step(10), 20),
-        key="nvlink-replay:gpu0",
-        lookalikes={"a reboot zeroes the counters": reboot_drop("nvlink-replay")},
-    ),
+    "nvlink-recovery": stepping("nvlink-recovery", "gpu0", "counters"),
+    "nvlink-replay": stepping("nvlink-replay", "gpu0", "counters"),
     "ib-port-down": Scenario(
         fires=nic_series(
             "mlx5_3", 10, lambda i: {"state": "DOWN", "phys_state": "Polling"} if i >= 3 else {}
@@ -392,21 +393,9 @@ SCENARIOS: dict[str, Scenario] = {
             ),
         },
     ),
-    "ib-link-error-recovery": Scenario(
-        fires=counter("ib-link-error-recovery", step(10), 20),
-        key="ib-link-error-recovery:mlx5_0/1",
-        lookalikes={"a reboot zeroes the counter": reboot_drop("ib-link-error-recovery")},
-    ),
-    "ib-local-link-integrity": Scenario(
-        fires=counter("ib-local-link-integrity", step(10), 20),
-        key="ib-local-link-integrity:mlx5_0/1",
-        lookalikes={"a reboot zeroes the counter": reboot_drop("ib-local-link-integrity")},
-    ),
-    "ib-excessive-buffer-overrun": Scenario(
-        fires=counter("ib-excessive-buffer-overrun", step(10), 20),
-        key="ib-excessive-buffer-overrun:mlx5_0/1",
-        lookalikes={"a reboot zeroes the counter": reboot_drop("ib-excessive-buffer-overrun")},
-    ),
+    "ib-link-error-recovery": stepping("ib-link-error-recovery", "mlx5_0/1", "counter"),
+    "ib-local-link-integrity": stepping("ib-local-link-integrity", "mlx5_0/1", "counter"),
+    "ib-excessive-buffer-overrun": stepping("ib-excessive-buffer-overrun", "mlx5_0/1", "counter"),
     "ib-port-rcv-errors": Scenario(
         fires=counter("ib-port-rcv-errors", lambda i: i, 70, every=30.0),  # 120/hour
         key="ib-port-rcv-errors:mlx5_0/1",
@@ -423,11 +412,7 @@ SCENARIOS: dict[str, Scenario] = {
             "a reboot zeroes the counter": reboot_drop("ib-port-xmit-discards"),
         },
     ),
-    "ib-rnr-nak-retry": Scenario(
-        fires=counter("ib-rnr-nak-retry", step(10), 20),
-        key="ib-rnr-nak-retry:mlx5_0/1",
-        lookalikes={"a reboot zeroes the counter": reboot_drop("ib-rnr-nak-retry")},
-    ),
+    "ib-rnr-nak-retry": stepping("ib-rnr-nak-retry", "mlx5_0/1", "counter"),
 }
 
 
