@@ -107,6 +107,19 @@ def stepping(name: str, subject: str, counter_word: str) -> Scenario:
     )
 
 
+def climbing(name: str, per_report: int, counter_word: str, trickle: str) -> Scenario:
+    """A GPU rate rule that fires on its counter climbing ``per_report`` a report, and neither
+    on a reboot zeroing it nor on a trickle of one a report."""
+    return Scenario(
+        fires=counter(name, lambda i: per_report * i, 40),
+        key=f"{name}:gpu0",
+        lookalikes={
+            f"a reboot zeroes the {counter_word}": reboot_drop(name),
+            trickle: counter(name, lambda i: i, 40),
+        },
+    )
+
+
 def with_event(code: int, at: int, gpu_index: int = 3, count: int = 6) -> Build:
     return series(count, lambda i, r: _events(r, [xid(code, gpu_index, r.time)]) if i == at else r)
 
@@ -285,14 +298,7 @@ SCENARIOS: dict[str, Scenario] = {
             ),
         },
     ),
-    "gpu-pcie-replay-rate": Scenario(
-        fires=counter("gpu-pcie-replay-rate", lambda i: 50 * i, 40),
-        key="gpu-pcie-replay-rate:gpu0",
-        lookalikes={
-            "a reboot zeroes the counter": reboot_drop("gpu-pcie-replay-rate"),
-            "a few replays a minute": counter("gpu-pcie-replay-rate", lambda i: i, 40),
-        },
-    ),
+    "gpu-pcie-replay-rate": climbing("gpu-pcie-replay-rate", 50, "counter", "a few replays a minute"),
     "gpu-clocks-held-down": Scenario(
         fires=gpu_series(6, 70, lambda i: {"clock_event_reasons": 0x8 | 0x4, "utilization_ratio": 0.95}),
         key="gpu-clocks-held-down:gpu6",
@@ -332,22 +338,9 @@ SCENARIOS: dict[str, Scenario] = {
             "warm": gpu_series(2, 40, lambda i: {"temperature_celsius": 84.5}),
         },
     ),
-    "nvlink-crc-flit": Scenario(
-        fires=counter("nvlink-crc-flit", lambda i: 200 * i, 40),  # 18 links x 20/s
-        key="nvlink-crc-flit:gpu0",
-        lookalikes={
-            "a reboot zeroes the counters": reboot_drop("nvlink-crc-flit"),
-            "a trickle of CRC errors": counter("nvlink-crc-flit", lambda i: i, 40),
-        },
-    ),
-    "nvlink-crc-data": Scenario(
-        fires=counter("nvlink-crc-data", lambda i: 200 * i, 40),
-        key="nvlink-crc-data:gpu0",
-        lookalikes={
-            "a reboot zeroes the counters": reboot_drop("nvlink-crc-data"),
-            "a trickle of CRC errors": counter("nvlink-crc-data", lambda i: i, 40),
-        },
-    ),
+    # 18 links x 20/s
+    "nvlink-crc-flit": climbing("nvlink-crc-flit", 200, "counters", "a trickle of CRC errors"),
+    "nvlink-crc-data": climbing("nvlink-crc-data", 200, "counters", "a trickle of CRC errors"),
     "nvlink-recovery": stepping("nvlink-recovery", "gpu0", "counters"),
     "nvlink-replay": stepping("nvlink-replay", "gpu0", "counters"),
     "ib-port-down": Scenario(
