@@ -571,6 +571,8 @@ class Pipeline:
                     "leaf": rec.placement.leaf,
                     "last_received": rec.last_received,
                     "reasons": [r.summary for r in h.reasons] if h else [],
+                    "held": h.held if h else False,
+                    "silent": name in self._silent,
                 }
             )
         return out
@@ -585,6 +587,9 @@ class Pipeline:
             "state": h.state if h else "healthy",
             "since": h.since if h else None,
             "lemon": h.lemon if h else False,
+            "held": h.held if h else False,
+            "tainted": h.tainted if h else False,
+            "silent": name in self._silent,
             "placement": msgspec.to_builtins(rec.placement.__dict__),
             "last_received": rec.last_received,
             "last_report_time": rec.last_report_time,
@@ -607,6 +612,36 @@ class Pipeline:
 
     def decisions_since(self, since: float, limit: int) -> list[dict[str, Any]]:
         return [msgspec.to_builtins(d) for d in self.decisions.since(since, limit)]
+
+    def breaker(self) -> dict[str, Any]:
+        """The safety breaker: open or not, and its state (the status page, ``gpuwarden status``)."""
+        state: dict[str, Any] = msgspec.to_builtins(self.limits.state)
+        return state | {"open": self.limits.open}
+
+    def link_matrix(self) -> list[dict[str, Any]]:
+        """Every probed pair's latest bandwidth and its link state (the status page's heat map)."""
+        out = []
+        for ((a, b), kind), (at, bw) in sorted(self.links.bandwidth().items()):
+            st = self.link_health.get(a, b)
+            row = {"a": a, "b": b, "kind": kind, "time": at, "busbw_bytes_per_second": bw}
+            out.append(row | {"state": st.state if st is not None else "healthy"})
+        return out
+
+    def probe_coverage(self, now: float) -> dict[str, Any] | None:
+        """Active-probe coverage (None when probes are off): per group, pairs tested in the bound."""
+        if self.probes is None:
+            return None
+        cov = self.probes.coverage(now)
+        return {
+            "bound_seconds": cov.bound_seconds,
+            "nodes_overdue": cov.nodes_overdue,
+            "pool_ratios": cov.pool_ratios(),
+            "groups": [msgspec.to_builtins(g) for g in cov.groups.values()],
+            "overdue": sorted(
+                ((n, s) for n, s in cov.node_untested_seconds.items() if s > cov.bound_seconds),
+                key=lambda ns: -ns[1],
+            )[:100],
+        }
 
     def systemic_events(self) -> list[dict[str, Any]]:
         return [
@@ -645,5 +680,9 @@ def _summary(report: Report, received: float) -> dict[str, Any]:
         "nics": len(report.nics),
         "events": len(report.events) if isinstance(report.events, list) else 0,
         "errors": [e.message for e in report.errors] if isinstance(report.errors, list) else [],
+        # The status page's sparklines: the hottest GPU, the node's power, its uncorrectable errors.
+        "temp_max_c": max((g.temperature_celsius or 0.0 for g in report.gpus), default=None),
+        "power_w": sum(g.power_watts or 0.0 for g in report.gpus),
+        "ecc_dbe": sum(g.ecc_dbe_volatile_total or 0 for g in report.gpus),
         "received_at": _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime(received)),
     }
