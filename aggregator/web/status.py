@@ -105,9 +105,16 @@ def _href(path: str, **params: object) -> str:
     return h(f"{path}?{q}" if q else path)
 
 
-def _value(v: object) -> str:
-    if isinstance(v, float):
-        return f"{v:.6g}"
+def _num(v: float) -> str:
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _value(key: str, v: object) -> str:
+    """An evidence value as on-call reads it: unix times in ISO 8601, numbers to a few digits."""
+    if isinstance(v, int | float) and not isinstance(v, bool):
+        if (key in ("time", "since", "first_seen") or key.endswith(("_time", "_at"))) and v > 1e9:
+            return iso(float(v))
+        return f"{v:.6g}" if isinstance(v, float) else str(v)
     if isinstance(v, str | int | bool) or v is None:
         return str(v)
     return json.dumps(v, sort_keys=True, default=str)
@@ -369,7 +376,7 @@ class StatusView:
                 f"<td>{_node_link(n['node'])}</td><td>{flags}</td><td>{h(iso(n.get('since')))}</td>"
                 f"<td>{h(n.get('pool') or '-')}</td><td>{h(n.get('rack') or '-')}</td>"
                 f"<td>{h(duration(now - n['last_received']))} ago</td>"
-                f"<td>{h('; '.join(n.get('reasons', []))[:300])}</td></tr>"
+                f"<td class='why'>{h('; '.join(n.get('reasons', []))[:300])}</td></tr>"
             )
         first = (page - 1) * f.per + 1 if shown else 0
         count = f"<p>{first}-{first + len(shown) - 1 if shown else 0} of {len(hits)} nodes"
@@ -412,7 +419,7 @@ class StatusView:
         for r in st["reasons"]:
             ev = r.get("evidence", {})
             rows = "".join(
-                f"<tr><td>{h(k)}</td><td class='mono'>{h(_value(v))}</td></tr>" for k, v in ev.items()
+                f"<tr><td>{h(k)}</td><td class='mono'>{h(_value(k, v))}</td></tr>" for k, v in ev.items()
             )
             who = r.get("rule") or r.get("detector")
             body.append(
@@ -644,7 +651,7 @@ def _decision_table(decisions: Sequence[Mapping[str, Any]], *, with_node: bool) 
             f"<tr><td class='mono'>{h(iso(d['time']))}</td>"
             + (f"<td>{subject}</td>" if with_node else "")
             + f"<td>{h(d['previous'])} → {_badge(d['state'])}</td><td>{h(d['action'])}</td>"
-            f"<td>{h(why[:400])}</td></tr>"
+            f"<td class='why'>{h(why[:400])}</td></tr>"
         )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
@@ -673,7 +680,9 @@ def _sparklines(history: Sequence[Mapping[str, Any]]) -> str:
         known = [v for v in values if v is not None]
         if not known:
             continue
-        label = f"{caption}: now {known[-1]:g}{unit}, range {min(known):g} to {max(known):g}{unit}"
+        label = (
+            f"{caption}: now {_num(known[-1])}{unit}, range {_num(min(known))} to {_num(max(known))}{unit}"
+        )
         figs.append(
             f"<figure>{svg.sparkline(values, label=label)}<figcaption>{h(label)}</figcaption></figure>"
         )

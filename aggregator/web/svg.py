@@ -75,8 +75,8 @@ def heatmap(
     names: Sequence[str],
     cells: Mapping[tuple[int, int], tuple[float, str]],
     *,
-    cell: int = 12,
-    label_width: int = 120,
+    cell: int = 16,
+    label_width: int = 72,
 ) -> str:
     """A symmetric matrix of ``names``: cell (i, j) coloured by its ratio, with a hover title.
 
@@ -89,6 +89,9 @@ def heatmap(
         f'<svg width="{size}" height="{size}" viewBox="0 0 {size} {size}" role="img" '
         f'aria-label="pair bandwidth heat map of {n} nodes">'
     ]
+    out.append(
+        f'<rect class="none" x="{label_width}" y="{label_width}" width="{n * cell}" height="{n * cell}"/>'
+    )
     for i, name in enumerate(names):
         y = label_width + i * cell + cell - 2
         out.append(
