@@ -167,6 +167,19 @@ def fleet_summary(nodes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+def active_systemic(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The systemic events still going on: a domain's latest "started" with no "ended" after it,
+    and the shared-switch problems the probes point at now (state "active")."""
+    now: dict[tuple[str, str], dict[str, Any]] = {}
+    for e in events:
+        key = (str(e.get("domain_kind")), str(e.get("domain")))
+        if e.get("state") == "ended":
+            now.pop(key, None)
+        else:
+            now[key] = dict(e)
+    return list(now.values())
+
+
 # -- the node list --------------------------------------------------------------------------------
 
 
@@ -246,7 +259,7 @@ class StatusView:
             "remediation": self.config.remediation.mode,
             "breaker": self.breaker(),
             **fleet_summary(nodes),
-            "systemic_active": [e for e in systemic if e.get("state") == "active"],
+            "systemic_active": active_systemic(systemic),
         }
 
     def story(self, name: str) -> dict[str, Any] | None:
