@@ -38,6 +38,7 @@ from aggregator.remediate.model import HealthSnapshot, NodeIntent, SnapshotFindi
 from aggregator.rules.engine import RuleEngine
 from aggregator.rules.model import Rule
 from aggregator.silence import SilenceDetector, SystemicEvent
+from aggregator.story import runbook_url
 
 log = logging.getLogger(__name__)
 
@@ -438,6 +439,14 @@ class Pipeline:
             held=h.held if h is not None else False,
             snapshot=snap,
             preflight=self._preflight(node, h, rec),
+            runbook_url=runbook_url(
+                self.config.notify.runbook_base_url,
+                held=snap.held,
+                lemon=snap.lemon,
+                evidence=(r.evidence for r in reasons),
+            ),
+            probation_seconds=self.config.health.probation_seconds,
+            clear_for_seconds=self.config.health.clear_for_seconds,
         )
 
     def _preflight(
