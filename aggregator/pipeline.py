@@ -622,6 +622,17 @@ class Pipeline:
     def decisions_since(self, since: float, limit: int) -> list[dict[str, Any]]:
         return [msgspec.to_builtins(d) for d in self.decisions.since(since, limit)]
 
+    def recent_decisions(self, limit: int, node: str | None = None) -> list[dict[str, Any]]:
+        """The newest ``limit`` decisions (about ``node`` or its links), newest first: the status
+        page's feed converts only what it shows."""
+        out = []
+        for d in reversed(self.decisions.recent()):
+            if node is None or node in (d.node, d.peer):
+                out.append(msgspec.to_builtins(d))
+                if len(out) >= limit:
+                    break
+        return out
+
     def breaker(self) -> dict[str, Any]:
         """The safety breaker: open or not, and its state (the status page, ``gpuwarden status``)."""
         state: dict[str, Any] = msgspec.to_builtins(self.limits.state)
