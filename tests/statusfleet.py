@@ -29,6 +29,7 @@ from aggregator.config import Config
 from aggregator.configload import parse_config
 from aggregator.decisions import DecisionLog
 from aggregator.pipeline import Pipeline
+from aggregator.probes.scheduler import ProbeScheduler
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.service import create_app, serve
 from sim.scenario import FaultSpec
@@ -64,6 +65,8 @@ def status_fleet(nodes: int = 32, *, minutes: float = 20.0, seed: int = 19) -> S
     scenario = fleet(nodes, seed=seed, duration_s=end, faults=faults)
     config = parse_config(CONFIG_TEXT, "status fleet")
     pipeline = Pipeline(config, load_rules([default_rules_dir()]), DecisionLog(None))
+    # A probe scheduler as a live aggregator with --probe-key-file has: the coverage page's source.
+    pipeline.probes = ProbeScheduler(config.probes, b"status-fleet-probe-key-0123456789abcdef")
     last = 0.0
     for received, report in generate(scenario):
         pipeline.ingest(report, received)

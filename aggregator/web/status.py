@@ -665,8 +665,8 @@ def _systemic_line(e: Mapping[str, Any]) -> str:
     nodes = list(e.get("silent_nodes") or e.get("nodes") or [])
     shown = ", ".join(nodes[:12]) + (f" and {len(nodes) - 12} more" if len(nodes) > 12 else "")
     return (
-        f"<p class='line'>{h(iso(e.get('time')))} {_badge(str(e.get('state')))} "
-        f"{h(e.get('domain_kind'))} <strong>{h(e.get('domain'))}</strong>: {h(e.get('summary'))}"
+        # The summary names its domain ("rack rack-003: 6 of 8 nodes stopped reporting ...").
+        f"<p class='line'>{h(iso(e.get('time')))} {_badge(str(e.get('state')))} {h(e.get('summary'))}"
         f"{' (' + h(shown) + ')' if shown else ''}</p>"
     )
 
