@@ -7,11 +7,12 @@ same thing about a node, because they all say it through these functions.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Final
 
-__all__ = ["RUNBOOKS", "duration", "iso", "next_step", "override_note", "runbook_url"]
+__all__ = ["RUNBOOKS", "duration", "evidence_value", "iso", "next_step", "override_note", "runbook_url"]
 
 # The runbook (docs/runbooks/<name>.md) a node in each situation points at, when its rule names none.
 RUNBOOKS: Final[Mapping[str, str]] = {
@@ -26,6 +27,18 @@ def iso(unix: float | None) -> str:
     if unix is None:
         return "-"
     return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def evidence_value(key: str, value: object) -> str:
+    """An evidence value as on-call reads it: unix times in ISO 8601, numbers to a few digits,
+    lists and maps as JSON."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if (key in ("time", "since", "first_seen") or key.endswith(("_time", "_at"))) and value > 1e9:
+            return iso(float(value))
+        return f"{value:.6g}" if isinstance(value, float) else str(value)
+    if isinstance(value, str | bool) or value is None:
+        return str(value)
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def duration(seconds: float) -> str:

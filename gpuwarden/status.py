@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from agent.errors import ConfigError
+from aggregator.story import evidence_value
 
 SUMMARY_PATH = "/api/v1/summary"
 STORY_PATH = "/api/v1/nodes/{node}/story"
@@ -119,7 +120,7 @@ def render_story(n: Mapping[str, Any], paint: _Paint) -> str:
     for r in n["reasons"]:
         lines.append(f"  - {r['summary']} ({r.get('severity')}, {r.get('rule') or r.get('detector')})")
         for k, v in (r.get("evidence") or {}).items():
-            lines.append(f"      {k}: {v if isinstance(v, str) else json.dumps(v)}")
+            lines.append(f"      {k}: {evidence_value(k, v)}")
     lines += ["", paint.bold("next") + f"  {n['next']}"]
     if n.get("override"):
         lines.append(paint.bold("by hand") + f"  {n['override']}")

@@ -20,7 +20,6 @@ host. No script anywhere: forms are plain GETs, pages refresh themselves by ``<m
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -36,7 +35,7 @@ from aiohttp import web
 
 from agent.clock import Clock
 from aggregator.config import Config
-from aggregator.story import duration, iso, next_step, override_note, runbook_url
+from aggregator.story import duration, evidence_value, iso, next_step, override_note, runbook_url
 from aggregator.web import svg
 
 log = logging.getLogger(__name__)
@@ -108,17 +107,6 @@ def _href(path: str, **params: object) -> str:
 
 def _num(v: float) -> str:
     return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
-
-
-def _value(key: str, v: object) -> str:
-    """An evidence value as on-call reads it: unix times in ISO 8601, numbers to a few digits."""
-    if isinstance(v, int | float) and not isinstance(v, bool):
-        if (key in ("time", "since", "first_seen") or key.endswith(("_time", "_at"))) and v > 1e9:
-            return iso(float(v))
-        return f"{v:.6g}" if isinstance(v, float) else str(v)
-    if isinstance(v, str | int | bool) or v is None:
-        return str(v)
-    return json.dumps(v, sort_keys=True, default=str)
 
 
 # -- the fleet at a glance ------------------------------------------------------------------------
@@ -448,7 +436,8 @@ class StatusView:
         for r in st["reasons"]:
             ev = r.get("evidence", {})
             rows = "".join(
-                f"<tr><td>{h(k)}</td><td class='mono'>{h(_value(k, v))}</td></tr>" for k, v in ev.items()
+                f"<tr><td>{h(k)}</td><td class='mono'>{h(evidence_value(k, v))}</td></tr>"
+                for k, v in ev.items()
             )
             who = r.get("rule") or r.get("detector")
             body.append(
