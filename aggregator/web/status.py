@@ -266,9 +266,10 @@ class StatusView:
             "systemic_active": active_systemic(systemic),
         }
 
-    def story(self, name: str) -> dict[str, Any] | None:
-        """One node: its state, why (every reason with its evidence), what next, the runbook."""
-        n = self.source.node(name)
+    def story(self, name: str, found: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """One node (``found``: as the source gave it already): its state, why (every reason with
+        its evidence), what next, the runbook."""
+        n = self.source.node(name) if found is None else found
         if n is None:
             return None
         cfg = self.config
@@ -410,8 +411,8 @@ class StatusView:
 
     def node_page(self, name: str) -> str | None:
         started = time.perf_counter()
-        st = self.story(name)
         n = self.source.node(name)
+        st = self.story(name, n) if n is not None else None
         if st is None or n is None:
             return None
         pl = st["placement"]
