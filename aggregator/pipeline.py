@@ -49,6 +49,7 @@ from aggregator.remediate.model import HealthSnapshot, NodeIntent, SnapshotFindi
 from aggregator.rules.engine import RuleEngine
 from aggregator.rules.model import Rule
 from aggregator.silence import SilenceDetector, SystemicEvent
+from aggregator.story import runbook_url
 
 log = logging.getLogger(__name__)
 
@@ -517,6 +518,14 @@ class Pipeline:
             held=h.held if h is not None else False,
             snapshot=snap,
             preflight=self._preflight(node, h, rec),
+            runbook_url=runbook_url(
+                self.config.notify.runbook_base_url,
+                held=snap.held,
+                lemon=snap.lemon,
+                evidence=(r.evidence for r in reasons),
+            ),
+            probation_seconds=self.config.health.probation_seconds,
+            clear_for_seconds=self.config.health.clear_for_seconds,
         )
 
     def _preflight(
@@ -650,6 +659,8 @@ class Pipeline:
                     "leaf": rec.placement.leaf,
                     "last_received": rec.last_received,
                     "reasons": [r.summary for r in h.reasons] if h else [],
+                    "held": h.held if h else False,
+                    "silent": name in self._silent,
                 }
             )
         return out
@@ -664,6 +675,9 @@ class Pipeline:
             "state": h.state if h else "healthy",
             "since": h.since if h else None,
             "lemon": h.lemon if h else False,
+            "held": h.held if h else False,
+            "tainted": h.tainted if h else False,
+            "silent": name in self._silent,
             "placement": msgspec.to_builtins(rec.placement.__dict__),
             "last_received": rec.last_received,
             "last_report_time": rec.last_report_time,
@@ -686,6 +700,47 @@ class Pipeline:
 
     def decisions_since(self, since: float, limit: int) -> list[dict[str, Any]]:
         return [msgspec.to_builtins(d) for d in self.decisions.since(since, limit)]
+
+    def recent_decisions(self, limit: int, node: str | None = None) -> list[dict[str, Any]]:
+        """The newest ``limit`` decisions (about ``node`` or its links), newest first: the status
+        page's feed converts only what it shows."""
+        out = []
+        for d in reversed(self.decisions.recent()):
+            if node is None or node in (d.node, d.peer):
+                out.append(msgspec.to_builtins(d))
+                if len(out) >= limit:
+                    break
+        return out
+
+    def breaker(self) -> dict[str, Any]:
+        """The safety breaker: open or not, and its state (the status page, ``gpuwarden status``)."""
+        state: dict[str, Any] = msgspec.to_builtins(self.limits.state)
+        return state | {"open": self.limits.open}
+
+    def link_matrix(self) -> list[dict[str, Any]]:
+        """Every probed pair's latest bandwidth and its link state (the status page's heat map)."""
+        out = []
+        for ((a, b), kind), (at, bw) in sorted(self.links.bandwidth().items()):
+            st = self.link_health.get(a, b)
+            row = {"a": a, "b": b, "kind": kind, "time": at, "busbw_bytes_per_second": bw}
+            out.append(row | {"state": st.state if st is not None else "healthy"})
+        return out
+
+    def probe_coverage(self, now: float) -> dict[str, Any] | None:
+        """Active-probe coverage (None when probes are off): per group, pairs tested in the bound."""
+        if self.probes is None:
+            return None
+        cov = self.probes.coverage(now)
+        return {
+            "bound_seconds": cov.bound_seconds,
+            "nodes_overdue": cov.nodes_overdue,
+            "pool_ratios": cov.pool_ratios(),
+            "groups": [msgspec.to_builtins(g) for g in cov.groups.values()],
+            "overdue": sorted(
+                ((n, s) for n, s in cov.node_untested_seconds.items() if s > cov.bound_seconds),
+                key=lambda ns: -ns[1],
+            )[:100],
+        }
 
     def systemic_events(self) -> list[dict[str, Any]]:
         return [
@@ -724,5 +779,9 @@ def _summary(report: Report, received: float) -> dict[str, Any]:
         "nics": len(report.nics),
         "events": len(report.events) if isinstance(report.events, list) else 0,
         "errors": [e.message for e in report.errors] if isinstance(report.errors, list) else [],
+        # The status page's sparklines: the hottest GPU, the node's power, its uncorrectable errors.
+        "temp_max_c": max((g.temperature_celsius or 0.0 for g in report.gpus), default=None),
+        "power_w": sum(g.power_watts or 0.0 for g in report.gpus),
+        "ecc_dbe": sum(g.ecc_dbe_volatile_total or 0 for g in report.gpus),
         "received_at": _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime(received)),
     }

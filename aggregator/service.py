@@ -74,6 +74,7 @@ from aggregator.config import Config
 from aggregator.decisions import DecisionLog
 from aggregator.metrics import Metrics
 from aggregator.model import IngestOutcome
+from aggregator.web import status_routes
 
 log = logging.getLogger(__name__)
 
@@ -644,6 +645,7 @@ def create_app(
     app.router.add_post(REPORTS_PATH, ingest.handle)
     app.router.add_routes(_health(registry, readiness))
     app.router.add_routes(_read_api(pipeline))
+    app.router.add_routes(status_routes(pipeline, config=config, clock=clock))
 
     if advance_interval_s is not None:
         interval = advance_interval_s

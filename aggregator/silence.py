@@ -11,7 +11,6 @@ systemic event for on-call, and each node's finding says it is part of it.
 
 from __future__ import annotations
 
-import time as _time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from aggregator.config import SilenceConfig
 from aggregator.fleet.pools import Placement
 from aggregator.model import Finding
+from aggregator.story import iso
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def _spread(nodes: list[str], placements: Mapping[str, Placement]) -> bool:
 
 
 def _fmt(t: float) -> str:
-    return _time.strftime("%H:%M:%S", _time.gmtime(t))
+    return iso(t)  # with the date and the zone
 
 
 class SilenceDetector:
@@ -146,7 +146,7 @@ class SilenceDetector:
         for node in sorted(silent):
             last = last_received[node]
             quiet = now - last
-            summary = f"no report for {quiet:.0f} s (last received {_fmt(last)} UTC)"
+            summary = f"no report for {quiet:.0f} s (last received {_fmt(last)})"
             evidence: dict[str, object] = {"last_received": last, "silent_seconds": round(quiet, 1)}
             if node in part_of:
                 summary += f"; part of a systemic outage of {part_of[node]}"

@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("agent.cli", "run the node agent (collect, expose /metrics, send reports)"),
     "aggregator": ("aggregator.cli", "run the aggregator (ingest reports, detect, decide)"),
     "breaker": ("aggregator.breakercli", "show or reset the remediation safety breaker (audited)"),
+    "status": ("gpuwarden.status", "the fleet at a glance, from a running aggregator (gpuwarden status)"),
+    "explain": ("gpuwarden.status", "one node: its state, why, the evidence, what next, the runbook"),
     "replay": ("aggregator.replay", "run the detection pipeline over a recorded trace"),
     "sim": ("sim.cli", "simulate a GPU fleet: a trace and its ground truth"),
     "eval": ("sim.eval", "score a decision log against ground truth and a static baseline"),
@@ -30,10 +32,20 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415 - only here
+
+    try:
+        return version("gpuwarden")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The parser; only the subcommand named in ``argv`` gets its module imported."""
     chosen = next((a for a in argv if a in SUBCOMMANDS), None)
     parser = argparse.ArgumentParser(prog="gpuwarden", description="Keeps large GPU clusters healthy.")
+    parser.add_argument("--version", action="version", version=f"gpuwarden {_version()}")
     parser.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level"
     )

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from agent.gpu.fake import FakeNvml
 from agent.gpu.session import NvmlSession
 from agent.runner import Agent
 from agent.shipper import Shipper
+from gpuwarden.narrate import Narrator, action_words
 
 REPO = Path(__file__).resolve().parents[1]
 H100_TREE = REPO / "tests" / "fixtures" / "sysfs" / "h100" / "sys"
@@ -91,6 +92,13 @@ def _reboot(node: Node, *, repaired_gpu: int) -> None:
 def _get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=5) as resp:
         return json.loads(resp.read())
+
+
+def _describe_decision(d: Mapping[str, Any]) -> str:
+    why = "; ".join(r["summary"] for r in d["reasons"]) or "-"
+    # The demo attaches no cluster: remediation says what it would do.
+    act = action_words(str(d["action"]), cluster=False)
+    return f"decision {d['node']}: {d['previous']} -> {d['state']} ({act}): {why}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -223,10 +231,16 @@ def run(args: argparse.Namespace) -> int:
         f"gpuwarden demo: {len(nodes)} nodes (8 fake H100s and 8 recorded NDR ports each), "
         f"aggregator at {base}, reports every {args.interval:g} s, running {args.seconds:g} s"
     )
+    print(f"  status page: {base}/ (open it in a browser while the demo runs)")
     print(f"  decision log: {work / 'decisions.jsonl'}\n")
     start = time.monotonic()
     next_cycle = start
     seen = 0.0
+    slow_said = False
+    narrator = Narrator(
+        stamp=lambda _t: f"{time.monotonic() - start:5.1f}s",
+        describe=lambda d: f"[{time.monotonic() - start:5.1f}s] {_describe_decision(d)}",
+    )
     try:
         while (elapsed := time.monotonic() - start) < args.seconds:
             while faults and elapsed >= faults[0][0]:
@@ -238,15 +252,28 @@ def run(args: argparse.Namespace) -> int:
                     if n.name not in silent:
                         n.shipper.submit(n.agent.cycle().report)
                 next_cycle += args.interval
-            for d in _get(f"{base}/api/v1/decisions?since={seen}&limit=1000")["decisions"]:
+                behind = time.monotonic() - next_cycle
+                if behind > args.interval:
+                    # The agents' cycles take longer than the interval here: say so once, and
+                    # keep the pace this machine can rather than fall further behind.
+                    if not slow_said:
+                        took = behind + args.interval
+                        print(
+                            f"[{time.monotonic() - start:5.1f}s] this machine needs {took:.1f} s for a round "
+                            f"of {len(nodes)} reports: reports go as fast as it allows"
+                        )
+                        slow_said = True
+                    next_cycle = time.monotonic()
+            found = _get(f"{base}/api/v1/decisions?since={seen}&limit=1000")["decisions"]
+            for d in found:
                 seen = max(seen, d["time"] + 1e-6)
-                why = "; ".join(r["summary"] for r in d["reasons"]) or "-"
-                print(
-                    f"[{time.monotonic() - start:5.1f}s] decision {d['node']}: {d['previous']} -> "
-                    f"{d['state']} (action {d['action']}): {why}"
-                )
+            lines = narrator.systemic(_get(f"{base}/api/v1/summary")["systemic_active"], time.time())
+            for line in lines + narrator.decisions(found, time.time()):
+                print(line)
             time.sleep(0.25)
     finally:
+        for line in narrator.flush(time.time(), everything=True):
+            print(line)
         for n in nodes:
             n.shipper.close(timeout_s=2.0)
             n.agent.close()

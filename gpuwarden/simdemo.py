@@ -33,6 +33,7 @@ import aiohttp
 
 from agent.errors import ConfigError
 from agent.report import encode
+from gpuwarden.narrate import Narrator, action_words
 from sim import scenario as scenario_mod
 from sim import truth as truth_mod
 from sim.eval import load_decisions, score
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 DEFAULT_NODES: Final = 256
 MIN_BUILTIN_NODES: Final = 64  # twelve H100 racks and four A100 racks: one fault per rack
 POLL_EVERY_S: Final = 0.25  # wall seconds between reads of the decision API
+# Wall seconds behind schedule before the demo says so and slows to the pace this machine keeps.
+BEHIND_S: Final = 5.0
 
 # The built-in fleet's faults: (kind, pool, rack slot, node in rack, at_s, fields). Slots are
 # spread evenly over each pool's racks, so every fault sits on a rack of its own whatever the
@@ -193,7 +196,9 @@ def _describe_decision(s: scenario_mod.Scenario, d: Mapping[str, Any]) -> str:
     reasons = [str(r.get("summary", "")) for r in d.get("reasons") or []]
     # A node-wide fault gives one reason per GPU: two say what it is, the count says how wide.
     why = "; ".join(reasons[:2]) + (f"; and {len(reasons) - 2} more" if len(reasons) > 2 else "") or "-"
-    return f"[{_offset(s, float(d['time']))}] {who} {d['previous']} -> {d['state']} ({d['action']}): {why}"
+    # No cluster is attached: remediation says what it would do.
+    act = action_words(str(d["action"]), cluster=False)
+    return f"[{_offset(s, float(d['time']))}] {who} {d['previous']} -> {d['state']} ({act}): {why}"
 
 
 @dataclasses.dataclass
@@ -201,6 +206,7 @@ class _Progress:
     sent: int = 0
     refused: int = 0
     max_lag_s: float = 0.0
+    pace: float = 0.0  # the simulated seconds per wall second actually kept (set at the start)
     last_time: float = 0.0
     interrupted: bool = False
     first_seen: dict[int, float] = dataclasses.field(default_factory=dict)
@@ -328,6 +334,7 @@ async def _demo(s: scenario_mod.Scenario, speed: float, work: Path, out: TextIO)
             f"(about {s.duration_s / speed:.0f} s); aggregator at {base}",
             file=out,
         )
+        print(f"  status page: {base}/ (open it in a browser while the demo runs)", file=out)
         print(f"  decision log: {work / 'decisions.jsonl'}\n", file=out, flush=True)
         async with aiohttp.ClientSession(base) as session:
             await _stream(
@@ -355,7 +362,8 @@ async def _demo(s: scenario_mod.Scenario, speed: float, work: Path, out: TextIO)
     _summary(s, progress, seen, work / "decisions.jsonl", out)
     print(
         f"reports sent: {progress.sent} ({progress.refused} refused); "
-        f"most behind schedule: {progress.max_lag_s:.1f} s wall",
+        f"most behind schedule: {progress.max_lag_s:.1f} s wall"
+        + (f" (ran at {progress.pace:g}x, the pace this machine kept)" if progress.pace != speed else ""),
         file=out,
         flush=True,
     )
@@ -389,6 +397,10 @@ async def _stream(
     wall_start = time.monotonic()
     last_poll = wall_start
     next_tick = math.floor(s.start) + 1.0
+    # Where the schedule is measured from: moved when the demo slows to the pace it can keep.
+    sim_base = s.start
+    progress.pace = speed
+    narrator = Narrator(stamp=lambda t: _offset(s, t), describe=lambda d: _describe_decision(s, d))
 
     async def poll() -> None:
         nonlocal since, last_poll
@@ -396,10 +408,16 @@ async def _stream(
         async with session.get("/api/v1/decisions", params={"since": repr(since), "limit": "10000"}) as resp:
             resp.raise_for_status()
             body = await resp.json()
+        async with session.get("/api/v1/summary") as resp:
+            resp.raise_for_status()
+            active = (await resp.json())["systemic_active"]
+        lines = narrator.systemic(active, clock.now)
         for d in body["decisions"]:
             since = max(since, float(d["time"]) + 1e-6)
             seen.append(d)
-            print(_describe_decision(s, d), file=out, flush=True)
+        lines += narrator.decisions(body["decisions"], clock.now)
+        for line in lines:
+            print(line, file=out, flush=True)
 
     async def until(sim_time: float) -> None:
         """Advance the aggregator to ``sim_time``, waiting for wall time to catch up with it."""
@@ -414,12 +432,26 @@ async def _stream(
                 while pending_faults and pending_faults[0][0] <= next_tick:
                     at, text = pending_faults.pop(0)
                     print(f"[{_offset(s, at)}] {text}", file=out, flush=True)
-        delay = wall_start + (sim_time - s.start) / speed - time.monotonic()
+        nonlocal wall_start, sim_base
+        delay = wall_start + (sim_time - sim_base) / progress.pace - time.monotonic()
         if delay > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(interrupted.wait(), delay)
         else:
             progress.max_lag_s = max(progress.max_lag_s, -delay)
+            if -delay > BEHIND_S:
+                # This machine cannot post that fast: say so now, and keep the pace it can.
+                now = time.monotonic()
+                kept = (sim_time - sim_base) / max(now - wall_start, 1e-3)
+                progress.pace = max(round(kept * 0.9, 1), 0.1)
+                left = (s.start + s.duration_s - sim_time) / progress.pace
+                print(
+                    f"[{_offset(s, sim_time)}] this machine keeps about {kept:.1f}x, not "
+                    f"{speed:g}x: slowing to {progress.pace:g}x (about {left:.0f} s more)",
+                    file=out,
+                    flush=True,
+                )
+                wall_start, sim_base = now, sim_time
         if time.monotonic() - last_poll >= POLL_EVERY_S:
             await poll()
 
@@ -448,6 +480,8 @@ async def _stream(
     if not progress.interrupted:
         await until(s.start + s.duration_s)
     await poll()
+    for line in narrator.flush(clock.now, everything=True):
+        print(line, file=out, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:

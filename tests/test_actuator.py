@@ -297,11 +297,8 @@ async def test_quarantine_taints_keeps_other_taints_and_records_everything(world
     assert ann["gpuwarden.io/decided-at"] == rfc3339(T0 - 30) == "2025-11-29T18:39:30Z"
     cond = condition(api, "n1")
     assert cond is not None
-    assert (cond["status"], cond["reason"], cond["message"]) == (
-        "False",
-        "Quarantined",
-        "XID 79: GPU fell off the bus",
-    )
+    assert (cond["status"], cond["reason"]) == ("False", "Quarantined")
+    assert cond["message"].startswith("XID 79: GPU fell off the bus; next: probation starts")
     assert cond["lastTransitionTime"] == rfc3339(T0 - 30)
     assert any(c["type"] == "Ready" for c in api.node("n1")["status"]["conditions"])  # kubelet's untouched
     [ev] = [e for e in api.events if e["involvedObject"]["name"] == "n1"]
@@ -413,7 +410,7 @@ async def test_condition_written_only_when_it_changes(world: World) -> None:
     status_writes = [w for w in world.api.writes() if w[1].endswith("/status")]
     assert len(status_writes) == 2
     cond = condition(world.api, "n1")
-    assert cond is not None and cond["message"] == "DBE on GPU 2"
+    assert cond is not None and cond["message"].startswith("DBE on GPU 2; next:")
 
 
 # -- what is never touched ------------------------------------------------------------------------

@@ -230,7 +230,8 @@ def test_the_simulated_fleet_demo_runs_and_scores_itself() -> None:
         "--log-level", "ERROR", "demo-sim", "--nodes", "64", "--minutes", "4", "--speed", "400", timeout=120
     )
     assert out.returncode == 0, out.stderr
-    assert "healthy -> quarantined (taint)" in out.stdout  # the XID 79 two minutes in
+    assert "healthy -> quarantined (would taint)" in out.stdout  # the XID 79 two minutes in
+    assert "status page: http://127.0.0.1:" in out.stdout
     assert "app_xid" in out.stdout and "not quarantined (right)" in out.stdout
     assert "0 false" in out.stdout and "(0 refused)" in out.stdout
 

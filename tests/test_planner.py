@@ -13,6 +13,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -29,6 +30,8 @@ REASON = "gpuwarden.io/reason"
 DECIDED = "gpuwarden.io/decided-at"
 OVERRIDE = "gpuwarden.io/override"
 TAINT = "gpuwarden.io/taint"
+RUNBOOK = "gpuwarden.io/runbook"
+RB = "https://runbooks.example/GpuwardenNodeQuarantined.md"
 MONO = 5000.0  # the monotonic clock's value in every row
 
 FOREIGN = Taint("other.io/maintenance", "NoExecute", "drain", time_added="2025-01-02T03:04:05Z")
@@ -140,6 +143,7 @@ Q_LATER = intent("n1", since=T0 + 100, message=XID)
 H = healthy("n1", since=T0 + 3600)
 QUARANTINED = after(bare(FOREIGN), Q)  # as our quarantine left it: FOREIGN, then ours
 DBE = intent("n1", since=T0 + 200, reason_code="dbe", evidence_key="dbe:gpu3", message="DBE on GPU 3")
+Q_RB = msgspec.structs.replace(Q, runbook_url=RB)
 PROBATION = intent("n1", "probation", since=T0 + 900, message="clean since the reboot")
 NOEX = intent("n1", effect="NoExecute", message=XID)
 NOEX_ON = cfg(allow_no_execute=True, max_no_execute_per_hour=1)
@@ -161,7 +165,43 @@ ROWS: dict[str, Row] = {
             annotations=wrote(Q, taint="xid-79:NoSchedule"),
             condition=("False", "Quarantined"),
             events=(("Warning", "GpuwardenQuarantined"),),
-            says=(f"{OURS}=xid-79:NoSchedule", XID),
+            says=(
+                f"{OURS}=xid-79:NoSchedule",
+                XID,
+                "next: probation starts once the evidence has been gone 2 min, release 30 min after that",
+                f"removing the {OURS} taint by hand is an override: the same evidence does not taint the "
+                "node again for 1 day; new evidence does",
+            ),
+        ),
+    ),
+    "a quarantine names its runbook in the event, the condition and an annotation": Row(
+        bare(),
+        Q_RB,
+        Expect(
+            taints=(XID79,),
+            kind="taint",
+            annotations={**wrote(Q_RB, taint="xid-79:NoSchedule"), RUNBOOK: RB},
+            condition=("False", "Quarantined"),
+            events=(("Warning", "GpuwardenQuarantined"),),
+            says=(f"runbook: {RB}",),
+        ),
+    ),
+    "release removes the runbook annotation": Row(
+        after(bare(), Q_RB),
+        H,
+        Expect(
+            taints=(),
+            kind="untaint",
+            annotations={
+                HEALTH: snap(H),
+                REASON: "no findings",
+                DECIDED: rfc3339(T0 + 3600),
+                TAINT: None,
+                RUNBOOK: None,
+            },
+            condition=("True", "Healthy"),
+            events=(("Normal", "GpuwardenReleased"),),
+            says=(f"released, {OURS} removed",),
         ),
     ),
     "release removes only our taint": Row(
@@ -235,7 +275,11 @@ ROWS: dict[str, Row] = {
             },
             condition=("False", "Probation"),
             events=(("Normal", "GpuwardenProbation"),),
-            says=(f"on probation, tainted {OURS}=xid-79:NoSchedule",),
+            says=(
+                f"on probation, tainted {OURS}=xid-79:NoSchedule",
+                # When probation can release it: date and zone, from the state's start.
+                f"next: released at {rfc3339(T0 + 900 + 1800)} if no quarantine evidence returns",
+            ),
         ),
     ),
     "a relapse during probation says so": Row(
@@ -259,7 +303,10 @@ ROWS: dict[str, Row] = {
             annotations=wrote(intent("n1", effect=None, held=True, message="pool limit reached")),
             condition=("False", "QuarantineHeld"),
             events=(("Warning", "GpuwardenHeld"),),
-            says=("quarantine held by a safety limit, not tainted: pool limit reached",),
+            says=(
+                "quarantine held by a safety limit, not tainted: pool limit reached",
+                "no taint is applied until a human resets the breaker",
+            ),
         ),
     ),
     "the taint value is a valid label value": Row(
@@ -630,7 +677,9 @@ def test_plan(name: str) -> None:
     assert cond == want.condition
     if got.condition is not None:
         assert got.condition.type == "GPUHealthy"
-        assert got.condition.message == row.intent.message
+        # The decision's line first, then what the reader of kubectl describe needs next.
+        assert got.condition.message.startswith(row.intent.message)
+        assert all(s in got.condition.message for s in want.says if s.startswith(("next:", "runbook:")))
         assert got.condition.last_transition_time == rfc3339(row.intent.since)
     for t in got.added_taints:  # a taint value the API server would reject fails the whole patch
         assert t.value is not None and len(t.value) <= 63
@@ -725,3 +774,11 @@ def test_label_value_is_a_valid_label_value(code: str, want: str) -> None:
     got = label_value(code)
     assert got == want
     assert len(got) <= 63 and re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", got)
+
+
+def test_the_docs_table_of_events_is_every_event_the_planner_writes(repo_root: Path) -> None:
+    source = (repo_root / "aggregator" / "remediate" / "planner.py").read_text()
+    written = set(re.findall(r'"(Gpuwarden[A-Za-z]+)"', source))
+    docs = (repo_root / "docs" / "remediation.md").read_text()
+    listed = set(re.findall(r"^\| `(Gpuwarden[A-Za-z]+)` \| (?:Warning|Normal) \|", docs, re.MULTILINE))
+    assert written == listed

@@ -533,7 +533,7 @@ def test_xid_finding_latches_until_reboot_and_reads_like_a_human_wrote_it() -> N
     history = feed(engine, reports)
     assert [keys(f) for f in history] == [[], []] + [["xid-79:gpu3"]] * 6 + [[], []]
     finding = history[2][0]
-    assert finding.summary == "GPU 3 (GPU-00000003...) XID 79 at 16:00:20: fell off the bus"
+    assert finding.summary == "GPU 3 (GPU-00000003...) XID 79 at 2025-11-24T16:00:20Z: fell off the bus"
     assert finding.since == reports[2].time
     assert history[7][0] is finding, "later reports keep the first evidence"
     assert {k: finding.evidence[k] for k in ("gpu", "uuid", "xid")} == {

@@ -152,6 +152,10 @@ class LinkLocalizer:
             added += 1
         return added
 
+    def bandwidth(self) -> dict[tuple[Pair, str], tuple[float, float]]:
+        """(pair, kind) -> (time, bytes/s) of its newest retained probe (the status page's matrix)."""
+        return {key: (dq[-1].time, math.exp(dq[-1].log_bw)) for key, dq in self._samples.items() if dq}
+
     # -- judgement ------------------------------------------------------------------------------
 
     def forget(self, node: str) -> None:

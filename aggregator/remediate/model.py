@@ -86,6 +86,11 @@ class NodeIntent(msgspec.Struct, kw_only=True, frozen=True):
     held: bool
     snapshot: HealthSnapshot
     preflight: Literal["pending", "passed", "failed"] = "pending"
+    # What the node's condition and events tell a reader (aggregator/story.py): its runbook ("" for
+    # none) and the health timings that say when it can come back.
+    runbook_url: str = ""
+    probation_seconds: float = 1800.0
+    clear_for_seconds: float = 120.0
 
 
 class IntentSource(Protocol):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Final, Literal
 
 import msgspec
@@ -39,6 +39,7 @@ import msgspec
 from aggregator.config import RemediationConfig
 from aggregator.kube.objects import Condition, ConditionStatus, EventType, Node, Taint, TaintEffect
 from aggregator.remediate.model import HealthSnapshot, NodeIntent, decode_snapshot, encode_snapshot
+from aggregator.story import iso, next_step, override_note
 
 __all__ = [
     "NO_EXECUTE_WINDOW_S",
@@ -90,7 +91,7 @@ def label_value(text: str) -> str:
 
 def rfc3339(unix: float) -> str:
     """Seconds precision, UTC, as Kubernetes' metav1.Time serialises."""
-    return datetime.fromtimestamp(unix, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return iso(unix)
 
 
 def parse_rfc3339(text: str) -> float:
@@ -106,6 +107,7 @@ class AnnotationKeys:
     decided: str
     override: str
     taint: str
+    runbook: str
 
     @classmethod
     def of(cls, prefix: str) -> AnnotationKeys:
@@ -115,6 +117,7 @@ class AnnotationKeys:
             decided=f"{prefix}decided-at",
             override=f"{prefix}override",
             taint=f"{prefix}taint",
+            runbook=f"{prefix}runbook",
         )
 
 
@@ -307,8 +310,12 @@ def plan(
         # every replica times it by its own receive clock. Keep what the node says, so that a
         # new leader neither patches every node nor announces every quarantine again.
         snapshot = old
+        # The runbook too: restored evidence may no longer name its rule's own.
         intent = msgspec.structs.replace(
-            intent, since=old.since, message=node.annotations.get(keys.reason, intent.message)
+            intent,
+            since=old.since,
+            message=node.annotations.get(keys.reason, intent.message),
+            runbook_url=node.annotations.get(keys.runbook, intent.runbook_url),
         )
     wanted_ann: dict[str, str | None] = {
         keys.health: encode_snapshot(snapshot),
@@ -316,7 +323,9 @@ def plan(
         keys.decided: rfc3339(intent.since),
         keys.override: None if new_override is None else msgspec.json.encode(new_override).decode(),
         keys.taint: None if want is None else f"{value}:{want}",
+        keys.runbook: intent.runbook_url if intent.runbook_url and _troubled(intent) else None,
     }
+    story = _story(intent, config)
 
     state_event_done = override_event is not None
     if drop_preflight:
@@ -325,8 +334,7 @@ def plan(
                 PlanEvent(
                     "Warning",
                     "GpuwardenPreflightFailed",
-                    f"preflight failed, {pf_key} replaced by {config.taint_key}={value}:{want}: "
-                    f"{intent.message}",
+                    f"preflight failed, {pf_key} replaced by {config.taint_key}={value}:{want}: {story}",
                 )
             )
             state_event_done = True
@@ -335,7 +343,7 @@ def plan(
                 PlanEvent("Normal", "GpuwardenPreflightPassed", f"preflight passed, {pf_key} removed")
             )
     if not state_event_done:
-        ev = _state_event(old, intent, want, value, config.taint_key)
+        ev = _state_event(old, intent, want, value, config.taint_key, story=story)
         if ev is not None:
             events.append(ev)
 
@@ -345,7 +353,7 @@ def plan(
         taints=new_taints,
         annotations={k: v for k, v in wanted_ann.items() if node.annotations.get(k) != v},
         patch_kind=_patch_kind(node.taints, new_taints, ours, want, config.taint_key),
-        condition=_condition(node, intent, config.condition_type),
+        condition=_condition(node, intent, config.condition_type, story),
         events=tuple(events),
         dry_run=dry_run,
         new_no_execute=new_no_execute and want == "NoExecute",
@@ -525,8 +533,40 @@ def _same_episode(a: HealthSnapshot, b: HealthSnapshot) -> bool:
     )
 
 
+def _troubled(intent: NodeIntent) -> bool:
+    return intent.held or intent.state != "healthy"
+
+
+def _story(intent: NodeIntent, config: RemediationConfig) -> str:
+    """The decision's one line with what a reader of ``kubectl describe`` needs next: what happens
+    and when (the probation clock), what removing our taint by hand means, and the runbook.
+    Absolute times only, so the same decision always reads the same (no rewrite per reconcile)."""
+    parts = [intent.message]
+    if _troubled(intent):
+        step = next_step(
+            intent.state,
+            intent.since,
+            held=intent.held,
+            lemon=intent.snapshot.lemon,
+            probation_seconds=intent.probation_seconds,
+            clear_for_seconds=intent.clear_for_seconds,
+        )
+        parts.append(f"next: {step}")
+    if intent.effect is not None and not intent.held and intent.state in ("quarantined", "probation"):
+        parts.append(override_note(config.taint_key, config.override_cooldown_seconds))
+    if intent.runbook_url and _troubled(intent):
+        parts.append(f"runbook: {intent.runbook_url}")
+    return "; ".join(parts)
+
+
 def _state_event(
-    old: HealthSnapshot | None, intent: NodeIntent, want: TaintEffect | None, value: str, key: str
+    old: HealthSnapshot | None,
+    intent: NodeIntent,
+    want: TaintEffect | None,
+    value: str,
+    key: str,
+    *,
+    story: str,
 ) -> PlanEvent | None:
     if old is None:
         if intent.state == "healthy" and not intent.held:
@@ -536,22 +576,22 @@ def _state_event(
     taint = f"tainted {key}={value}:{want}" if want is not None else "not tainted"
     if intent.held:
         return PlanEvent(
-            "Warning", "GpuwardenHeld", f"quarantine held by a safety limit, not tainted: {intent.message}"
+            "Warning", "GpuwardenHeld", f"quarantine held by a safety limit, not tainted: {story}"
         )
     if intent.state == "quarantined":
         relapse = old is not None and old.state == "probation"
         what = "relapsed during probation, quarantined" if relapse else "quarantined"
-        return PlanEvent("Warning", "GpuwardenQuarantined", f"{what}, {taint}: {intent.message}")
+        return PlanEvent("Warning", "GpuwardenQuarantined", f"{what}, {taint}: {story}")
     if intent.state == "probation":
-        return PlanEvent("Normal", "GpuwardenProbation", f"on probation, {taint}: {intent.message}")
+        return PlanEvent("Normal", "GpuwardenProbation", f"on probation, {taint}: {story}")
     if intent.state == "suspect":
-        return PlanEvent("Warning", "GpuwardenSuspect", f"suspect, {taint}: {intent.message}")
+        return PlanEvent("Warning", "GpuwardenSuspect", f"suspect, {taint}: {story}")
     if old is not None and (old.tainted or old.state in ("quarantined", "probation")):
         return PlanEvent("Normal", "GpuwardenReleased", f"released, {key} removed: {intent.message}")
     return PlanEvent("Normal", "GpuwardenHealthy", f"healthy: {intent.message}")
 
 
-def _condition(node: Node, intent: NodeIntent, condition_type: str) -> Condition | None:
+def _condition(node: Node, intent: NodeIntent, condition_type: str, message: str) -> Condition | None:
     """The condition to write, or None when the node's already says the same."""
     out = intent.held or intent.state in ("quarantined", "probation")
     status: ConditionStatus = "False" if out else "True"
@@ -560,13 +600,13 @@ def _condition(node: Node, intent: NodeIntent, condition_type: str) -> Condition
     if current is not None and (current.status, current.reason, current.message) == (
         status,
         reason,
-        intent.message,
+        message,
     ):
         return None
     return Condition(
         type=condition_type,
         status=status,
         reason=reason,
-        message=intent.message,
+        message=message,
         last_transition_time=rfc3339(intent.since),
     )

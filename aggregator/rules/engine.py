@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import math
 import operator
-import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ from aggregator.rules.model import (
     Rule,
     ShareRule,
 )
+from aggregator.story import iso
 
 log = logging.getLogger(__name__)
 # Report times are an agent's timer plus its collection time, so "down on two reports 10 s apart"
@@ -968,7 +968,7 @@ def _finding(report: Report, rule: Rule, hit: _Hit, since: float) -> Finding:
 
 
 def _clock(at: float) -> str:
-    return time.strftime("%H:%M:%S", time.gmtime(at))
+    return iso(at)  # with the date and the zone: a summary is read days later too
 
 
 def _duration(seconds: float) -> str:

@@ -1,0 +1,812 @@
+"""The status page: the aggregator's fleet as server-rendered HTML, for on-call during an incident.
+
+    GET /                  the fleet at a glance: per pool and rack, the breaker, systemic events
+    GET /nodes             the node list: filter (state, pool, rack), search (name, reason), pages
+    GET /nodes/{node}      one node: state history, reasons with evidence, sparklines, what next
+    GET /decisions         the decision feed, newest first
+    GET /systemic          systemic events, one line each
+    GET /links             pair bandwidth as a heat map, and the links that are not healthy
+    GET /probes            active-probe coverage
+    GET /api/v1/summary            the glance as JSON (``gpuwarden status``)
+    GET /api/v1/nodes/{node}/story one node's story as JSON (``gpuwarden explain``)
+
+Read-only, like the JSON read API it is built on (``source``: the pipeline's ``nodes``, ``node``,
+``decisions_since``, and where it has them ``systemic_events``, ``breaker``, ``link_matrix`` and
+``probe_coverage``). Everything that came from an agent (node names, reasons, evidence) is
+escaped. The only assets are this package's stylesheet and icon, and the Content-Security-Policy
+forbids anything else, so a page opened in an air-gapped cluster fetches nothing from another
+host. No script anywhere: forms are plain GETs, pages refresh themselves by ``<meta refresh>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from html import escape
+from importlib import resources
+from string import Template
+from typing import Any, Final, Protocol
+from urllib.parse import quote, urlencode
+
+from aiohttp import web
+
+from agent.clock import Clock
+from aggregator.config import Config
+from aggregator.story import duration, evidence_value, iso, next_step, override_note, runbook_url
+from aggregator.web import svg
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "CONTENT_SECURITY_POLICY",
+    "STATES",
+    "NodeFilter",
+    "StatusSource",
+    "StatusView",
+    "fleet_summary",
+    "status_routes",
+]
+
+STATES: Final = ("healthy", "suspect", "quarantined", "probation")
+# Overlays on the four states: a silent node is suspect, a held one quarantined.
+COUNTED: Final = (*STATES, "silent", "held")
+_TROUBLE: Final = {"quarantined": 0, "probation": 1, "suspect": 2, "healthy": 3}
+PER_PAGE: Final = 100
+MAX_PER_PAGE: Final = 500
+MATRIX_MAX_NODES: Final = 64
+DECISION_WINDOW_S: Final = 86_400.0
+NODES_TTL_S: Final = 2.0  # a page may show the fleet as it was this long ago
+CONTENT_SECURITY_POLICY: Final = (
+    "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
+    "base-uri 'none'; frame-ancestors 'none'"
+)
+_REFRESH_S: Final = {"glance": 15, "nodes": 30, "node": 10, "feed": 15}
+
+_PKG = resources.files("aggregator.web")
+_PAGE: Final = Template((_PKG / "templates" / "page.html").read_text(encoding="utf-8"))
+_ASSETS: Final[Mapping[str, tuple[bytes, str]]] = {
+    "status.css": ((_PKG / "static" / "status.css").read_bytes(), "text/css"),
+    "favicon.svg": ((_PKG / "static" / "favicon.svg").read_bytes(), "image/svg+xml"),
+}
+
+
+class StatusSource(Protocol):
+    """What the page reads: the read API's interface (``aggregator.service.PipelineLike``)."""
+
+    def nodes(self) -> list[dict[str, Any]]: ...
+
+    def node(self, name: str) -> dict[str, Any] | None: ...
+
+    def decisions_since(self, since: float, limit: int) -> list[dict[str, Any]]: ...
+
+
+def h(value: object) -> str:
+    """Escaped for HTML text and attribute values alike."""
+    return escape(str(value), quote=True)
+
+
+def _node_href(name: str) -> str:
+    return "/nodes/" + quote(name, safe="")
+
+
+def _node_link(name: str) -> str:
+    return f'<a href="{h(_node_href(name))}">{h(name)}</a>'
+
+
+def _badge(state: str) -> str:
+    return f'<span class="st st-{h(state)}">{h(state)}</span>'
+
+
+def _href(path: str, **params: object) -> str:
+    q = urlencode({k: v for k, v in params.items() if v not in (None, "") and (k, v) != ("page", 1)})
+    return h(f"{path}?{q}" if q else path)
+
+
+def _num(v: float) -> str:
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+# -- the fleet at a glance ------------------------------------------------------------------------
+
+
+def _flags(n: Mapping[str, Any]) -> list[str]:
+    out = [n["state"]]
+    if n.get("silent"):
+        out.append("silent")
+    if n.get("held"):
+        out.append("held")
+    return out
+
+
+def fleet_summary(nodes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Counts of every state (and silent, held) fleet-wide, per pool and per rack; the racks
+    with the most nodes out come first. One pass over the nodes into one counter per rack (at
+    7,500 nodes this is most of the glance's cost), then pools and totals from the racks."""
+    per_rack: dict[tuple[str, str], Counter[str]] = {}
+    for n in nodes:
+        key = (n.get("pool") or "-", n.get("rack") or "-")
+        c = per_rack.get(key)
+        if c is None:
+            c = per_rack[key] = Counter()
+        c["nodes"] += 1
+        c[n["state"]] += 1
+        if n.get("silent"):
+            c["silent"] += 1
+        if n.get("held"):
+            c["held"] += 1
+    pools: dict[str, Counter[str]] = {}
+    totals: Counter[str] = Counter()
+    for (pool, _rack), c in per_rack.items():
+        pools.setdefault(pool, Counter()).update(c)
+        totals.update(c)
+
+    def row(c: Counter[str]) -> dict[str, int]:
+        return {k: c[k] for k in ("nodes", *COUNTED)}
+
+    def trouble(c: Counter[str]) -> int:
+        return c["quarantined"] + c["probation"] + c["suspect"]
+
+    return {
+        "totals": row(totals),
+        "pools": [{"pool": p, **row(c)} for p, c in sorted(pools.items())],
+        "racks": [
+            {"pool": p, "rack": r, **row(c)}
+            for (p, r), c in sorted(per_rack.items(), key=lambda kv: (-trouble(kv[1]), kv[0]))
+        ],
+    }
+
+
+def active_systemic(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The systemic events still going on: a domain's latest "started" with no "ended" after it,
+    and the shared-switch problems the probes point at now (state "active")."""
+    now: dict[tuple[str, str], dict[str, Any]] = {}
+    for e in events:
+        key = (str(e.get("domain_kind")), str(e.get("domain")))
+        if e.get("state") == "ended":
+            now.pop(key, None)
+        else:
+            now[key] = dict(e)
+    return list(now.values())
+
+
+# -- the node list --------------------------------------------------------------------------------
+
+
+class NodeFilter:
+    """The node list's query: ``state`` (a state, ``silent``, ``held`` or ``out``), ``pool``,
+    ``rack``, ``q`` (in the name or a reason, any case), ``page`` and ``per`` (page size)."""
+
+    def __init__(self, query: Mapping[str, str]) -> None:
+        self.state = query.get("state", "")
+        self.pool = query.get("pool", "")
+        self.rack = query.get("rack", "")
+        self.q = query.get("q", "").strip()
+        self.page = _int(query.get("page"), 1, 1, 1_000_000)
+        self.per = _int(query.get("per"), PER_PAGE, 1, MAX_PER_PAGE)
+
+    def matches(self, n: Mapping[str, Any]) -> bool:
+        if self.state:
+            if self.state == "out":
+                if n["state"] not in ("quarantined", "probation"):
+                    return False
+            elif self.state not in _flags(n):
+                return False
+        if self.pool and (n.get("pool") or "-") != self.pool:
+            return False
+        if self.rack and (n.get("rack") or "-") != self.rack:
+            return False
+        if self.q:
+            needle = self.q.lower()
+            hay = [n["node"], *n.get("reasons", ())]
+            if not any(needle in str(s).lower() for s in hay):
+                return False
+        return True
+
+    def params(self) -> dict[str, str | int]:
+        return {"state": self.state, "pool": self.pool, "rack": self.rack, "q": self.q, "per": self.per}
+
+
+def _int(raw: str | None, default: int, lo: int, hi: int) -> int:
+    try:
+        return min(max(int(raw), lo), hi) if raw is not None else default
+    except ValueError:
+        return default
+
+
+# -- the view ---------------------------------------------------------------------------------------
+
+
+class StatusView:
+    """Renders each page from ``source``; every method returns the page's HTML (or JSON data)."""
+
+    def __init__(
+        self, source: StatusSource, config: Config, clock: Clock, *, nodes_ttl_s: float = NODES_TTL_S
+    ) -> None:
+        self.source = source
+        self.config = config
+        self.clock = clock
+        self.nodes_ttl_s = nodes_ttl_s
+        self._nodes: tuple[float, list[dict[str, Any]]] | None = None
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """The fleet's node summaries, read at most once every ``nodes_ttl_s`` however many
+        browsers refresh: at 7,500 nodes the read is most of a page's cost (bench/status_page.py)."""
+        now = time.monotonic()
+        if self._nodes is None or now - self._nodes[0] >= self.nodes_ttl_s:
+            self._nodes = (now, self.source.nodes())
+        return self._nodes[1]
+
+    # -- data ---------------------------------------------------------------------------------
+
+    def _optional(self, name: str, *args: object) -> Any:
+        call = getattr(self.source, name, None)
+        return call(*args) if callable(call) else None
+
+    def breaker(self) -> dict[str, Any] | None:
+        found: dict[str, Any] | None = self._optional("breaker")
+        return found
+
+    def systemic(self) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] | None = self._optional("systemic_events")
+        return found or []
+
+    def summary(self) -> dict[str, Any]:
+        now = self.clock.time()
+        nodes = self.nodes()
+        systemic = self.systemic()
+        return {
+            "time": now,
+            "time_iso": iso(now),
+            "remediation": self.config.remediation.mode,
+            "breaker": self.breaker(),
+            **fleet_summary(nodes),
+            "systemic_active": active_systemic(systemic),
+        }
+
+    def story(self, name: str, found: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """One node (``found``: as the source gave it already): its state, why (every reason with
+        its evidence), what next, the runbook."""
+        n = self.source.node(name) if found is None else found
+        if n is None:
+            return None
+        cfg = self.config
+        reasons = n.get("reasons", [])
+        out = n["state"] in ("quarantined", "probation")
+        return {
+            "node": n["node"],
+            "state": n["state"],
+            "since": n.get("since"),
+            "since_iso": iso(n.get("since")),
+            "held": n.get("held", False),
+            "lemon": n.get("lemon", False),
+            "silent": n.get("silent", False),
+            "placement": n.get("placement", {}),
+            "last_received_iso": iso(n.get("last_received")),
+            "reasons": reasons,
+            "next": next_step(
+                n["state"],
+                n.get("since"),
+                held=n.get("held", False),
+                lemon=n.get("lemon", False),
+                probation_seconds=cfg.health.probation_seconds,
+                clear_for_seconds=cfg.health.clear_for_seconds,
+            ),
+            "override": (
+                override_note(cfg.remediation.taint_key, cfg.remediation.override_cooldown_seconds)
+                if out and cfg.remediation.mode != "off"
+                else None
+            ),
+            "runbook_url": runbook_url(
+                cfg.notify.runbook_base_url,
+                held=n.get("held", False),
+                lemon=n.get("lemon", False),
+                evidence=(r.get("evidence", {}) for r in reasons),
+            ),
+        }
+
+    # -- pages --------------------------------------------------------------------------------
+
+    def page(self, title: str, body: str, *, refresh: int | None, started: float) -> str:
+        meta = f'<meta http-equiv="refresh" content="{refresh}">\n' if refresh else ""
+        return _PAGE.substitute(
+            title=h(title),
+            body=body,
+            refresh=meta,
+            now=h(iso(self.clock.time())),
+            render_ms=f"{(time.perf_counter() - started) * 1000:.1f}",
+        )
+
+    def glance(self) -> str:
+        started = time.perf_counter()
+        s = self.summary()
+        t = s["totals"]
+        cards = [
+            f'<div class="card"><a href="/nodes"><span class="n">{t["nodes"]}</span>nodes</a></div>',
+            *(
+                f'<div class="card {k}"><a href="{_href("/nodes", state=k)}">'
+                f'<span class="n">{t[k]}</span>{"held by a limit" if k == "held" else k}</a></div>'
+                for k in COUNTED
+            ),
+            self._breaker_card(s["breaker"]),
+        ]
+        body = [f'<div class="cards">{"".join(cards)}</div>']
+        if s["systemic_active"]:
+            body.append("<h2>Systemic events now</h2>")
+            body += [_systemic_line(e) for e in s["systemic_active"]]
+        body.append("<h2>Pools</h2>" + _count_table(s["pools"], ("pool",)))
+        troubled = [r for r in s["racks"] if r["nodes"] > r["healthy"] or r["silent"]]
+        calm = len(s["racks"]) - len(troubled)
+        body.append("<h2>Racks with nodes not healthy</h2>")
+        body.append(
+            _count_table(troubled[:200], ("pool", "rack")) if troubled else "<p>Every rack is healthy.</p>"
+        )
+        if len(troubled) > 200:
+            body.append(f'<p class="muted">and {len(troubled) - 200} more racks: see the node list.</p>')
+        body.append(f'<p class="muted">{calm} racks have every node healthy.</p>')
+        recent = self._recent_decisions(10)
+        body.append('<h2>Latest decisions <a class="muted" href="/decisions">(all)</a></h2>')
+        body.append(_decision_table(recent, with_node=True))
+        return self.page("Fleet", "\n".join(body), refresh=_REFRESH_S["glance"], started=started)
+
+    def _breaker_card(self, b: Mapping[str, Any] | None) -> str:
+        mode = self.config.remediation.mode
+        if b is None:
+            return f'<div class="card"><span class="n">-</span>breaker (remediation {h(mode)})</div>'
+        if b.get("open"):
+            return (
+                '<div class="card breaker-open"><span class="n">OPEN</span>breaker since '
+                f"{h(iso(b.get('since')))}: {h(b.get('reason') or '')}</div>"
+            )
+        reset = f", last reset {h(iso(b['reset_at']))} by {h(b.get('reset_by'))}" if b.get("reset_at") else ""
+        return (
+            '<div class="card breaker-closed"><span class="n">closed</span>'
+            f"breaker (remediation {h(mode)}){reset}</div>"
+        )
+
+    def node_list(self, query: Mapping[str, str]) -> str:
+        started = time.perf_counter()
+        f = NodeFilter(query)
+        nodes = self.nodes()
+        pools = sorted({n.get("pool") or "-" for n in nodes})
+        hits = [n for n in nodes if f.matches(n)]
+        hits.sort(key=lambda n: (_TROUBLE.get(n["state"], 9), n["node"]))
+        pages = max(1, math.ceil(len(hits) / f.per))
+        page = min(f.page, pages)
+        shown = hits[(page - 1) * f.per : page * f.per]
+        now = self.clock.time()
+        form = [
+            '<form class="filter" method="get" action="/nodes">',
+            _select("state", f.state, [("", "any state"), *((s, s) for s in (*COUNTED, "out"))]),
+            _select("pool", f.pool, [("", "any pool"), *((p, p) for p in pools)]),
+            f'<label>rack<input name="rack" value="{h(f.rack)}" size="10"></label>',
+            f'<label>search name or reason<input name="q" value="{h(f.q)}" size="24"></label>',
+            f'<input type="hidden" name="per" value="{f.per}">',
+            '<button type="submit">Filter</button> <a href="/nodes">clear</a></form>',
+        ]
+        rows = []
+        for n in shown:
+            flags = "".join(_badge(x) + " " for x in _flags(n))
+            rows.append(
+                f'<tr class="{"out" if n["state"] in ("quarantined", "probation") else ""}">'
+                f"<td>{_node_link(n['node'])}</td><td>{flags}</td><td>{h(iso(n.get('since')))}</td>"
+                f"<td>{h(n.get('pool') or '-')}</td><td>{h(n.get('rack') or '-')}</td>"
+                f"<td>{h(duration(now - n['last_received']))} ago</td>"
+                f"<td class='why'>{h('; '.join(n.get('reasons', []))[:300])}</td></tr>"
+            )
+        first = (page - 1) * f.per + 1 if shown else 0
+        count = f"<p>{first}-{first + len(shown) - 1 if shown else 0} of {len(hits)} nodes"
+        count += f" (of {len(nodes)} in the fleet)</p>" if len(hits) != len(nodes) else "</p>"
+        table = (
+            "<table><thead><tr><th>node</th><th>state</th><th>since</th><th>pool</th><th>rack</th>"
+            f"<th>last report</th><th>why</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+            if rows
+            else "<p>No node matches.</p>"
+        )
+        pager = _pager("/nodes", f.params(), page, pages)
+        body = "".join(form) + count + pager + table + pager
+        return self.page("Nodes", body, refresh=_REFRESH_S["nodes"], started=started)
+
+    def node_page(self, name: str) -> str | None:
+        started = time.perf_counter()
+        n = self.source.node(name)
+        st = self.story(name, n) if n is not None else None
+        if st is None or n is None:
+            return None
+        pl = st["placement"]
+        flags = " ".join(_badge(x) for x in _flags({**n, "state": st["state"]}))
+        lemon = " <strong>lemon</strong> (keeps coming back)" if st["lemon"] else ""
+        where = ", ".join(f"{k} {h(v)}" for k, v in pl.items() if v)
+        body = [
+            f"<p>{flags} since <span class='mono'>{h(st['since_iso'])}</span>{lemon}</p>",
+            f"<p>{where}; last report received <span class='mono'>{h(st['last_received_iso'])}</span></p>",
+            '<div class="next">',
+            f"<p><strong>Next:</strong> {h(st['next'])}</p>",
+        ]
+        if st["override"]:
+            body.append(f"<p><strong>By hand:</strong> {h(st['override'])}</p>")
+        body.append(
+            f'<p><strong>Runbook:</strong> <a href="{h(st["runbook_url"])}">'
+            f"{h(st['runbook_url'])}</a></p></div>"
+        )
+        body.append("<h2>Why</h2>")
+        if not st["reasons"]:
+            body.append("<p>No reason on record: the node is healthy.</p>")
+        for r in st["reasons"]:
+            ev = r.get("evidence", {})
+            rows = "".join(
+                f"<tr><td>{h(k)}</td><td class='mono'>{h(evidence_value(k, v))}</td></tr>"
+                for k, v in ev.items()
+            )
+            who = r.get("rule") or r.get("detector")
+            body.append(
+                f'<div class="reason"><div class="summary">{h(r.get("summary", ""))}</div>'
+                f'<div class="muted">{h(r.get("severity", ""))} · {h(who)} ({h(r.get("detector", ""))})</div>'
+                f'<table class="evidence">{rows}</table></div>'
+            )
+        body.append("<h2>Recent evidence</h2>" + _sparklines(n.get("history", [])))
+        decisions = list(reversed(n.get("decisions", [])))
+        body.append("<h2>State history</h2>" + _decision_table(decisions, with_node=False))
+        body.append("<h2>Latest reports</h2>" + _report_table(list(reversed(n.get("history", [])))[:10]))
+        return self.page(f"Node {name}", "\n".join(body), refresh=_REFRESH_S["node"], started=started)
+
+    def _recent_decisions(self, count: int, node: str = "") -> list[dict[str, Any]]:
+        """The newest ``count`` decisions (about ``node``), newest first."""
+        fast: list[dict[str, Any]] | None = self._optional("recent_decisions", count, node or None)
+        if fast is not None:
+            return fast
+        since = self.clock.time() - DECISION_WINDOW_S
+        found = self.source.decisions_since(since, 10_000)
+        if node:
+            found = [d for d in found if d.get("node") == node or d.get("peer") == node]
+        return list(reversed(found[-count:]))
+
+    def decision_feed(self, query: Mapping[str, str]) -> str:
+        started = time.perf_counter()
+        node = query.get("node", "").strip()
+        page = _int(query.get("page"), 1, 1, 100)
+        # One more than the page needs: whether there is a next page.
+        found = self._recent_decisions(page * PER_PAGE + 1, node)
+        shown = found[(page - 1) * PER_PAGE : page * PER_PAGE]
+        more = len(found) > page * PER_PAGE
+        form = (
+            '<form class="filter" method="get" action="/decisions">'
+            f'<label>node<input name="node" value="{h(node)}" size="24"></label>'
+            '<button type="submit">Filter</button> <a href="/decisions">clear</a></form>'
+        )
+        params = {"node": node}
+        prev = (
+            f'<a href="{_href("/decisions", **params, page=page - 1)}">&lsaquo; newer</a>' if page > 1 else ""
+        )
+        nxt = f'<a href="{_href("/decisions", **params, page=page + 1)}">older &rsaquo;</a>' if more else ""
+        pager = f'<p class="pager">{prev}<span>page {page}</span>{nxt}</p>'
+        body = (
+            form
+            + "<p>The decisions the aggregator holds (its last 10,000), newest first.</p>"
+            + pager
+            + _decision_table(shown, with_node=True)
+            + pager
+        )
+        return self.page("Decisions", body, refresh=_REFRESH_S["feed"], started=started)
+
+    def systemic_page(self) -> str:
+        started = time.perf_counter()
+        events = list(reversed(self.systemic()))
+        body = "".join(_systemic_line(e) for e in events) or "<p>No systemic event on record.</p>"
+        return self.page("Systemic events", body, refresh=_REFRESH_S["feed"], started=started)
+
+    def links_page(self, query: Mapping[str, str]) -> str:
+        started = time.perf_counter()
+        rows: list[dict[str, Any]] = self._optional("link_matrix") or []
+        kinds = sorted({r["kind"] for r in rows})
+        kind = query.get("kind") or (kinds[0] if kinds else "")
+        pool_of = {n["node"]: n.get("pool") or "-" for n in self.nodes()}
+        pools = sorted({pool_of.get(r["a"], "-") for r in rows})
+        pool = query.get("pool") or (pools[0] if pools else "")
+        mine = [r for r in rows if r["kind"] == kind and pool_of.get(r["a"], "-") == pool]
+        form = (
+            '<form class="filter" method="get" action="/links">'
+            + _select("pool", pool, [(p, p) for p in pools])
+            + _select("kind", kind, [(k, k) for k in kinds])
+            + '<button type="submit">Show</button></form>'
+        )
+        body = [form]
+        if not mine:
+            body.append("<p>No pair probe results yet (probes are off, or none has run in this pool).</p>")
+        else:
+            body.append(self._matrix(mine))
+        bad = [r for r in rows if r.get("state", "healthy") != "healthy"]
+        body.append("<h2>Links not healthy</h2>")
+        if bad:
+            body.append(
+                "<table><thead><tr><th>pair</th><th>kind</th><th>state</th><th class='num'>bus GB/s</th>"
+                "<th>probed</th></tr></thead><tbody>"
+                + "".join(
+                    f"<tr><td>{_node_link(r['a'])} &ndash; {_node_link(r['b'])}</td><td>{h(r['kind'])}</td>"
+                    f"<td>{_badge(r['state'])}</td>"
+                    f"<td class='num'>{r['busbw_bytes_per_second'] / 1e9:.1f}</td>"
+                    f"<td>{h(iso(r['time']))}</td></tr>"
+                    for r in bad
+                )
+                + "</tbody></table>"
+            )
+        else:
+            body.append("<p>Every probed link is healthy.</p>")
+        return self.page("Links", "\n".join(body), refresh=_REFRESH_S["feed"], started=started)
+
+    def _matrix(self, rows: Sequence[Mapping[str, Any]]) -> str:
+        bws = sorted(r["busbw_bytes_per_second"] for r in rows)
+        typical = bws[len(bws) // 2] or 1.0
+        # The slowest pairs' nodes first: at 7,500 nodes the whole matrix would not fit a screen.
+        order: list[str] = []
+        for r in sorted(rows, key=lambda r: r["busbw_bytes_per_second"]):
+            for end in (r["a"], r["b"]):
+                if end not in order and len(order) < MATRIX_MAX_NODES:
+                    order.append(end)
+        chosen = sorted(order)
+        index = {name: i for i, name in enumerate(chosen)}
+        cells: dict[tuple[int, int], tuple[float, str]] = {}
+        for r in rows:
+            i, j = index.get(r["a"]), index.get(r["b"])
+            if i is None or j is None:
+                continue
+            ratio = r["busbw_bytes_per_second"] / typical
+            cells[(min(i, j), max(i, j))] = (
+                ratio,
+                f"{r['a']} - {r['b']}: {r['busbw_bytes_per_second'] / 1e9:.1f} GB/s "
+                f"({ratio:.0%} of typical), {r.get('state', 'healthy')}, {iso(r['time'])}",
+            )
+        nodes = {r["a"] for r in rows} | {r["b"] for r in rows}
+        note = (
+            f"<p class='muted'>{len(chosen)} of {len(nodes)} nodes: those in the slowest pairs.</p>"
+            if len(nodes) > len(chosen)
+            else ""
+        )
+        edges = (0.0, *svg.BANDS)
+        legend = (
+            "".join(f'<span><i class="r{k}"></i>≥ {edge:.0%}</span>' for k, edge in enumerate(edges))
+            + '<span><i class="none"></i>not probed</span>'
+        )
+        return (
+            f"<p>Bus bandwidth of each probed pair against the pool's typical pair "
+            f"({typical / 1e9:.1f} GB/s); hover a cell for its figures.</p>{note}"
+            f'<p class="legend">{legend}</p>{svg.heatmap(chosen, cells)}'
+        )
+
+    def probes_page(self) -> str:
+        started = time.perf_counter()
+        cov: dict[str, Any] | None = self._optional("probe_coverage", self.clock.time())
+        if cov is None:
+            body = "<p>Active probes are off on this aggregator (no probe key, or probes disabled).</p>"
+            return self.page("Probe coverage", body, refresh=None, started=started)
+        ratios = cov["pool_ratios"]
+        rows = [
+            f"<p>Bound: every pair in a group tested within {h(duration(cov['bound_seconds']))}; "
+            f"{cov['nodes_overdue']} nodes untested for longer.</p>",
+            "<table><thead><tr><th>pool</th><th class='num'>pairs tested</th><th></th></tr></thead><tbody>",
+            *(
+                f"<tr><td>{h(p)}</td><td class='num'>{r:.0%}</td>"
+                f"<td>{svg.stacked_bar([('healthy', round(r * 1000)), ('suspect', 1000 - round(r * 1000))])}"
+                "</td></tr>"
+                for p, r in ratios.items()
+            ),
+            "</tbody></table><h2>Groups</h2><table><thead><tr><th>pool</th><th>group</th>"
+            "<th class='num'>nodes</th><th class='num'>pairs</th><th class='num'>tested</th>"
+            "</tr></thead><tbody>",
+            *(
+                f"<tr><td>{h(g['pool'])}</td><td>{h(g['group'])}</td><td class='num'>{g['nodes']}</td>"
+                f"<td class='num'>{g['pairs']}</td><td class='num'>{g['pairs_tested']}</td></tr>"
+                for g in cov["groups"][:500]
+            ),
+            "</tbody></table>",
+        ]
+        if cov.get("overdue"):
+            rows.append("<h2>Nodes overdue</h2>")
+            rows += [
+                f"<p class='line'>{_node_link(n)} untested for {h(duration(s))}</p>"
+                for n, s in cov["overdue"]
+            ]
+        return self.page("Probe coverage", "".join(rows), refresh=_REFRESH_S["feed"], started=started)
+
+
+# -- pieces -----------------------------------------------------------------------------------------
+
+
+def _select(name: str, chosen: str, options: Iterable[tuple[str, str]]) -> str:
+    opts = "".join(
+        f'<option value="{h(v)}"{" selected" if v == chosen else ""}>{h(label)}</option>'
+        for v, label in options
+    )
+    return f'<label>{h(name)}<select name="{h(name)}">{opts}</select></label>'
+
+
+def _pager(path: str, params: Mapping[str, object], page: int, pages: int) -> str:
+    if pages <= 1:
+        return ""
+    prev = f'<a href="{_href(path, **params, page=page - 1)}">&lsaquo; previous</a>' if page > 1 else ""
+    nxt = f'<a href="{_href(path, **params, page=page + 1)}">next &rsaquo;</a>' if page < pages else ""
+    return f'<p class="pager">{prev}<span>page {page} of {pages}</span>{nxt}</p>'
+
+
+def _count_table(rows: Sequence[Mapping[str, Any]], keys: tuple[str, ...]) -> str:
+    head = "".join(f"<th>{k}</th>" for k in keys) + "<th class='num'>nodes</th>"
+    head += "".join(f"<th class='num'>{'held' if k == 'held' else k}</th>" for k in COUNTED) + "<th></th>"
+    out = [f"<table><thead><tr>{head}</tr></thead><tbody>"]
+    for r in rows:
+        where = {k: r[k] for k in keys}
+        cells = "".join(f"<td>{h(r[k])}</td>" for k in keys)
+        cells += f"<td class='num'><a href=\"{_href('/nodes', **where)}\">{r['nodes']}</a></td>"
+        for k in COUNTED:
+            n = r[k]
+            cells += (
+                f"<td class='num'><a href=\"{_href('/nodes', state=k, **where)}\">{n}</a></td>"
+                if n
+                else "<td class='num muted'>0</td>"
+            )
+        cells += f"<td>{svg.stacked_bar([(s, r[s]) for s in STATES])}</td>"
+        out.append(f"<tr>{cells}</tr>")
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
+def _systemic_line(e: Mapping[str, Any]) -> str:
+    nodes = list(e.get("silent_nodes") or e.get("nodes") or [])
+    shown = ", ".join(nodes[:12]) + (f" and {len(nodes) - 12} more" if len(nodes) > 12 else "")
+    return (
+        # The summary names its domain ("rack rack-003: 6 of 8 nodes stopped reporting ...").
+        f"<p class='line'>{h(iso(e.get('time')))} {_badge(str(e.get('state')))} {h(e.get('summary'))}"
+        f"{' (' + h(shown) + ')' if shown else ''}</p>"
+    )
+
+
+def _decision_table(decisions: Sequence[Mapping[str, Any]], *, with_node: bool) -> str:
+    if not decisions:
+        return "<p>No decision on record.</p>"
+    head = (
+        "<th>time</th>"
+        + ("<th>node</th>" if with_node else "")
+        + "<th>change</th><th>action</th><th>why</th>"
+    )
+    rows = []
+    for d in decisions:
+        subject = _node_link(d["node"]) + (f" &ndash; {_node_link(d['peer'])}" if d.get("peer") else "")
+        why = "; ".join(r.get("summary", "") for r in d.get("reasons", []))
+        rows.append(
+            f"<tr><td class='mono'>{h(iso(d['time']))}</td>"
+            + (f"<td>{subject}</td>" if with_node else "")
+            + f"<td>{h(d['previous'])} → {_badge(d['state'])}</td><td>{h(d['action'])}</td>"
+            f"<td class='why'>{h(why[:400])}</td></tr>"
+        )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+# (history key, caption, unit) of each sparkline on the node page.
+_SPARKS: Final = (
+    ("temp_max_c", "hottest GPU", "°C"),
+    ("power_w", "power, all GPUs", "W"),
+    ("ecc_dbe", "uncorrectable ECC errors", ""),
+    ("gpus", "GPUs reporting", ""),
+    ("errors", "collector errors", ""),
+)
+
+
+def _sparklines(history: Sequence[Mapping[str, Any]]) -> str:
+    if not history:
+        return "<p>No report yet.</p>"
+    figs = []
+    for key, caption, unit in _SPARKS:
+        values: list[float | None] = []
+        for rec in history:
+            v = rec.get(key)
+            values.append(
+                float(len(v)) if isinstance(v, list) else float(v) if isinstance(v, int | float) else None
+            )
+        known = [v for v in values if v is not None]
+        if not known:
+            continue
+        label = (
+            f"{caption}: now {_num(known[-1])}{unit}, range {_num(min(known))} to {_num(max(known))}{unit}"
+        )
+        figs.append(
+            f"<figure>{svg.sparkline(values, label=label)}<figcaption>{h(label)}</figcaption></figure>"
+        )
+    first, last = iso(history[0].get("received")), iso(history[-1].get("received"))
+    span = f"the last {len(history)} reports, {first} to {last}"
+    return f'<p class="muted">{h(span)}</p><div class="sparks">{"".join(figs)}</div>'
+
+
+def _report_table(history: Sequence[Mapping[str, Any]]) -> str:
+    if not history:
+        return "<p>No report yet.</p>"
+    rows = "".join(
+        f"<tr><td class='mono'>{h(iso(r.get('received')))}</td><td class='num'>{h(r.get('seq'))}</td>"
+        f"<td class='mono'>{h(r.get('boot_id'))}</td><td class='num'>{h(r.get('gpus'))}</td>"
+        f"<td class='num'>{h(r.get('nics'))}</td><td class='num'>{h(r.get('events'))}</td>"
+        f"<td>{h('; '.join(r.get('errors') or [])[:200])}</td></tr>"
+        for r in history
+    )
+    return (
+        "<table><thead><tr><th>received</th><th class='num'>seq</th><th>boot</th><th class='num'>GPUs</th>"
+        "<th class='num'>NICs</th><th class='num'>events</th><th>errors</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table>"
+    )
+
+
+# -- routes -----------------------------------------------------------------------------------------
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _html(text: str, status: int = 200) -> web.Response:
+    resp = web.Response(text=text, status=status, content_type="text/html", charset="utf-8")
+    resp.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
+    resp.headers["X-Content-Type-Options"] = "nosniff"
+    resp.headers["Referrer-Policy"] = "no-referrer"
+    resp.headers["Cache-Control"] = "no-store"
+    return resp
+
+
+def _guard(what: str, render: Callable[[web.Request], web.Response]) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        try:
+            return render(request)
+        except Exception:
+            log.exception("status page failed", extra={"page": what})
+            return _html(
+                "<!doctype html><title>error</title><p>This page failed; see the aggregator's log.</p>", 500
+            )
+
+    return handler
+
+
+def status_routes(source: StatusSource, *, config: Config, clock: Clock) -> list[web.RouteDef]:
+    """The status page's routes; add them to the aggregator's app (``app.router.add_routes``)."""
+    view = StatusView(source, config, clock)
+
+    def not_found(name: str) -> web.Response:
+        body = view.page(
+            "Unknown node",
+            f"<p>No node named {h(name)}. <a href='/nodes'>All nodes</a></p>",
+            refresh=None,
+            started=time.perf_counter(),
+        )
+        return _html(body, 404)
+
+    def node_page(request: web.Request) -> web.Response:
+        name = request.match_info["node"]
+        page = view.node_page(name)
+        return not_found(name) if page is None else _html(page)
+
+    def story(request: web.Request) -> web.Response:
+        name = request.match_info["node"]
+        found = view.story(name)
+        if found is None:
+            return web.json_response(
+                {"error": "unknown_node", "message": f"no node named {name[:253]!r}"}, status=404
+            )
+        return web.json_response(found)
+
+    async def asset(request: web.Request) -> web.StreamResponse:
+        found = _ASSETS.get(request.match_info["name"])
+        if found is None:
+            raise web.HTTPNotFound()
+        body, ctype = found
+        resp = web.Response(body=body, content_type=ctype)
+        resp.headers["Cache-Control"] = "max-age=3600"
+        resp.headers["X-Content-Type-Options"] = "nosniff"
+        return resp
+
+    return [
+        web.get("/", _guard("glance", lambda r: _html(view.glance()))),
+        web.get("/nodes", _guard("nodes", lambda r: _html(view.node_list(r.query)))),
+        web.get("/nodes/{node}", _guard("node", node_page)),
+        web.get("/decisions", _guard("decisions", lambda r: _html(view.decision_feed(r.query)))),
+        web.get("/systemic", _guard("systemic", lambda r: _html(view.systemic_page()))),
+        web.get("/links", _guard("links", lambda r: _html(view.links_page(r.query)))),
+        web.get("/probes", _guard("probes", lambda r: _html(view.probes_page()))),
+        web.get("/static/{name}", asset),
+        web.get("/api/v1/summary", _guard("summary", lambda r: web.json_response(view.summary()))),
+        web.get("/api/v1/nodes/{node}/story", _guard("story", story)),
+    ]
