@@ -35,7 +35,7 @@ from agent.report import Report
 from aggregator.config import Config
 from aggregator.decisions import Decision, DecisionLog
 from aggregator.detect import BUILTIN_SOURCES, DETECTORS, Detector, DetectorSpec
-from aggregator.detect.base import SwitchAlert
+from aggregator.detect.base import MeasuresPairs, SwitchAlert
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import UNKNOWN_POOL, Placement, placement_of
@@ -720,10 +720,14 @@ class Pipeline:
     def link_matrix(self) -> list[dict[str, Any]]:
         """Every probed pair's latest bandwidth and its link state (the status page's heat map)."""
         out = []
-        for ((a, b), kind), (at, bw) in sorted(self.links.bandwidth().items()):
-            st = self.link_health.get(a, b)
-            row = {"a": a, "b": b, "kind": kind, "time": at, "busbw_bytes_per_second": bw}
-            out.append(row | {"state": st.state if st is not None else "healthy"})
+        for run in self._detectors:
+            # Only detectors that measure pairs (the link localizer) have bandwidth to show.
+            if not isinstance(run.detector, MeasuresPairs):
+                continue
+            for ((a, b), kind), (at, bw) in sorted(run.detector.bandwidth().items()):
+                st = run.links.get(a, b)
+                row = {"a": a, "b": b, "kind": kind, "time": at, "busbw_bytes_per_second": bw}
+                out.append(row | {"state": st.state if st is not None else "healthy"})
         return out
 
     def probe_coverage(self, now: float) -> dict[str, Any] | None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 import msgspec
 
@@ -77,6 +77,16 @@ class Detector(Protocol):
 
     def forget(self, node: str) -> None:
         """The node is gone (silent for ``silence.forget_after_seconds``): drop its state."""
+        ...
+
+
+@runtime_checkable
+class MeasuresPairs(Protocol):
+    """A detector that keeps pair measurements (the link localizer): what the status page's link
+    matrix shows. Optional: the pipeline asks only the detectors that have it."""
+
+    def bandwidth(self) -> dict[tuple[Pair, str], tuple[float, float]]:
+        """(pair, probe kind) -> (time, bytes/s) of its newest retained measurement."""
         ...
 
 
