@@ -21,9 +21,11 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
 class IngestConfig(_Section, frozen=True):
     max_body_bytes: Annotated[int, Meta(gt=0)] = 1 << 20  # compressed body as received
     max_decompressed_bytes: Annotated[int, Meta(gt=0)] = 4 << 20  # gzip bomb guard
-    # Reports further than this from the aggregator's clock are still accepted (clock skew does
-    # not matter for liveness) but their time is what orders them within the node.
-    duplicate_window: Annotated[int, Meta(gt=0)] = 64  # (boot_id, seq) remembered per node
+    # Per (boot_id, run) stream, the seqs below the newest that are still taken when they arrive
+    # late; older ones are duplicates whatever their time (aggregator/ordering.py).
+    duplicate_window: Annotated[int, Meta(gt=0, le=4096)] = 64
+    # (boot_id, run) streams remembered per node: a boot and the agent restarts within it.
+    streams_per_node: Annotated[int, Meta(gt=0, le=64)] = 4
 
 
 class FleetConfig(_Section, frozen=True):

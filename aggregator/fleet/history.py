@@ -54,7 +54,8 @@ whoever cares about the late report's own events can still read them. A report o
 and time) changes nothing (``outcome == "duplicate"``). One exception: a report older than the
 window whose boot_id is the latest's but whose seq is higher means the node's clock stepped back;
 keeping the old order would drop every report until the clock caught up, so the node's history
-starts over from it (logged).
+starts over from it (logged). So does a report of a boot not in the history dated before the
+latest: agents deliver in order, so it is the next boot, and the previous one's clock ran ahead.
 
 A view is meant to be used before the next ``add`` for its node (the pipeline evaluates it at once):
 its ``report``/``previous``/``rebooted`` are fixed, while its rates read the node's live history,
@@ -85,11 +86,14 @@ from agent.report import (
     Report,
 )
 from aggregator.config import FleetConfig
+from aggregator.ratelog import RateLimitedLog
 
 if TYPE_CHECKING:
     from aggregator.fleet.view import NodeView
 
 log = logging.getLogger(__name__)
+# A sender can trigger these once per report: one line per kind every few seconds, counted.
+_ratelog: Final = RateLimitedLog(log)
 
 _NAN: Final = math.nan
 
@@ -405,9 +409,23 @@ class NodeHistory:
             return self._view(report, report, "latest")
         if key in self._seen:
             return self._view(latest, report, "duplicate")
+        if report.boot_id != latest.boot_id and report.boot_id not in self._boots:
+            # A boot never seen, dated before the latest: the agent delivers in order, so it is the
+            # next boot and the last one's clock ran ahead. Kept as "late" it would leave the
+            # node judged by the old boot until the clock caught up (a day, at worst).
+            _ratelog.warning(
+                "history_new_boot_dated_back",
+                "new boot dated before the latest report; starting the node's history over",
+                extra={"node": self.node, "time": report.time, "latest_time": latest.time},
+            )
+            self._clear()
+            self._seen[key] = None
+            self._append(report)
+            return self._view(report, report, "latest")
         if report.time < latest.time - self.window_s:
             if report.boot_id == latest.boot_id and report.seq > latest.seq:
-                log.warning(
+                _ratelog.warning(
+                    "history_clock_stepped_back",
                     "node clock stepped back past the history window; starting its history over",
                     extra={"node": self.node, "time": report.time, "latest_time": latest.time},
                 )
