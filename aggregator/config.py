@@ -275,6 +275,37 @@ class ProbesConfig(_Section, frozen=True):
     rendezvous_max_bytes: Positive = 1024
 
 
+class ServerConfig(_Section, frozen=True):
+    """The HTTP server's limits, so no connection, client or burst can wear it down (the
+    "Limits and abuse" section of docs/aggregator.md has the figures behind the defaults)."""
+
+    # A connection with no complete request within this long is closed: an idle socket, a slow
+    # header sender (from the connection's start or the last answer).
+    idle_timeout_seconds: PositiveSeconds = 15.0
+    # The whole body must arrive within this long of the headers (408 and closed otherwise).
+    body_timeout_seconds: PositiveSeconds = 10.0
+    # Reports taken in and not yet answered; beyond it 503 with Retry-After, before the body is
+    # read. Reports are processed one at a time, so this bounds the wait: 64 x ~10 ms.
+    max_in_flight: Positive = 64
+    # A report that waited longer than this for its turn is shed (503) too: the loop is behind.
+    max_wait_seconds: PositiveSeconds = 0.25
+    # Of which one token (one node) may hold at most this many: its slow bodies pin little.
+    max_in_flight_per_token: Positive = 4
+    retry_after_seconds: Positive = 5
+    # Open connections; further ones are closed at once. The soft file limit is raised to the
+    # hard one at start and this is capped below it by fd_reserve (the decision log, the
+    # Kubernetes client, TLS files), so the accept loop never meets "Too many open files".
+    max_connections: Positive = 8192
+    fd_reserve: Positive = 128
+    # TLS: both files PEM; reloaded when either changes (checked every tls_reload_seconds).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_reload_seconds: PositiveSeconds = 30.0
+    # /metrics without a token (a Prometheus that scrapes without one); the other read endpoints
+    # always need a viewer, node-less admin token.
+    metrics_public: bool = False
+
+
 class Config(_Section, frozen=True):
     rules_dir: str | None = None  # default: the rules/ directory shipped with gpuwarden
     ingest: IngestConfig = IngestConfig()
@@ -287,3 +318,4 @@ class Config(_Section, frozen=True):
     detectors: DetectorsConfig = msgspec.field(default_factory=_default_detectors)
     remediation: RemediationConfig = RemediationConfig()
     probes: ProbesConfig = ProbesConfig()
+    server: ServerConfig = ServerConfig()
