@@ -26,6 +26,16 @@ class IngestConfig(_Section, frozen=True):
     duplicate_window: Annotated[int, Meta(gt=0, le=4096)] = 64
     # (boot_id, run) streams remembered per node: a boot and the agent restarts within it.
     streams_per_node: Annotated[int, Meta(gt=0, le=64)] = 4
+    # What one node can hold, from the hardware: an HGX node has 8 GPUs (16 leaves room for the
+    # 16-GPU boards), 18 NVLinks a GPU (NVLink 4 and 5), 8 compute RDMA ports, up to 4 DPU ports,
+    # their IPoIB netdevs and a few Ethernet ports (32), and probes one or two partners at a
+    # time (16 peers in one report is far beyond). A report over any is refused (422 over_cap):
+    # the schema's own maxima (64 GPUs, 32 links, 256 NICs, 256 probes) are 16x what a node
+    # has, and every key a node holds costs series for the whole history window.
+    max_gpus: Annotated[int, Meta(gt=0, le=64)] = 16
+    max_nvlinks_per_gpu: Annotated[int, Meta(gt=0, le=32)] = 18
+    max_nics: Annotated[int, Meta(gt=0, le=256)] = 32
+    max_probe_peers: Annotated[int, Meta(gt=0, le=256)] = 16
 
 
 class FleetConfig(_Section, frozen=True):

@@ -149,9 +149,9 @@ class Pipeline:
         on_systemic: Callable[[SystemicEvent], None] | None = None,
     ) -> None:
         self.config = config
-        self.fleet = Fleet(config.fleet)
-        # 8 RDMA ports, their 8 IPoIB netdevs and a few Ethernet ports fit with room to spare.
-        self.frames = FleetFrames(config.fleet, max_nics=32)
+        self.fleet = Fleet(config.fleet, max_nic_keys=2 * config.ingest.max_nics)
+        # As many NICs as a node may report (ingest.max_nics).
+        self.frames = FleetFrames(config.fleet, max_nics=config.ingest.max_nics)
         self.engine = RuleEngine(rules)
         # Every node keeps the series the rules read from its first report on, so a rule that
         # looks at a field only now and then still has a full window when it does.
@@ -228,11 +228,6 @@ class Pipeline:
         # The aggregator's clock places the sample: a node whose clock runs ahead must not move
         # its pool's newest slot forward and clear everyone's data.
         self.frames.record(view, placement, at=received)
-        for run in self._detectors:
-            try:
-                run.detector.observe_report(report, placement, received)
-            except Exception:
-                run.failed("observe_report", received)
         if self.probes is not None:
             self.probes.observe(
                 report.node,
@@ -241,9 +236,21 @@ class Pipeline:
                 now=received,
                 preflight=self._cluster.has_preflight_taint(report.node),
             )
-            for probe in report.probes or ():
-                self.probes.result(report.node, probe, placement, received)
+            kept = [p for p in report.probes or () if self.probes.result(report.node, p, placement, received)]
             self._preflight_probes(report.node, received)
+        else:
+            # No scheduler (replay, probes off): a pair result counts when its peer is a node.
+            kept = [p for p in report.probes or () if p.peer is None or p.peer in self._nodes]
+        # The detectors see only the probe results that count: a peer that is no node of the
+        # fleet (or a probe nobody assigned) would be state one token makes up at will.
+        observed = report
+        if report.probes and len(kept) != len(report.probes):
+            observed = msgspec.structs.replace(report, probes=kept if kept else msgspec.UNSET)
+        for run in self._detectors:
+            try:
+                run.detector.observe_report(observed, placement, received)
+            except Exception:
+                run.failed("observe_report", received)
         findings = self.engine.evaluate(view)
         if report.node in self._silent:
             # The node is talking again: whatever silence said is over.

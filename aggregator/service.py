@@ -80,7 +80,7 @@ from aggregator.auth import (
     SupportsClose,
     bearer_token,
 )
-from aggregator.config import Config, ServerConfig
+from aggregator.config import Config, IngestConfig, ServerConfig
 from aggregator.listener import Busy, CappedSite, connection_cap, raise_file_limit, tls_context, watch_tls
 from aggregator.metrics import Metrics
 from aggregator.model import IngestOutcome
@@ -99,6 +99,7 @@ __all__ = [
     "PipelineLike",
     "Readiness",
     "advance_periodically",
+    "cap_errors",
     "create_app",
     "gunzip_bounded",
     "plausibility_errors",
@@ -260,6 +261,26 @@ def plausibility_errors(report: Report, *, now: float | None = None) -> list[str
     return errors
 
 
+def cap_errors(report: Report, caps: IngestConfig) -> list[str]:
+    """What in a report is more than one node can hold (``ingest.max_*``): a node's state is
+    bounded by these, whatever its token sends."""
+    errors: list[str] = []
+    if len(report.gpus) > caps.max_gpus:
+        errors.append(f"$.gpus: {len(report.gpus)} GPUs, a node holds at most {caps.max_gpus}")
+    for i, gpu in enumerate(report.gpus):
+        if gpu.nvlink and len(gpu.nvlink) > caps.max_nvlinks_per_gpu:
+            errors.append(
+                f"$.gpus[{i}].nvlink: {len(gpu.nvlink)} links, a GPU has at most {caps.max_nvlinks_per_gpu}"
+            )
+    if len(report.nics) > caps.max_nics:
+        errors.append(f"$.nics: {len(report.nics)} NICs, a node holds at most {caps.max_nics}")
+    if report.probes:
+        peers = {p.peer for p in report.probes if p.peer is not None}
+        if len(peers) > caps.max_probe_peers:
+            errors.append(f"$.probes: {len(peers)} peers, a report names at most {caps.max_probe_peers}")
+    return errors
+
+
 # -- body handling --------------------------------------------------------------------------------
 
 
@@ -330,6 +351,7 @@ class _Ingest:
     ) -> None:
         self._pipeline = pipeline
         self._auth = authenticator
+        self._caps = config.ingest
         self._max_body = config.ingest.max_body_bytes
         self._max_inflated = config.ingest.max_decompressed_bytes
         self._clock = clock
@@ -409,6 +431,9 @@ class _Ingest:
             problems = plausibility_errors(report, now=self._clock.time())
             if problems:
                 raise _Reject(422, "implausible_value", "; ".join(problems)[:_MESSAGE_MAX_CHARS])
+            over = cap_errors(report, self._caps)
+            if over:
+                raise _Reject(422, "over_cap", "; ".join(over)[:_MESSAGE_MAX_CHARS])
             try:
                 outcome = self._pipeline.ingest(report, self._clock.time())
             except Exception:

@@ -114,6 +114,9 @@ _LINK_GETTERS: Final = {name: attrgetter(name) for name in NVLINK_COUNTER_FIELDS
 
 DEFAULT_FINE_SECONDS: Final = 300.0
 DEFAULT_COARSE_SECONDS: Final = 60.0
+# NICs with series per node: twice what a report may carry (ingest.max_nics), so a renamed set
+# (a driver reload) keeps the old names' history for the window alongside the new.
+DEFAULT_MAX_NIC_KEYS: Final = 64
 
 Outcome = Literal["latest", "late", "duplicate", "expired"]
 NicKey = tuple[str, int | None]
@@ -328,6 +331,7 @@ class NodeHistory:
         fine_s: float = DEFAULT_FINE_SECONDS,
         coarse_s: float = DEFAULT_COARSE_SECONDS,
         registry: SeriesRegistry | None = None,
+        max_nic_keys: int = DEFAULT_MAX_NIC_KEYS,
     ) -> None:
         if not (window_s > 0 and interval_s > 0 and fine_s >= 0 and coarse_s >= 0):
             raise ConfigError(
@@ -339,6 +343,7 @@ class NodeHistory:
         self.fine_s = min(fine_s, window_s)
         self.coarse_s = coarse_s
         self.registry = registry if registry is not None else SeriesRegistry()
+        self.max_nic_keys = max_nic_keys
         spacing = max(coarse_s, interval_s)
         expected = self.fine_s / interval_s + (window_s - self.fine_s) / spacing + 2
         self.max_samples = 2 * math.ceil(expected) + 8
@@ -358,6 +363,8 @@ class NodeHistory:
         # (boot_id, seq, time) of reports taken in, for duplicates; insertion-ordered for eviction.
         self._seen: dict[tuple[str, int, float], None] = {}
 
+        self._nic_seen_at: dict[NicKey, float] = {}  # NIC -> last seen present; LRU order
+        self._nic_layout: tuple[NicKey, ...] = ()  # the NICs of the layout in force
         self._gpu_counters: dict[tuple[int, str], _Counter] = {}
         self._nvlinks: dict[tuple[int, str], _LinkCounter] = {}
         self._nic_counters: dict[tuple[str, int | None, str], _Counter] = {}
@@ -520,7 +527,13 @@ class NodeHistory:
         layout = (reg.version, gpu_idx, nic_keys)
         if layout == self._layout:
             return
+        if self._latest is not None:
+            self._note_nics(self._nic_layout, self._latest.time)  # present up to the last report
         self._layout = layout
+        self._nic_layout = nic_keys
+        if nic_keys:
+            self._note_nics(nic_keys, report.time)
+            self._forget_nics(set(nic_keys), report.time)
         for gi in gpu_idx:
             for name in reg.gpu_counters:
                 if (gi, name) not in self._gpu_counters:
@@ -535,6 +548,33 @@ class NodeHistory:
             for counter in reg.nic_counters:
                 if (dev, port, counter) not in self._nic_counters:
                     self._new_nic_counter((dev, port), counter, report.time)
+
+    def _note_nics(self, keys: Iterable[NicKey], at: float) -> None:
+        seen = self._nic_seen_at
+        for key in keys:
+            seen.pop(key, None)
+            seen[key] = at  # newest last: the dict is the LRU order
+
+    def _forget_nics(self, present: set[NicKey], now: float) -> None:
+        """Drop the series of NICs gone for longer than the window (they can answer no rate),
+        and past ``max_nic_keys`` those gone longest: a node's NIC state is bounded whatever
+        names its reports carry."""
+        seen = self._nic_seen_at
+        absent = [k for k in seen if k not in present]  # oldest first
+        excess = len(seen) - self.max_nic_keys
+        drop = [k for i, k in enumerate(absent) if i < excess or now - seen[k] > self.window_s]
+        if not drop:
+            return
+        gone = set(drop)
+        for key in drop:
+            del seen[key]
+        columns = {id(c.cum) for (dev, port, _), c in self._nic_counters.items() if (dev, port) in gone}
+        self._nic_counters = {k: c for k, c in self._nic_counters.items() if (k[0], k[1]) not in gone}
+        self._columns = [col for col in self._columns if id(col) not in columns]
+
+    def nic_keys(self) -> list[NicKey]:
+        """The NICs the node's history holds series for (present or gone less than the window)."""
+        return list(self._nic_seen_at)
 
     def _seeds(self) -> list[Report]:
         """The full reports that are the newest rows, oldest first: what a new series starts from."""
@@ -761,8 +801,10 @@ class Fleet:
         fine_seconds: float = DEFAULT_FINE_SECONDS,
         coarse_seconds: float = DEFAULT_COARSE_SECONDS,
         registry: SeriesRegistry | None = None,
+        max_nic_keys: int = DEFAULT_MAX_NIC_KEYS,
     ) -> None:
         self.config = config if config is not None else FleetConfig()
+        self.max_nic_keys = max_nic_keys
         self.fine_seconds = fine_seconds
         self.coarse_seconds = coarse_seconds
         self.registry = registry if registry is not None else SeriesRegistry()
@@ -778,6 +820,7 @@ class Fleet:
                 fine_s=self.fine_seconds,
                 coarse_s=self.coarse_seconds,
                 registry=self.registry,
+                max_nic_keys=self.max_nic_keys,
             )
         return h.add(report)
 
