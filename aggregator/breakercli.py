@@ -79,16 +79,23 @@ def run(args: argparse.Namespace) -> int:
         ) from exc
 
 
+def _token(args: argparse.Namespace) -> str:
+    try:
+        token: str = args.token_file.read_text().strip().splitlines()[0].strip()
+    except (OSError, IndexError) as exc:
+        raise ConfigError(f"cannot read a token from {args.token_file}") from exc
+    return token
+
+
 def _run(args: argparse.Namespace, base: str) -> int:
     if args.action == "status":
-        out = _call(urllib.request.Request(base + STATUS_PATH), args.timeout)
+        # Reading the status needs a viewer or admin token too (aggregator/service.py).
+        headers = {"Authorization": f"Bearer {_token(args)}"} if args.token_file is not None else {}
+        out = _call(urllib.request.Request(base + STATUS_PATH, headers=headers), args.timeout)
     else:
         if args.token_file is None or not args.by:
             raise ConfigError("breaker reset needs --token-file and --by")
-        try:
-            token = args.token_file.read_text().strip().splitlines()[0].strip()
-        except (OSError, IndexError) as exc:
-            raise ConfigError(f"cannot read a token from {args.token_file}") from exc
+        token = _token(args)
         body = json.dumps({"by": args.by, "reason": args.reason}).encode()
         req = urllib.request.Request(
             base + RESET_PATH,

@@ -69,6 +69,10 @@ class AuthConfig(_Section, frozen=True):
     agent_namespace: str = "gpuwarden"
     agent_service_account: str = "gpuwarden-agent"
     cache_seconds: Annotated[float, Meta(ge=0)] = 60.0
+    # Who may read the API, /metrics and the status page (the viewer role): service accounts
+    # (system:serviceaccount:NS:NAME) and groups; their tokens are reviewed for ``audience`` too.
+    viewer_service_accounts: list[str] = msgspec.field(default_factory=list)
+    viewer_groups: list[str] = msgspec.field(default_factory=list)
 
 
 PageKind = Literal["held", "lemon", "systemic", "quarantined", "link"]
@@ -311,9 +315,10 @@ class ServerConfig(_Section, frozen=True):
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_reload_seconds: PositiveSeconds = 30.0
-    # /metrics without a token (a Prometheus that scrapes without one); the other read endpoints
-    # always need a viewer, node-less admin token.
-    metrics_public: bool = False
+    # /metrics without a token: on by default, as most Prometheus setups scrape without one;
+    # turn it off and give the scrape a viewer token (authorization: in its scrape config) where
+    # the metrics' node names should not be public. Every other read needs a viewer token.
+    metrics_public: bool = True
 
 
 class Config(_Section, frozen=True):

@@ -10,6 +10,13 @@ Endpoints:
   whatever the readiness callable says), ``GET /metrics`` (Prometheus text).
 - ``GET /api/v1/nodes``, ``GET /api/v1/nodes/{node}``, ``GET /api/v1/decisions?since=&limit=``.
 
+Who may read: every ``GET``/``HEAD`` outside the agents' own ``/v1/`` API (which checks node
+tokens itself) needs a *viewer* token (``aggregator.auth``: node placement and evidence are not
+for anyone who can reach the port): the read API, ``/api/v1/remediation``, the status page at
+``/`` and ``/metrics`` (unless ``server.metrics_public``). An admin token (``--admin-token-file``) reads
+too. ``/healthz`` and ``/readyz`` answer anyone (the kubelet's probes carry no token). A missing
+or unknown token is 401, a node's token 403.
+
 Every refusal is a JSON body ``{"error": <reason code>, "message": <text for a human>}``; the
 reason codes are ``aggregator.metrics.REJECT_REASONS`` and count in
 ``gpuwarden_aggregator_reports_rejected_total{reason}``:
@@ -55,13 +62,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
 import math
 import operator
 import signal
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final, Protocol
 
 import msgspec
@@ -609,6 +618,62 @@ def _pipeline_call(what: str, call: Callable[[], object]) -> web.Response:
         return _json(500, {"error": "internal_error", "message": f"{what} failed"})
 
 
+_OPEN_PATHS: Final = frozenset({"/healthz", "/readyz"})
+_AGENT_API_PREFIX: Final = "/v1/"  # reports and probes: node tokens, checked by their handlers
+
+
+def _read_guard(
+    authenticator: Authenticator, *, metrics_public: bool, clock: Clock, admin_tokens: Sequence[str]
+) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Middleware: reads need a viewer or an admin token (see the module docstring)."""
+    reject_log = RateLimitedLog(log, monotonic=clock.monotonic)
+    admins = [hashlib.sha256(t.encode()).digest() for t in admin_tokens]
+    open_paths = _OPEN_PATHS | ({"/metrics"} if metrics_public else set())
+
+    @web.middleware
+    async def guard(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        path = request.path
+        if (
+            request.method not in ("GET", "HEAD")
+            or path in open_paths
+            or path.startswith(_AGENT_API_PREFIX)
+            or request.match_info.http_exception is not None  # no such route: its 404 tells nothing
+        ):
+            return await handler(request)
+        try:
+            token = bearer_token(request.headers.get("Authorization"))
+            digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+            if any(hmac.compare_digest(digest, a) for a in admins):
+                return await handler(request)  # an operator may read whatever a viewer may
+            identity = await authenticator.authenticate(token)
+        except AuthError as exc:
+            reject_log.warning(
+                "read_refused", "read refused: %s", exc, extra={"path": path[:128], "remote": request.remote}
+            )
+            resp = _json(exc.status, {"error": exc.reason, "message": str(exc)})
+            if exc.status == 401:
+                resp.headers["WWW-Authenticate"] = 'Bearer realm="gpuwarden"'
+            return resp
+        except AuthUnavailable as exc:
+            return _json(
+                503, {"error": "auth_unavailable", "message": f"the token cannot be checked now: {exc}"}
+            )
+        if identity.role != "viewer":
+            reject_log.warning(
+                "read_forbidden",
+                "read refused: not a viewer",
+                extra={"path": path[:128], "subject": identity.subject},
+            )
+            return _json(
+                403, {"error": "forbidden", "message": f"{identity.subject} may not read; a viewer may"}
+            )
+        return await handler(request)
+
+    return guard
+
+
 def _read_api(pipeline: PipelineLike) -> list[web.RouteDef]:
     async def nodes(request: web.Request) -> web.Response:
         return _pipeline_call("nodes", lambda: {"nodes": pipeline.nodes()})
@@ -715,6 +780,7 @@ def create_app(
     metrics: Metrics | None = None,
     readiness: Readiness | None = None,
     advance_interval_s: float | None = 1.0,
+    admin_tokens: Sequence[str] = (),
 ) -> web.Application:
     """The aggregator's web application.
 
@@ -731,7 +797,10 @@ def create_app(
     metrics.watch_node_states(pipeline.node_states)
 
     busy = Busy()
-    app = web.Application(client_max_size=config.ingest.max_body_bytes, middlewares=[busy.middleware])
+    guard = _read_guard(
+        authenticator, metrics_public=config.server.metrics_public, clock=clock, admin_tokens=admin_tokens
+    )
+    app = web.Application(client_max_size=config.ingest.max_body_bytes, middlewares=[busy.middleware, guard])
     app[BUSY_KEY] = busy
     app[PIPELINE_KEY] = pipeline
     app[METRICS_KEY] = metrics

@@ -14,6 +14,7 @@ import http.client
 import os
 import selectors
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -54,7 +55,7 @@ def _token(node: str) -> str:
 def start(tmp_path: Path) -> Iterator[Callable[..., Server]]:
     started: list[Server] = []
 
-    def run(*, nodes: int = 2, fd_limit: int | None = None, config: str = "") -> Server:
+    def run(*, nodes: int = 2, fd_limit: int | None = None, config: str = "", scheme: str = "http") -> Server:
         names = [f"gpu-{i + 1:04d}" for i in range(nodes)]
         tokens = {n: _token(n) for n in names}
         (tmp_path / "tokens").write_text("".join(f"{n} {t}\n" for n, t in tokens.items()))
@@ -97,7 +98,13 @@ def start(tmp_path: Path) -> Iterator[Callable[..., Server]]:
         deadline = time.monotonic() + 30
         while True:
             try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+                conn: http.client.HTTPConnection = (
+                    http.client.HTTPSConnection(
+                        "127.0.0.1", port, timeout=1, context=ssl._create_unverified_context()
+                    )
+                    if scheme == "https"
+                    else http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+                )
                 conn.request("GET", "/healthz")
                 if conn.getresponse().status == 200:
                     conn.close()
@@ -292,3 +299,58 @@ def test_2000_reports_at_once_are_answered_within_2s_or_shed(start: Callable[...
     # waits the 15 s of the whole burst.
     assert _p99(times[b"200"]) < 2.0, summary
     assert max(answered.values()) < 5.0, summary
+
+
+def test_tls_from_a_cert_and_key_file_reloaded_when_they_change(
+    start: Callable[..., Server], tmp_path: Path
+) -> None:
+    def make_cert(name: str) -> None:
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                f"/CN={name}",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1",
+                "-keyout",
+                str(tmp_path / "tls.key"),
+                "-out",
+                str(tmp_path / "tls.crt"),
+            ],
+            check=True,
+            capture_output=True,
+        )
+
+    def serves_the_file() -> bool:
+        """Whether the server's certificate is the one in tls.crt now (checked byte for byte)."""
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        with socket.create_connection(("127.0.0.1", server.port)) as raw, ctx.wrap_socket(raw) as tls:
+            served = tls.getpeercert(binary_form=True)
+        return served == ssl.PEM_cert_to_DER_cert((tmp_path / "tls.crt").read_text())
+
+    make_cert("first")
+    server = start(
+        config=f"server: {{tls_cert_file: {tmp_path / 'tls.crt'}, tls_key_file: {tmp_path / 'tls.key'}, "
+        "tls_reload_seconds: 0.2}\n",
+        scheme="https",
+    )
+    assert serves_the_file()
+    time.sleep(1.1)  # a new mtime even on coarse clocks
+    make_cert("second")
+    deadline = time.monotonic() + 10
+    while not serves_the_file():
+        assert time.monotonic() < deadline, "the new certificate was not served"
+        time.sleep(0.2)
+    # Plain HTTP on the TLS port gets nothing useful.
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
+        raw.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"200 OK" not in raw.recv(4096)

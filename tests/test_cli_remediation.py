@@ -33,7 +33,9 @@ async def _run(*args: str, timeout: float = 60.0) -> tuple[int, str, str]:
 
 async def _get(url: str) -> dict[str, Any]:
     def fetch() -> dict[str, Any]:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        # Reads need a viewer or admin token (aggregator/service.py).
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN}"})
+        with urllib.request.urlopen(req, timeout=5) as r:
             data: dict[str, Any] = json.loads(r.read())
             return data
 
