@@ -88,8 +88,10 @@ def _reboot(node: Node, *, repaired_gpu: int) -> None:
     )
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as resp:
+def _get(url: str, token: str) -> Any:
+    # Reads need a viewer token (aggregator/service.py).
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
         return json.loads(resp.read())
 
 
@@ -108,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     clock = SystemClock()
     names = [f"gpu-{i:03d}" for i in range(args.nodes)]
     tokens = {n: secrets.token_urlsafe(24) for n in names}
-    (work / "tokens").write_text("".join(f"{n} {t}\n" for n, t in tokens.items()))
+    viewer = secrets.token_urlsafe(24)
+    (work / "tokens").write_text("".join(f"{n} {t}\n" for n, t in tokens.items()) + f"viewer:demo {viewer}\n")
 
     if not (math.isfinite(args.interval) and 0.5 <= args.interval <= 10):
         raise ConfigError("--interval must be between 0.5 and 10 seconds for the demo")
@@ -238,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
                     if n.name not in silent:
                         n.shipper.submit(n.agent.cycle().report)
                 next_cycle += args.interval
-            for d in _get(f"{base}/api/v1/decisions?since={seen}&limit=1000")["decisions"]:
+            for d in _get(f"{base}/api/v1/decisions?since={seen}&limit=1000", viewer)["decisions"]:
                 seen = max(seen, d["time"] + 1e-6)
                 why = "; ".join(r["summary"] for r in d["reasons"]) or "-"
                 print(
@@ -251,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
             n.shipper.close(timeout_s=2.0)
             n.agent.close()
         print("\nnodes now:")
-        for row in _get(f"{base}/api/v1/nodes")["nodes"]:
+        for row in _get(f"{base}/api/v1/nodes", viewer)["nodes"]:
             print(f"  {row['node']:10} {row['state']:12} {row['rack']:8} {'; '.join(row['reasons'])[:100]}")
         loop.call_soon_threadsafe(stop.set)
         server.join(15)

@@ -289,7 +289,10 @@ async def _demo(s: scenario_mod.Scenario, speed: float, work: Path, out: TextIO)
     from aggregator.service import REPORTS_PATH  # noqa: PLC0415
 
     tokens = {n: secrets.token_urlsafe(24) for n in s.node_names()}
-    (work / "tokens").write_text("".join(f"{n} {t}\n" for n, t in tokens.items()))
+    viewer = secrets.token_urlsafe(24)  # reads need a viewer token (aggregator/service.py)
+    (work / "tokens").write_text(
+        "".join(f"{n} {t}\n" for n, t in tokens.items()) + f"viewer:simdemo {viewer}\n"
+    )
     clock = _SimClock(s.start)
     # No periodic task: the demo advances the pipeline itself, once per simulated second.
     aggregator = await build_aggregator(
@@ -329,7 +332,7 @@ async def _demo(s: scenario_mod.Scenario, speed: float, work: Path, out: TextIO)
             file=out,
         )
         print(f"  decision log: {work / 'decisions.jsonl'}\n", file=out, flush=True)
-        async with aiohttp.ClientSession(base) as session:
+        async with aiohttp.ClientSession(base, headers={"Authorization": f"Bearer {viewer}"}) as session:
             await _stream(
                 s,
                 speed=speed,

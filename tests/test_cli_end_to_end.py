@@ -114,7 +114,9 @@ def _free_port() -> int:
 
 def test_agent_to_aggregator_over_http_quarantines_a_lost_gpu(tmp_path: Path) -> None:
     port = _free_port()
-    (tmp_path / "tokens").write_text("node-1 3b8f0c2e9d7a4f61a5c0e2d4\n")
+    (tmp_path / "tokens").write_text(
+        "node-1 3b8f0c2e9d7a4f61a5c0e2d4\nviewer:test 9c1d7e2a5b3f4e6d8a0c2b4d\n"
+    )
     (tmp_path / "node-1.token").write_text("3b8f0c2e9d7a4f61a5c0e2d4\n")
     decisions = tmp_path / "decisions.jsonl"
     server = subprocess.Popen(
@@ -203,7 +205,9 @@ def test_agent_to_aggregator_over_http_quarantines_a_lost_gpu(tmp_path: Path) ->
             check=False,
         )
         assert out.returncode == 0, out.stderr
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/nodes/node-1", timeout=5) as r:
+        viewer = {"Authorization": "Bearer 9c1d7e2a5b3f4e6d8a0c2b4d"}  # reads need a viewer token
+        node_url = f"http://127.0.0.1:{port}/api/v1/nodes/node-1"
+        with urllib.request.urlopen(urllib.request.Request(node_url, headers=viewer), timeout=5) as r:
             node = json.loads(r.read())
         assert node["state"] == "quarantined"
         [d] = [json.loads(line) for line in decisions.read_text().splitlines()]
@@ -225,7 +229,9 @@ def test_an_interval_that_is_not_a_positive_number_is_refused() -> None:
 
 
 def test_aggregator_on_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
-    (tmp_path / "tokens").write_text("node-1 3b8f0c2e9d7a4f61a5c0e2d4\n")
+    (tmp_path / "tokens").write_text(
+        "node-1 3b8f0c2e9d7a4f61a5c0e2d4\nviewer:test 9c1d7e2a5b3f4e6d8a0c2b4d\n"
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
