@@ -1,6 +1,6 @@
 """``gpuwarden breaker``: look at or reset the remediation safety breaker of a running aggregator.
 
-    gpuwarden breaker status --aggregator URL
+    gpuwarden breaker status --aggregator URL --token-file FILE   (a viewer or admin token)
     gpuwarden breaker reset  --aggregator URL --token-file FILE --by NAME [--reason TEXT]
 
 The reset is audited (the aggregator's audit log records who and why) and closes the breaker on
@@ -37,7 +37,11 @@ class _HTTPStatus(ConfigError):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["status", "reset"])
     p.add_argument("--aggregator", required=True, metavar="URL", help="the aggregator's base URL")
-    p.add_argument("--token-file", type=Path, help="an admin token (one of --admin-token-file's)")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        help="an admin token (one of --admin-token-file's); status also takes a viewer's",
+    )
     p.add_argument("--by", help="who resets it (recorded in the audit log)")
     p.add_argument("--reason", default="", help="why (recorded in the audit log)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the aggregator")

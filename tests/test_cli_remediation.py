@@ -127,7 +127,9 @@ async def test_the_aggregator_taints_through_the_real_client_and_the_breaker_cli
             # The other node: never reported, so never touched.
             assert api.node("node-2")["spec"]["taints"] == [{"key": "other", "effect": "NoSchedule"}]
 
-            code, out, err = await _run("breaker", "status", "--aggregator", base)
+            code, out, err = await _run(
+                "breaker", "status", "--aggregator", base, "--token-file", str(tmp_path / "admin.token")
+            )
             assert code == 0, err
             status = json.loads(out)
             assert status["mode"] == "enforce" and status["breaker"]["open"] is False
