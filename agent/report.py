@@ -187,6 +187,9 @@ class Report(_Base, frozen=True):
     # Optional but never null in the schema: UNSET leaves them out of the JSON and refuses null.
     # Measured fields inside a GPU or NIC are the opposite: always written, null where unsupported.
     agent_version: Str64 | UnsetType = UNSET
+    # The agent process that numbered ``seq`` (random per start): seq restarts with the process
+    # under the same boot, so (boot_id, run, seq) names one report whatever its clock says.
+    run: Annotated[str, Meta(min_length=1, max_length=64)] | UnsetType = UNSET
     interval_seconds: Annotated[float, Meta(gt=0)] | UnsetType = UNSET
     labels: Annotated[dict[str, Str128], Meta(max_length=16)] | UnsetType = UNSET
     events: Annotated[list[Event], Meta(max_length=1024)] | UnsetType = UNSET

@@ -99,6 +99,8 @@ class Agent:
         self.interval_seconds = interval_seconds
         self.labels = dict(labels or {})
         self._seq = 0
+        # seq restarts with this process; the run id tells the aggregator it is a new count.
+        self.run_id = uuid.uuid4().hex
         self._last: CycleResult | None = None
         # collector name -> the failure last logged for it: a failure that repeats every cycle
         # (a wrong --sysfs-root, a missing driver) is logged once, and again when it changes.
@@ -167,6 +169,7 @@ class Agent:
             time=self.clock.time(),
             seq=self._seq,
             boot_id=self.boot_id,
+            run=self.run_id,
             agent_version=__version__,
             interval_seconds=self.interval_seconds,
             gpus=sorted(gpus, key=lambda g: g.index),

@@ -151,6 +151,8 @@ def _authenticator(auth: Auth, config: Config, clock: Clock, metrics: Metrics) -
             clock=clock,
             metrics=metrics,
             cache_seconds=config.auth.cache_seconds,
+            viewer_service_accounts=config.auth.viewer_service_accounts,
+            viewer_groups=config.auth.viewer_groups,
         )
     return StaticTokens(auth)
 
@@ -256,6 +258,7 @@ async def build_aggregator(
         metrics=metrics,
         readiness=readiness,
         advance_interval_s=advance_interval_s,
+        admin_tokens=admin_tokens or (),
     )
     app.cleanup_ctx.append(notify.lifecycle)
     if scheduler is not None:

@@ -5,6 +5,12 @@ to, and a subject for logs. It raises ``AuthError`` for a token it does not acce
 ``AuthUnavailable`` when it cannot tell (the API server is down): the service answers 401/403 for
 the first and 503 for the second, so an agent keeps its reports and retries either way.
 
+Roles: a *node* identity (bound to one node) may only send that node's reports; a *viewer* may
+read the API, the metrics and the status page, and send nothing. Static viewer tokens are
+``viewer:<name> token`` lines in the token file; through TokenReview a viewer is a service
+account or group listed in ``auth.viewer_service_accounts`` / ``auth.viewer_groups`` (its token
+requested for the same audience: ``kubectl create token NAME --audience gpuwarden``).
+
 Whether the identity may report for the node named in the report is the service's check, not the
 authenticator's: a token bound to ``gpu-0042`` can only ever report ``gpu-0042``, which keeps one
 compromised node from framing (or hiding) another.
@@ -26,15 +32,17 @@ Two implementations:
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hashlib
 import logging
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import Any, Final, Literal, Protocol, runtime_checkable
 
 from agent.clock import Clock
 from agent.errors import ConfigError, GpuwardenError
@@ -48,10 +56,12 @@ log = logging.getLogger(__name__)
 __all__ = [
     "NODE_NAME_EXTRA",
     "SERVICE_ACCOUNT_DIR",
+    "VIEWER_PREFIX",
     "AuthError",
     "AuthUnavailable",
     "Authenticator",
     "Identity",
+    "Role",
     "StaticTokens",
     "SupportsClose",
     "TokenReviewAuthenticator",
@@ -68,12 +78,18 @@ _NODE_NAME_MAX = 253
 _WEAK_TOKEN_CHARS: Final = 16
 
 
+Role = Literal["node", "viewer"]
+VIEWER_PREFIX: Final = "viewer:"  # a static token file line for a viewer: ``viewer:<name> token``
+
+
 @dataclass(frozen=True, slots=True)
 class Identity:
-    """An authenticated caller: the node its credential is bound to (None: not node-bound)."""
+    """An authenticated caller: the node its credential is bound to (None: not node-bound), and
+    what it may do (``node``: send that node's reports; ``viewer``: read)."""
 
     node: str | None
     subject: str
+    role: Role = "node"
 
 
 class AuthError(GpuwardenError):
@@ -95,6 +111,24 @@ def bearer_token(header: str | None) -> str:
     if scheme.lower() != "bearer" or not token:
         raise AuthError("the Authorization header must be 'Bearer <token>'", reason="missing_token")
     return token
+
+
+def reader_token(header: str | None) -> str:
+    """The token of a read: ``Bearer <token>``, or HTTP Basic with the token as the password (any
+    user name), which is how a browser sends it when the status page asks (``WWW-Authenticate:
+    Basic``). ``AuthError`` (401, ``missing_token``) for neither."""
+    if header is not None and header.strip().lower().startswith("basic "):
+        try:
+            decoded = base64.b64decode(header.strip()[6:].strip(), validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            raise AuthError(
+                "the Basic credentials are not base64 of user:token", reason="missing_token"
+            ) from None
+        token = decoded.partition(":")[2].strip()
+        if not token:
+            raise AuthError("give the viewer token as the password", reason="missing_token")
+        return token
+    return bearer_token(header)
 
 
 class AuthUnavailable(GpuwardenError):
@@ -120,7 +154,8 @@ def parse_token_file(text: str, source: str) -> dict[bytes, str]:
     """``node-name token`` lines -> {sha256(token): node}; ``ConfigError`` naming the line.
 
     ``#`` starts a comment line; blank lines are ignored. A node may have several tokens (so a
-    token can be rotated without a gap), but a token belongs to exactly one node.
+    token can be rotated without a gap), but a token belongs to exactly one node. A first field
+    ``viewer:<name>`` is a viewer's token (the value kept is that field, prefix included).
     """
     by_digest: dict[bytes, str] = {}
     first_line: dict[bytes, int] = {}
@@ -132,7 +167,8 @@ def parse_token_file(text: str, source: str) -> dict[bytes, str]:
         if len(fields) != 2:
             raise ConfigError(f"{source} line {number}: expected 'node-name token', got {len(fields)} fields")
         node, token = fields
-        if len(node) > _NODE_NAME_MAX or not _NODE_NAME.match(node):
+        name = node.removeprefix(VIEWER_PREFIX)
+        if len(name) > _NODE_NAME_MAX or not _NODE_NAME.match(name):
             raise ConfigError(
                 f"{source} line {number}: {node!r} is not a valid node name "
                 "(lowercase letters, digits, '-' and '.', as in Kubernetes)"
@@ -232,6 +268,8 @@ class StaticTokens:
         node = self._tokens.get(_digest(token))
         if node is None:
             raise AuthError("unknown bearer token", reason="bad_token")
+        if node.startswith(VIEWER_PREFIX):
+            return Identity(node=None, subject=f"static:{node}", role="viewer")
         return Identity(node=node, subject=f"static:{node}")
 
 
@@ -259,6 +297,8 @@ class TokenReviewAuthenticator:
         max_concurrent: int = 32,
         metrics: Metrics | None = None,
         owns_client: bool = False,
+        viewer_service_accounts: Sequence[str] = (),
+        viewer_groups: Sequence[str] = (),
     ) -> None:
         if not audience:
             raise ConfigError("a TokenReview audience is required (the agents' projected token audience)")
@@ -268,6 +308,8 @@ class TokenReviewAuthenticator:
         self._owns_client = owns_client
         self._audience = audience
         self._username = f"system:serviceaccount:{agent_namespace}:{agent_service_account}"
+        self._viewers = frozenset(viewer_service_accounts)
+        self._viewer_groups = frozenset(viewer_groups)
         self._clock = clock
         self._cache_s = cache_seconds
         self._cache_max = cache_max_entries
@@ -401,6 +443,10 @@ class TokenReviewAuthenticator:
         if status.audiences is None or self._audience not in status.audiences:
             raise AuthError(f"token is not for audience {self._audience!r}", reason="bad_token")
         user = status.user
+        if user.username != self._username and (
+            user.username in self._viewers or self._viewer_groups.intersection(user.groups)
+        ):
+            return Identity(node=None, subject=user.username, role="viewer")
         if user.username != self._username:
             raise AuthError(
                 f"{user.username!r} is not the agent's service account {self._username!r}",

@@ -1,6 +1,6 @@
 """``gpuwarden breaker``: look at or reset the remediation safety breaker of a running aggregator.
 
-    gpuwarden breaker status --aggregator URL
+    gpuwarden breaker status --aggregator URL --token-file FILE   (a viewer or admin token)
     gpuwarden breaker reset  --aggregator URL --token-file FILE --by NAME [--reason TEXT]
 
 The reset is audited (the aggregator's audit log records who and why) and closes the breaker on
@@ -37,7 +37,11 @@ class _HTTPStatus(ConfigError):
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["status", "reset"])
     p.add_argument("--aggregator", required=True, metavar="URL", help="the aggregator's base URL")
-    p.add_argument("--token-file", type=Path, help="an admin token (one of --admin-token-file's)")
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        help="an admin token (one of --admin-token-file's); status also takes a viewer's",
+    )
     p.add_argument("--by", help="who resets it (recorded in the audit log)")
     p.add_argument("--reason", default="", help="why (recorded in the audit log)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the aggregator")
@@ -79,16 +83,23 @@ def run(args: argparse.Namespace) -> int:
         ) from exc
 
 
+def _token(args: argparse.Namespace) -> str:
+    try:
+        token: str = args.token_file.read_text().strip().splitlines()[0].strip()
+    except (OSError, IndexError) as exc:
+        raise ConfigError(f"cannot read a token from {args.token_file}") from exc
+    return token
+
+
 def _run(args: argparse.Namespace, base: str) -> int:
     if args.action == "status":
-        out = _call(urllib.request.Request(base + STATUS_PATH), args.timeout)
+        # Reading the status needs a viewer or admin token too (aggregator/service.py).
+        headers = {"Authorization": f"Bearer {_token(args)}"} if args.token_file is not None else {}
+        out = _call(urllib.request.Request(base + STATUS_PATH, headers=headers), args.timeout)
     else:
         if args.token_file is None or not args.by:
             raise ConfigError("breaker reset needs --token-file and --by")
-        try:
-            token = args.token_file.read_text().strip().splitlines()[0].strip()
-        except (OSError, IndexError) as exc:
-            raise ConfigError(f"cannot read a token from {args.token_file}") from exc
+        token = _token(args)
         body = json.dumps({"by": args.by, "reason": args.reason}).encode()
         req = urllib.request.Request(
             base + RESET_PATH,

@@ -21,9 +21,21 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
 class IngestConfig(_Section, frozen=True):
     max_body_bytes: Annotated[int, Meta(gt=0)] = 1 << 20  # compressed body as received
     max_decompressed_bytes: Annotated[int, Meta(gt=0)] = 4 << 20  # gzip bomb guard
-    # Reports further than this from the aggregator's clock are still accepted (clock skew does
-    # not matter for liveness) but their time is what orders them within the node.
-    duplicate_window: Annotated[int, Meta(gt=0)] = 64  # (boot_id, seq) remembered per node
+    # Per (boot_id, run) stream, the seqs below the newest that are still taken when they arrive
+    # late; older ones are duplicates whatever their time (aggregator/ordering.py).
+    duplicate_window: Annotated[int, Meta(gt=0, le=4096)] = 64
+    # (boot_id, run) streams remembered per node: a boot and the agent restarts within it.
+    streams_per_node: Annotated[int, Meta(gt=0, le=64)] = 4
+    # What one node can hold, from the hardware: an HGX node has 8 GPUs (16 leaves room for the
+    # 16-GPU boards), 18 NVLinks a GPU (NVLink 4 and 5), 8 compute RDMA ports, up to 4 DPU ports,
+    # their IPoIB netdevs and a few Ethernet ports (32), and probes one or two partners at a
+    # time (16 peers in one report is far beyond). A report over any is refused (422 over_cap):
+    # the schema's own maxima (64 GPUs, 32 links, 256 NICs, 256 probes) are 16x what a node
+    # has, and every key a node holds costs series for the whole history window.
+    max_gpus: Annotated[int, Meta(gt=0, le=64)] = 16
+    max_nvlinks_per_gpu: Annotated[int, Meta(gt=0, le=32)] = 18
+    max_nics: Annotated[int, Meta(gt=0, le=256)] = 32
+    max_probe_peers: Annotated[int, Meta(gt=0, le=256)] = 16
 
 
 class FleetConfig(_Section, frozen=True):
@@ -57,6 +69,10 @@ class AuthConfig(_Section, frozen=True):
     agent_namespace: str = "gpuwarden"
     agent_service_account: str = "gpuwarden-agent"
     cache_seconds: Annotated[float, Meta(ge=0)] = 60.0
+    # Who may read the API, /metrics and the status page (the viewer role): service accounts
+    # (system:serviceaccount:NS:NAME) and groups; their tokens are reviewed for ``audience`` too.
+    viewer_service_accounts: list[str] = msgspec.field(default_factory=list)
+    viewer_groups: list[str] = msgspec.field(default_factory=list)
 
 
 PageKind = Literal["held", "lemon", "systemic", "quarantined", "link"]
@@ -273,6 +289,43 @@ class ProbesConfig(_Section, frozen=True):
     rendezvous_max_bytes: Positive = 1024
 
 
+class ServerConfig(_Section, frozen=True):
+    """The HTTP server's limits, so no connection, client or burst can wear it down (the
+    "Limits and abuse" section of docs/aggregator.md has the figures behind the defaults)."""
+
+    # A connection with no complete request within this long is closed: an idle socket, a slow
+    # header sender (from the connection's start or the last answer).
+    idle_timeout_seconds: PositiveSeconds = 15.0
+    # The whole body must arrive within this long of the headers (408 and closed otherwise).
+    body_timeout_seconds: PositiveSeconds = 10.0
+    # Reports taken in and not yet answered; beyond it 503 with Retry-After, before the body is
+    # read. Reports are processed one at a time, so this bounds the wait: 64 x ~10 ms.
+    max_in_flight: Positive = 64
+    # A report that waited longer than this for its turn is shed (503) too: the loop is behind.
+    max_wait_seconds: PositiveSeconds = 0.25
+    # Of which one token (one node) may hold at most this many: its slow bodies pin little.
+    max_in_flight_per_token: Positive = 4
+    retry_after_seconds: Positive = 5
+    # Open connections; further ones are closed at once. The soft file limit is raised to the
+    # hard one at start and this is capped below it by fd_reserve (the decision log, the
+    # Kubernetes client, TLS files), so the accept loop never meets "Too many open files".
+    max_connections: Positive = 8192
+    fd_reserve: Positive = 128
+    # TLS: both files PEM; reloaded when either changes (checked every tls_reload_seconds).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_reload_seconds: PositiveSeconds = 30.0
+    # /metrics without a token: on by default, as most Prometheus setups scrape without one;
+    # turn it off and give the scrape a viewer token (authorization: in its scrape config) where
+    # the metrics' node names should not be public. Every other read needs a viewer token.
+    metrics_public: bool = True
+    # The status page's HTML pages (GET / and below, not its JSON) without a token: off by
+    # default, since they show node placement and evidence. Turn it on where the operator says
+    # the port is reachable only by those who may see it (the demo on 127.0.0.1 does). Otherwise a
+    # browser is asked for a viewer token (HTTP Basic, the token as the password).
+    status_page_public: bool = False
+
+
 class Config(_Section, frozen=True):
     rules_dir: str | None = None  # default: the rules/ directory shipped with gpuwarden
     ingest: IngestConfig = IngestConfig()
@@ -285,3 +338,4 @@ class Config(_Section, frozen=True):
     detectors: DetectorsConfig = msgspec.field(default_factory=_default_detectors)
     remediation: RemediationConfig = RemediationConfig()
     probes: ProbesConfig = ProbesConfig()
+    server: ServerConfig = ServerConfig()

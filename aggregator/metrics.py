@@ -53,6 +53,10 @@ REJECT_REASONS: Final = (
     "wrong_schema_version",
     "schema_violation",
     "implausible_value",
+    "over_cap",
+    "body_timeout",
+    "overloaded",
+    "too_many_requests",
     "internal_error",
 )
 

@@ -43,6 +43,7 @@ from aggregator.health import HealthMachine, NodeHealth, finding_of_snapshot
 from aggregator.links import LinkHealth
 from aggregator.metrics import DetectorStats
 from aggregator.model import Finding, IngestOutcome
+from aggregator.ordering import SeqTracker
 from aggregator.probes.scheduler import ProbeScheduler, report_is_idle
 from aggregator.remediate.limits import BreakerState, SafetyLimits
 from aggregator.remediate.model import HealthSnapshot, NodeIntent, SnapshotFinding
@@ -126,8 +127,7 @@ class _NodeRecord:
     placement: Placement
     last_received: float
     last_report_time: float
-    seen: deque[tuple[str, int, float]] = field(default_factory=deque)
-    seen_set: set[tuple[str, int, float]] = field(default_factory=set)
+    seen: SeqTracker = field(default_factory=SeqTracker)
     recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_HISTORY_KEEP))
     first_received: float = 0.0
     boot_id: str | None = None
@@ -150,9 +150,9 @@ class Pipeline:
         on_systemic: Callable[[SystemicEvent], None] | None = None,
     ) -> None:
         self.config = config
-        self.fleet = Fleet(config.fleet)
-        # 8 RDMA ports, their 8 IPoIB netdevs and a few Ethernet ports fit with room to spare.
-        self.frames = FleetFrames(config.fleet, max_nics=32)
+        self.fleet = Fleet(config.fleet, max_nic_keys=2 * config.ingest.max_nics)
+        # As many NICs as a node may report (ingest.max_nics).
+        self.frames = FleetFrames(config.fleet, max_nics=config.ingest.max_nics)
         self.engine = RuleEngine(rules)
         # Every node keeps the series the rules read from its first report on, so a rule that
         # looks at a field only now and then still has a full window when it does.
@@ -203,21 +203,21 @@ class Pipeline:
 
     def ingest(self, report: Report, received: float) -> IngestOutcome:
         rec = self._nodes.get(report.node)
-        # seq restarts with the agent process under the same boot, so the report time is part of
-        # the key: a redelivery repeats all three, a restarted agent does not.
-        key = (report.boot_id, report.seq, report.time)
-        if rec is not None and key in rec.seen_set:
+        # New means a new (boot_id, run, seq) for the node, whatever its clock says
+        # (aggregator/ordering.py): a replayed old report is a duplicate and not liveness.
+        if rec is not None and not rec.seen.is_new(report):
             return IngestOutcome.DUPLICATE
         placement = placement_of(report, self._cluster.labels(report.node))
         if rec is None:
+            ingest = self.config.ingest
             rec = self._nodes[report.node] = _NodeRecord(
-                placement, received, report.time, first_received=received
+                placement,
+                received,
+                report.time,
+                seen=SeqTracker(window=ingest.duplicate_window, streams=ingest.streams_per_node),
+                first_received=received,
             )
         rec.placement = placement
-        rec.seen.append(key)
-        rec.seen_set.add(key)
-        if len(rec.seen) > self.config.ingest.duplicate_window:
-            rec.seen_set.discard(rec.seen.popleft())
         rec.last_received = max(rec.last_received, received)
         rec.last_report_time = max(rec.last_report_time, report.time)
         rec.recent.append(_summary(report, received))
@@ -225,44 +225,49 @@ class Pipeline:
         self._restored_placement.pop(report.node, None)
         self._restored_boot.pop(report.node, None)
 
-        try:
-            view = self.fleet.add(report)
-            # The aggregator's clock places the sample: a node whose clock runs ahead must not move
-            # its pool's newest slot forward and clear everyone's data.
-            self.frames.record(view, placement, at=received)
-            for run in self._detectors:
-                try:
-                    run.detector.observe_report(report, placement, received)
-                except Exception:
-                    run.failed("observe_report", received)
-            if self.probes is not None:
-                self.probes.observe(
-                    report.node,
-                    placement,
-                    idle=report_is_idle(report, self.config.probes),
-                    now=received,
-                    preflight=self._cluster.has_preflight_taint(report.node),
-                )
-                for probe in report.probes or ():
-                    self.probes.result(report.node, probe, placement, received)
-                self._preflight_probes(report.node, received)
-            findings = self.engine.evaluate(view)
-            if report.node in self._silent:
-                # The node is talking again: whatever silence said is over.
-                self._silent.discard(report.node)
-                self._emit(self.health.update(report.node, "silence", (), received))
-            if any(f.shadow for f in findings):
-                self.shadow_findings[report.node] = [f for f in findings if f.shadow]
-                findings = [f for f in findings if not f.shadow]
-            else:
-                self.shadow_findings.pop(report.node, None)
-            self._emit(self.health.update(report.node, "rule", findings, received))
-            self._note_clean(report.node, rec, received)
-            self.advance(received)
-        except BaseException:
-            # Not processed: a redelivery of this report must be processed, not called a duplicate.
-            rec.seen_set.discard(key)
-            raise
+        view = self.fleet.add(report)
+        # The aggregator's clock places the sample: a node whose clock runs ahead must not move
+        # its pool's newest slot forward and clear everyone's data.
+        self.frames.record(view, placement, at=received)
+        if self.probes is not None:
+            self.probes.observe(
+                report.node,
+                placement,
+                idle=report_is_idle(report, self.config.probes),
+                now=received,
+                preflight=self._cluster.has_preflight_taint(report.node),
+            )
+            kept = [p for p in report.probes or () if self.probes.result(report.node, p, placement, received)]
+            self._preflight_probes(report.node, received)
+        else:
+            # No scheduler (replay, probes off): a pair result counts when its peer is a node.
+            kept = [p for p in report.probes or () if p.peer is None or p.peer in self._nodes]
+        # The detectors see only the probe results that count: a peer that is no node of the
+        # fleet (or a probe nobody assigned) would be state one token makes up at will.
+        observed = report
+        if report.probes and len(kept) != len(report.probes):
+            observed = msgspec.structs.replace(report, probes=kept if kept else msgspec.UNSET)
+        for run in self._detectors:
+            try:
+                run.detector.observe_report(observed, placement, received)
+            except Exception:
+                run.failed("observe_report", received)
+        findings = self.engine.evaluate(view)
+        if report.node in self._silent:
+            # The node is talking again: whatever silence said is over.
+            self._silent.discard(report.node)
+            self._emit(self.health.update(report.node, "silence", (), received))
+        if any(f.shadow for f in findings):
+            self.shadow_findings[report.node] = [f for f in findings if f.shadow]
+            findings = [f for f in findings if not f.shadow]
+        else:
+            self.shadow_findings.pop(report.node, None)
+        self._emit(self.health.update(report.node, "rule", findings, received))
+        self._note_clean(report.node, rec, received)
+        self.advance(received)
+        # Taken in only once processed: after a failure a redelivery must be processed, not
+        # called a duplicate.
+        rec.seen.record(report)
         return IngestOutcome.ACCEPTED
 
     # -- time-driven ------------------------------------------------------------------------------

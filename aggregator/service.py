@@ -11,6 +11,13 @@ Endpoints:
   whatever the readiness callable says), ``GET /metrics`` (Prometheus text).
 - ``GET /api/v1/nodes``, ``GET /api/v1/nodes/{node}``, ``GET /api/v1/decisions?since=&limit=``.
 
+Who may read: every ``GET``/``HEAD`` outside the agents' own ``/v1/`` API (which checks node
+tokens itself) needs a *viewer* token (``aggregator.auth``: node placement and evidence are not
+for anyone who can reach the port): the read API, ``/api/v1/remediation``, the status page at
+``/`` and ``/metrics`` (unless ``server.metrics_public``). An admin token (``--admin-token-file``) reads
+too. ``/healthz`` and ``/readyz`` answer anyone (the kubelet's probes carry no token). A missing
+or unknown token is 401, a node's token 403.
+
 Every refusal is a JSON body ``{"error": <reason code>, "message": <text for a human>}``; the
 reason codes are ``aggregator.metrics.REJECT_REASONS`` and count in
 ``gpuwarden_aggregator_reports_rejected_total{reason}``:
@@ -28,6 +35,10 @@ reason codes are ``aggregator.metrics.REJECT_REASONS`` and count in
 400   wrong_schema_version        ``schema`` is not ``gpuwarden/report/v1``
 422   schema_violation            valid JSON that breaks the schema; the message names the field
 422   implausible_value           in the schema, but not physically possible (``plausibility_errors``)
+422   over_cap                    more NICs, GPUs, NVLinks or probe peers than one node can hold
+408   body_timeout                the body did not arrive within ``server.body_timeout_seconds``
+429   too_many_requests           this token already has ``server.max_in_flight_per_token`` requests
+503   overloaded                  ``server.max_in_flight`` requests in flight (with Retry-After)
 503   auth_unavailable            the token could not be checked (Kubernetes API unreachable)
 500   internal_error              the pipeline failed on a valid report (logged with its trace)
 ====  ==========================  =======================================================
@@ -35,7 +46,14 @@ reason codes are ``aggregator.metrics.REJECT_REASONS`` and count in
 Hostile input is bounded before it costs anything: authentication happens before the body is
 read, the body is counted while it streams in, and gzip is inflated by a bounded decompressor, so a
 bomb is refused after ``max_decompressed_bytes`` of output however far it would expand. None of it
-reaches the pipeline. The pipeline is only ever called from the event loop's thread, so it needs
+reaches the pipeline. Load is bounded too (``ServerConfig``): a request beyond ``max_in_flight``
+is shed with 503 and Retry-After before its body is read (agents back off and retry), one token
+holds at most ``max_in_flight_per_token`` of them, a body must arrive within
+``body_timeout_seconds``, an idle connection or one that sends its headers slowly is closed after
+``idle_timeout_seconds``, and the listener (aggregator/listener.py) keeps the connection count
+below the file limit. Refusals are logged at most once per reason every few seconds, counted.
+
+The pipeline is only ever called from the event loop's thread, so it needs
 no locks: ingestion and the periodic ``advance`` never run at the same time.
 
 A node's clock does not matter for liveness: the pipeline gets the aggregator's receive time.
@@ -45,13 +63,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
 import math
 import operator
 import signal
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Final, Protocol
 
 import msgspec
@@ -69,12 +89,15 @@ from aggregator.auth import (
     Identity,
     SupportsClose,
     bearer_token,
+    reader_token,
 )
-from aggregator.config import Config
+from aggregator.config import Config, IngestConfig, ServerConfig
 from aggregator.decisions import DecisionLog
+from aggregator.listener import Busy, CappedSite, connection_cap, raise_file_limit, tls_context, watch_tls
 from aggregator.metrics import Metrics
 from aggregator.model import IngestOutcome
-from aggregator.web import status_routes
+from aggregator.ratelog import RateLimitedLog
+from aggregator.web import is_page, status_routes
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +112,12 @@ __all__ = [
     "PipelineLike",
     "Readiness",
     "advance_periodically",
+    "cap_errors",
     "create_app",
     "gunzip_bounded",
     "plausibility_errors",
     "serve",
+    "server_kwargs",
 ]
 
 REPORTS_PATH: Final = "/v1/reports"
@@ -103,11 +128,20 @@ MAX_CLOCK_AHEAD_SECONDS: Final = 86_400.0
 # server must too (aiohttp_client(app, server_kwargs=SERVER_KWARGS)).
 SERVER_KWARGS: Final[dict[str, Any]] = {"auto_decompress": False}
 
+
+def server_kwargs(config: ServerConfig) -> dict[str, Any]:
+    """``SERVER_KWARGS`` and the keep-alive timeout: aiohttp arms it when a connection opens and
+    after each answer, and closes a connection still without a whole request when it fires, so it
+    is both the idle and the header deadline. No lingering: after a refusal aiohttp would keep
+    reading (and discarding) the rest of the body for 10 s, which a slow sender stretches to 10 s
+    of holding the connection after its 408."""
+    return {**SERVER_KWARGS, "keepalive_timeout": config.idle_timeout_seconds, "lingering_time": 0.0}
+
+
 _GZIP_MAGIC: Final = b"\x1f\x8b"
 _DEFAULT_DECISIONS_LIMIT: Final = 1000
 _MAX_DECISIONS_LIMIT: Final = 10_000
 _MESSAGE_MAX_CHARS: Final = 1000
-_REJECT_LOG_EVERY_S: Final = 10.0
 
 
 class PipelineLike(Protocol):
@@ -140,6 +174,9 @@ Readiness = Callable[[], Sequence[str]]
 
 PIPELINE_KEY: Final = web.AppKey("pipeline", PipelineLike)
 METRICS_KEY: Final = web.AppKey("metrics", Metrics)
+# The server's limits and TLS files travel with the app, so whoever serves it serves it right.
+SERVER_CONFIG_KEY: Final = web.AppKey("server_config", ServerConfig)
+BUSY_KEY: Final = web.AppKey("busy", Busy)
 
 
 # -- plausibility ---------------------------------------------------------------------------------
@@ -237,6 +274,26 @@ def plausibility_errors(report: Report, *, now: float | None = None) -> list[str
     return errors
 
 
+def cap_errors(report: Report, caps: IngestConfig) -> list[str]:
+    """What in a report is more than one node can hold (``ingest.max_*``): a node's state is
+    bounded by these, whatever its token sends."""
+    errors: list[str] = []
+    if len(report.gpus) > caps.max_gpus:
+        errors.append(f"$.gpus: {len(report.gpus)} GPUs, a node holds at most {caps.max_gpus}")
+    for i, gpu in enumerate(report.gpus):
+        if gpu.nvlink and len(gpu.nvlink) > caps.max_nvlinks_per_gpu:
+            errors.append(
+                f"$.gpus[{i}].nvlink: {len(gpu.nvlink)} links, a GPU has at most {caps.max_nvlinks_per_gpu}"
+            )
+    if len(report.nics) > caps.max_nics:
+        errors.append(f"$.nics: {len(report.nics)} NICs, a node holds at most {caps.max_nics}")
+    if report.probes:
+        peers = {p.peer for p in report.probes if p.peer is not None}
+        if len(peers) > caps.max_probe_peers:
+            errors.append(f"$.probes: {len(peers)} peers, a report names at most {caps.max_probe_peers}")
+    return errors
+
+
 # -- body handling --------------------------------------------------------------------------------
 
 
@@ -294,31 +351,6 @@ _ACCEPTED_BODY: Final = msgspec.json.encode({"status": IngestOutcome.ACCEPTED.va
 _DUPLICATE_BODY: Final = msgspec.json.encode({"status": IngestOutcome.DUPLICATE.value})
 
 
-class _RejectLog:
-    """Logs refusals at most once per reason every few seconds, with how many went unlogged, so a
-    misbehaving or hostile sender cannot flood the log (the metrics count every one)."""
-
-    def __init__(self, clock: Clock) -> None:
-        self._clock = clock
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def log(self, reason: str, message: str, extra: dict[str, object], *, exc: bool = False) -> None:
-        now = self._clock.monotonic()
-        last = self._last.get(reason)
-        if last is not None and now - last < _REJECT_LOG_EVERY_S:
-            self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
-            return
-        self._last[reason] = now
-        suppressed = self._suppressed.pop(reason, 0)
-        log.warning(
-            "report refused: %s",
-            message,
-            extra={"reason": reason, "suppressed_since_last": suppressed, **extra},
-            exc_info=exc,
-        )
-
-
 class _Ingest:
     """``POST /v1/reports``: read, decompress, decode, check, ingest; nothing else on this path."""
 
@@ -332,23 +364,75 @@ class _Ingest:
     ) -> None:
         self._pipeline = pipeline
         self._auth = authenticator
+        self._caps = config.ingest
         self._max_body = config.ingest.max_body_bytes
         self._max_inflated = config.ingest.max_decompressed_bytes
         self._clock = clock
         self._metrics = metrics
-        self._reject_log = _RejectLog(clock)
+        self._reject_log = RateLimitedLog(log, monotonic=clock.monotonic)
+        server = config.server
+        self._max_in_flight = server.max_in_flight
+        self._max_wait = server.max_wait_seconds
+        self._max_per_token = server.max_in_flight_per_token
+        self._retry_after = str(server.retry_after_seconds)
+        self._body_timeout = server.body_timeout_seconds
+        self._in_flight = 0
+        self._per_token: dict[str, int] = {}  # subject -> requests in flight; only non-zero kept
         # A 200 is a promise that the report's decisions survive a power loss: wait for their fsync.
         decisions = getattr(pipeline, "decisions", None)
         self._decisions = decisions if isinstance(decisions, DecisionLog) else None
 
     async def handle(self, request: web.Request) -> web.Response:
+        if self._in_flight >= self._max_in_flight:
+            # Shed before anything is read: the cheapest answer, and agents retry after the pause.
+            return self._refuse(
+                request,
+                _Reject(503, "overloaded", f"{self._max_in_flight} reports in flight; retry later"),
+                None,
+                None,
+            )
+        self._in_flight += 1
+        try:
+            # A whole request already buffered would otherwise run to its end without yielding,
+            # so a burst would never be seen: each waits its turn here, counted, and how long the
+            # turn took is how far behind the loop is. Past max_wait it is shed too, so a burst
+            # is answered in about max_wait per loop turn instead of queueing for seconds.
+            loop = asyncio.get_running_loop()
+            queued_at = loop.time()
+            await asyncio.sleep(0)
+            waited = loop.time() - queued_at
+            if waited > self._max_wait:
+                return self._refuse(
+                    request,
+                    _Reject(503, "overloaded", f"the aggregator is {waited:.2f} s behind; retry later"),
+                    None,
+                    None,
+                )
+            return await self._handle(request)
+        finally:
+            self._in_flight -= 1
+
+    async def _handle(self, request: web.Request) -> web.Response:
         node: str | None = None
         subject: str | None = None
         try:
             identity = await self._authenticate(request)
             subject = identity.subject
             gzipped = self._check_headers(request)
-            body = await self._read_body(request)
+            held = self._per_token.get(subject, 0)
+            if held >= self._max_per_token:
+                raise _Reject(
+                    429, "too_many_requests", f"{held} reports of this token are in flight; retry later"
+                )
+            self._per_token[subject] = held + 1
+            try:
+                body = await self._read_body_in_time(request)
+            finally:
+                left = self._per_token[subject] - 1
+                if left:
+                    self._per_token[subject] = left
+                else:
+                    del self._per_token[subject]
             started = time.perf_counter()
             report = self._parse(body, gzipped)
             node = report.node
@@ -363,16 +447,19 @@ class _Ingest:
             problems = plausibility_errors(report, now=self._clock.time())
             if problems:
                 raise _Reject(422, "implausible_value", "; ".join(problems)[:_MESSAGE_MAX_CHARS])
+            over = cap_errors(report, self._caps)
+            if over:
+                raise _Reject(422, "over_cap", "; ".join(over)[:_MESSAGE_MAX_CHARS])
             try:
                 before = self._decisions.appended if self._decisions is not None else 0
                 outcome = self._pipeline.ingest(report, self._clock.time())
             except Exception:
                 self._metrics.rejected("internal_error")
-                self._reject_log.log(
+                self._reject_log.warning(
                     "internal_error",
-                    "the pipeline failed to ingest a valid report",
-                    {"report_node": node, "report_seq": report.seq},
-                    exc=True,
+                    "report refused: the pipeline failed to ingest a valid report",
+                    extra={"reason": "internal_error", "report_node": node, "report_seq": report.seq},
+                    exc_info=True,
                 )
                 return _json(500, {"error": "internal_error", "message": "the report could not be processed"})
         except _Reject as rej:
@@ -392,16 +479,25 @@ class _Ingest:
         self, request: web.Request, rej: _Reject, node: str | None, subject: str | None
     ) -> web.Response:
         self._metrics.rejected(rej.reason)
-        self._reject_log.log(
+        self._reject_log.warning(
             rej.reason,
+            "report refused: %s",
             rej.message,
-            {"http_status": rej.status, "report_node": node, "subject": subject, "remote": request.remote},
+            extra={
+                "reason": rej.reason,
+                "http_status": rej.status,
+                "report_node": node,
+                "subject": subject,
+                "remote": request.remote,
+            },
         )
         resp = _json(rej.status, {"error": rej.reason, "message": rej.message})
         if rej.status == 401:
             resp.headers["WWW-Authenticate"] = 'Bearer realm="gpuwarden"'
-        if rej.status == 413:
-            # The rest of an oversized body is not worth keeping the connection for.
+        if rej.status in (429, 503):
+            resp.headers["Retry-After"] = self._retry_after
+        if rej.status == 413 or (rej.status in (408, 429, 503) and not request.content.at_eof()):
+            # The rest of a body that was not read is not worth keeping the connection for.
             resp.force_close()
         return resp
 
@@ -432,6 +528,15 @@ class _Ingest:
         raise _Reject(
             415, "unsupported_encoding", f"Content-Encoding must be gzip or absent, got {encoding[:64]!r}"
         )
+
+    async def _read_body_in_time(self, request: web.Request) -> bytes:
+        try:
+            async with asyncio.timeout(self._body_timeout):
+                return await self._read_body(request)
+        except TimeoutError:
+            raise _Reject(
+                408, "body_timeout", f"the body did not arrive within {self._body_timeout:g} seconds"
+            ) from None
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self._max_body
@@ -478,6 +583,12 @@ class _Ingest:
             return decode(body)
         except ReportError as exc:
             raise self._classify(body, exc) from None
+        except RecursionError:
+            raise _Reject(400, "bad_json", "the JSON is nested too deeply") from None
+        except Exception as exc:
+            # Whatever else the decoder raises on bytes from the network is the sender's fault:
+            # never a 500 (with a trace in the log) for a body anyone can send.
+            raise _Reject(400, "bad_json", f"the body could not be parsed: {type(exc).__name__}") from None
 
     @staticmethod
     def _classify(body: bytes, exc: ReportError) -> _Reject:
@@ -487,7 +598,7 @@ class _Ingest:
         # A newer agent's report fails on its first unknown field; what matters is its version.
         try:
             version = msgspec.json.decode(body, type=_Version).schema
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             version = SCHEMA_ID
         if isinstance(version, str) and version != SCHEMA_ID:
             return _Reject(
@@ -515,6 +626,71 @@ def _pipeline_call(what: str, call: Callable[[], object]) -> web.Response:
     except Exception:
         log.exception("read API call failed", extra={"endpoint": what})
         return _json(500, {"error": "internal_error", "message": f"{what} failed"})
+
+
+_OPEN_PATHS: Final = frozenset({"/healthz", "/readyz"})
+_AGENT_API_PREFIX: Final = "/v1/"  # reports and probes: node tokens, checked by their handlers
+
+
+def _read_guard(
+    authenticator: Authenticator,
+    *,
+    metrics_public: bool,
+    status_page_public: bool,
+    clock: Clock,
+    admin_tokens: Sequence[str],
+) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """Middleware: reads need a viewer or an admin token (see the module docstring)."""
+    reject_log = RateLimitedLog(log, monotonic=clock.monotonic)
+    admins = [hashlib.sha256(t.encode()).digest() for t in admin_tokens]
+    open_paths = _OPEN_PATHS | ({"/metrics"} if metrics_public else set())
+
+    @web.middleware
+    async def guard(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        path = request.path
+        if (
+            request.method not in ("GET", "HEAD")
+            or path in open_paths
+            or path.startswith(_AGENT_API_PREFIX)
+            or request.match_info.http_exception is not None  # no such route: its 404 tells nothing
+            or (status_page_public and is_page(path))
+        ):
+            return await handler(request)
+        try:
+            token = reader_token(request.headers.get("Authorization"))
+            digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+            if any(hmac.compare_digest(digest, a) for a in admins):
+                return await handler(request)  # an operator may read whatever a viewer may
+            identity = await authenticator.authenticate(token)
+        except AuthError as exc:
+            reject_log.warning(
+                "read_refused", "read refused: %s", exc, extra={"path": path[:128], "remote": request.remote}
+            )
+            resp = _json(exc.status, {"error": exc.reason, "message": str(exc)})
+            if exc.status == 401:
+                # A browser on a status page is asked for the token (as the Basic password);
+                # programs reading the JSON API are told to send a bearer token.
+                scheme = "Basic" if is_page(path) else "Bearer"
+                resp.headers["WWW-Authenticate"] = f'{scheme} realm="gpuwarden", charset="UTF-8"'
+            return resp
+        except AuthUnavailable as exc:
+            return _json(
+                503, {"error": "auth_unavailable", "message": f"the token cannot be checked now: {exc}"}
+            )
+        if identity.role != "viewer":
+            reject_log.warning(
+                "read_forbidden",
+                "read refused: not a viewer",
+                extra={"path": path[:128], "subject": identity.subject},
+            )
+            return _json(
+                403, {"error": "forbidden", "message": f"{identity.subject} may not read; a viewer may"}
+            )
+        return await handler(request)
+
+    return guard
 
 
 def _read_api(pipeline: PipelineLike) -> list[web.RouteDef]:
@@ -623,6 +799,7 @@ def create_app(
     metrics: Metrics | None = None,
     readiness: Readiness | None = None,
     advance_interval_s: float | None = 1.0,
+    admin_tokens: Sequence[str] = (),
 ) -> web.Application:
     """The aggregator's web application.
 
@@ -638,9 +815,19 @@ def create_app(
         raise ValueError("metrics must be registered on the registry passed to create_app")
     metrics.watch_node_states(pipeline.node_states)
 
-    app = web.Application(client_max_size=config.ingest.max_body_bytes)
+    busy = Busy()
+    guard = _read_guard(
+        authenticator,
+        metrics_public=config.server.metrics_public,
+        status_page_public=config.server.status_page_public,
+        clock=clock,
+        admin_tokens=admin_tokens,
+    )
+    app = web.Application(client_max_size=config.ingest.max_body_bytes, middlewares=[busy.middleware, guard])
+    app[BUSY_KEY] = busy
     app[PIPELINE_KEY] = pipeline
     app[METRICS_KEY] = metrics
+    app[SERVER_CONFIG_KEY] = config.server
     ingest = _Ingest(pipeline, authenticator, config, clock, metrics)
     app.router.add_post(REPORTS_PATH, ingest.handle)
     app.router.add_routes(_health(registry, readiness))
@@ -684,7 +871,11 @@ async def serve(
 
     ``on_started`` gets the address actually bound (port 0 picks a free one). In-flight requests
     get ``shutdown_timeout_s`` to finish; then the app's cleanup runs (the periodic task stops).
+    The app's ``ServerConfig`` sets the limits: the soft file limit is raised to the hard one and
+    connections are capped below it (aggregator/listener.py); with ``tls_cert_file`` and
+    ``tls_key_file`` it serves HTTPS, reloading the pair when it changes.
     """
+    server = app.get(SERVER_CONFIG_KEY) or ServerConfig()
     handle_signals = stop is None
     stop_event = asyncio.Event() if stop is None else stop
     loop = asyncio.get_running_loop()
@@ -692,18 +883,49 @@ async def serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, stop_event.set)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s, **SERVER_KWARGS)
+    cap = connection_cap(server, raise_file_limit())
+    ssl_ctx = None
+    reload_task: asyncio.Task[None] | None = None
+    if server.tls_cert_file is not None and server.tls_key_file is not None:
+        ssl_ctx = tls_context(server.tls_cert_file, server.tls_key_file)
+        reload_task = asyncio.create_task(
+            watch_tls(ssl_ctx, server.tls_cert_file, server.tls_key_file, server.tls_reload_seconds),
+            name="gpuwarden-tls-reload",
+        )
+    elif server.tls_cert_file is not None or server.tls_key_file is not None:
+        raise ValueError("server.tls_cert_file and server.tls_key_file go together")
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout_s, **server_kwargs(server))
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = CappedSite(
+            runner,
+            host,
+            port,
+            cap=cap,
+            retry_after_s=server.retry_after_seconds,
+            busy=app.get(BUSY_KEY) or Busy(),
+            ssl_context=ssl_ctx,
+        )
         await site.start()
         bound_host, bound_port = runner.addresses[0][:2]
-        log.info("aggregator listening", extra={"host": bound_host, "port": bound_port})
+        log.info(
+            "aggregator listening",
+            extra={
+                "host": bound_host,
+                "port": bound_port,
+                "tls": ssl_ctx is not None,
+                "max_connections": cap,
+            },
+        )
         if on_started is not None:
             on_started(bound_host, bound_port)
         await stop_event.wait()
         log.info("aggregator stopping")
     finally:
+        if reload_task is not None:
+            reload_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reload_task
         await runner.cleanup()
         if handle_signals:
             for sig in (signal.SIGINT, signal.SIGTERM):

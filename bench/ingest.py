@@ -501,10 +501,13 @@ class HttpRun:
         return 1e6 / self.server_cpu_us_per_report
 
 
+_VIEWER = "bench-viewer-token-0123456789abcdef"  # reads need a viewer token (aggregator/service.py)
+
+
 def _get(port: int, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers={"Authorization": f"Bearer {_VIEWER}"})
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
@@ -581,7 +584,7 @@ def http_run(
     noop: bool = False,
 ) -> HttpRun:
     tokens = tmp / "tokens"
-    tokens.write_text(token_file_text(work.nodes), encoding="utf-8")
+    tokens.write_text(token_file_text(work.nodes) + f"viewer:bench {_VIEWER}\n", encoding="utf-8")
     decisions = tmp / f"decisions-{time.monotonic_ns()}.jsonl"
     logfile = tmp / "aggregator.log"
     port = free_port()

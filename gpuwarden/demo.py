@@ -51,6 +51,8 @@ def demo_config(interval: float) -> str:
 fleet: {{interval_seconds: {interval}}}
 health: {{suspect_for_seconds: 20, clear_for_seconds: 10, probation_seconds: 30}}
 silence: {{silent_after_seconds: {max(8.0, 4 * interval)}}}
+# The demo serves on 127.0.0.1 only: the status page opens in a browser without a token.
+server: {{status_page_public: true}}
 """
 
 
@@ -89,8 +91,10 @@ def _reboot(node: Node, *, repaired_gpu: int) -> None:
     )
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as resp:
+def _get(url: str, token: str) -> Any:
+    # Reads need a viewer token (aggregator/service.py).
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=5) as resp:
         return json.loads(resp.read())
 
 
@@ -116,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     clock = SystemClock()
     names = [f"gpu-{i:03d}" for i in range(args.nodes)]
     tokens = {n: secrets.token_urlsafe(24) for n in names}
-    (work / "tokens").write_text("".join(f"{n} {t}\n" for n, t in tokens.items()))
+    viewer = secrets.token_urlsafe(24)
+    (work / "tokens").write_text("".join(f"{n} {t}\n" for n, t in tokens.items()) + f"viewer:demo {viewer}\n")
 
     if not (math.isfinite(args.interval) and 0.5 <= args.interval <= 10):
         raise ConfigError("--interval must be between 0.5 and 10 seconds for the demo")
@@ -264,10 +269,10 @@ def run(args: argparse.Namespace) -> int:
                         )
                         slow_said = True
                     next_cycle = time.monotonic()
-            found = _get(f"{base}/api/v1/decisions?since={seen}&limit=1000")["decisions"]
+            found = _get(f"{base}/api/v1/decisions?since={seen}&limit=1000", viewer)["decisions"]
             for d in found:
                 seen = max(seen, d["time"] + 1e-6)
-            lines = narrator.systemic(_get(f"{base}/api/v1/summary")["systemic_active"], time.time())
+            lines = narrator.systemic(_get(f"{base}/api/v1/summary", viewer)["systemic_active"], time.time())
             for line in lines + narrator.decisions(found, time.time()):
                 print(line)
             time.sleep(0.25)
@@ -278,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
             n.shipper.close(timeout_s=2.0)
             n.agent.close()
         print("\nnodes now:")
-        for row in _get(f"{base}/api/v1/nodes")["nodes"]:
+        for row in _get(f"{base}/api/v1/nodes", viewer)["nodes"]:
             print(f"  {row['node']:10} {row['state']:12} {row['rack']:8} {'; '.join(row['reasons'])[:100]}")
         loop.call_soon_threadsafe(stop.set)
         server.join(15)

@@ -290,16 +290,20 @@ async def _demo(s: scenario_mod.Scenario, speed: float, work: Path, out: TextIO)
     from prometheus_client import CollectorRegistry  # noqa: PLC0415
 
     from aggregator.app import build_aggregator  # noqa: PLC0415
-    from aggregator.config import Config  # noqa: PLC0415
+    from aggregator.config import Config, ServerConfig  # noqa: PLC0415
     from aggregator.rules import default_rules_dir, load_rules  # noqa: PLC0415
     from aggregator.service import REPORTS_PATH  # noqa: PLC0415
 
     tokens = {n: secrets.token_urlsafe(24) for n in s.node_names()}
-    (work / "tokens").write_text("".join(f"{n} {t}\n" for n, t in tokens.items()))
+    viewer = secrets.token_urlsafe(24)  # reads need a viewer token (aggregator/service.py)
+    (work / "tokens").write_text(
+        "".join(f"{n} {t}\n" for n, t in tokens.items()) + f"viewer:simdemo {viewer}\n"
+    )
     clock = _SimClock(s.start)
     # No periodic task: the demo advances the pipeline itself, once per simulated second.
     aggregator = await build_aggregator(
-        Config(),
+        # On 127.0.0.1 only: the status page opens in a browser without a token.
+        Config(server=ServerConfig(status_page_public=True)),
         load_rules([default_rules_dir()]),
         auth=work / "tokens",
         clock=clock,
@@ -336,7 +340,7 @@ async def _demo(s: scenario_mod.Scenario, speed: float, work: Path, out: TextIO)
         )
         print(f"  status page: {base}/ (open it in a browser while the demo runs)", file=out)
         print(f"  decision log: {work / 'decisions.jsonl'}\n", file=out, flush=True)
-        async with aiohttp.ClientSession(base) as session:
+        async with aiohttp.ClientSession(base, headers={"Authorization": f"Bearer {viewer}"}) as session:
             await _stream(
                 s,
                 speed=speed,

@@ -24,10 +24,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from agent.clock import FakeClock
+from aggregator.app import build_pipeline
 from aggregator.auth import AuthError, Identity
 from aggregator.config import Config
 from aggregator.configload import parse_config
-from aggregator.decisions import DecisionLog
 from aggregator.pipeline import Pipeline
 from aggregator.probes.scheduler import ProbeScheduler
 from aggregator.rules import default_rules_dir, load_rules
@@ -39,9 +39,12 @@ QUARANTINED = "gpu-0003"
 SUSPECT = "gpu-0010"
 SILENT_RACK = "rack-003"
 
+# The browser looks at the pages without a token, as the demo's does (tests/test_status_page.py
+# checks that they ask for a viewer token when server.status_page_public is off).
 CONFIG_TEXT = """
 remediation: {mode: dry-run}
 health: {suspect_for_seconds: 600}
+server: {status_page_public: true}
 """
 
 
@@ -64,9 +67,9 @@ def status_fleet(nodes: int = 32, *, minutes: float = 20.0, seed: int = 19) -> S
     faults.append(FaultSpec(kind="degraded_link", at_s=end * 0.2, leaf="leaf-00", params={"ratio": 0.5}))
     scenario = fleet(nodes, seed=seed, duration_s=end, faults=faults)
     config = parse_config(CONFIG_TEXT, "status fleet")
-    pipeline = Pipeline(config, load_rules([default_rules_dir()]), DecisionLog(None))
     # A probe scheduler as a live aggregator with --probe-key-file has: the coverage page's source.
-    pipeline.probes = ProbeScheduler(config.probes, b"status-fleet-probe-key-0123456789abcdef")
+    probes = ProbeScheduler(config.probes, b"status-fleet-probe-key-0123456789abcdef")
+    pipeline = build_pipeline(config, load_rules([default_rules_dir()]), probes=probes)
     last = 0.0
     for received, report in generate(scenario):
         pipeline.ingest(report, received)

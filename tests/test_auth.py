@@ -474,3 +474,47 @@ def test_in_cluster_needs_the_cluster_ca(tmp_path: Path, clock: FakeClock) -> No
             environ={"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"},
             service_account_dir=sa_dir,
         )
+
+
+class ReviewedAs:
+    """A TokenReview that authenticates every token as one user, for our audience."""
+
+    def __init__(self, user: UserInfo) -> None:
+        self.user = user
+
+    async def create_token_review(self, token: str, audiences: Sequence[str]) -> TokenReviewStatus:
+        return TokenReviewStatus(authenticated=True, user=self.user, audiences=("gpuwarden",))
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_configured_viewer_accounts_and_groups_may_read_and_nobody_else(clock: FakeClock) -> None:
+    grafana = "system:serviceaccount:monitoring:grafana"
+    viewers = {"viewer_service_accounts": [grafana], "viewer_groups": ["sre"]}
+    identity = await reviewer_for(ReviewedAs(UserInfo(grafana)), clock, **viewers).authenticate("t")
+    assert identity == Identity(None, grafana, "viewer")
+    alice = await reviewer_for(ReviewedAs(UserInfo("alice", groups=("sre",))), clock, **viewers).authenticate(
+        "t"
+    )
+    assert alice.role == "viewer" and alice.node is None
+    with pytest.raises(AuthError) as err:
+        await reviewer_for(ReviewedAs(UserInfo("mallory", groups=("dev",))), clock, **viewers).authenticate(
+            "t"
+        )
+    assert err.value.status == 403
+    # The agent's own account stays a node identity, even if it is in a viewer group.
+    agent = UserInfo(AGENT_SA, groups=("sre",), extra={NODE_NAME_EXTRA: ("gpu-0001",)})
+    assert await reviewer_for(ReviewedAs(agent), clock, **viewers).authenticate("t") == Identity(
+        "gpu-0001", AGENT_SA
+    )
+
+
+async def test_static_viewer_lines(tmp_path: Path) -> None:
+    path = tmp_path / "tokens"
+    path.write_text("gpu-0001 tok-gpu-0001-0123456789abcdef\nviewer:grafana tok-viewer-0123456789abcdef\n")
+    tokens = StaticTokens(path)
+    viewer = await tokens.authenticate("tok-viewer-0123456789abcdef")
+    assert viewer == Identity(None, "static:viewer:grafana", "viewer")
+    node = await tokens.authenticate("tok-gpu-0001-0123456789abcdef")
+    assert node.role == "node" and node.node == "gpu-0001"

@@ -21,12 +21,14 @@ from tests.conftest import FIXTURES, RECORDED_SYSFS, REPO
 
 GPWD = [sys.executable, "-m", "gpuwarden"]
 NODE_TOKEN = "3b8f0c2e9d7a4f61a5c0e2d4"
+VIEWER_TOKEN = "9c1d7e2a5b3f4e6d8a0c2b4d"  # reads need a viewer token
 H100_SYS = str(FIXTURES / "sysfs" / "h100" / "sys")
 
 
 def write_node_token(tmp_path: Path) -> None:
-    """The aggregator's token file naming node-1, and node-1's own token file, in ``tmp_path``."""
-    (tmp_path / "tokens").write_text(f"node-1 {NODE_TOKEN}\n")
+    """The aggregator's token file naming node-1 and a viewer, and node-1's own token file, in
+    ``tmp_path``."""
+    (tmp_path / "tokens").write_text(f"node-1 {NODE_TOKEN}\nviewer:test {VIEWER_TOKEN}\n")
     (tmp_path / "node-1.token").write_text(f"{NODE_TOKEN}\n")
 
 
@@ -193,7 +195,9 @@ def test_agent_to_aggregator_over_http_quarantines_a_lost_gpu(tmp_path: Path) ->
             )
         )
         assert out.returncode == 0, out.stderr
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/nodes/node-1", timeout=5) as r:
+        viewer = {"Authorization": f"Bearer {VIEWER_TOKEN}"}
+        node_url = f"http://127.0.0.1:{port}/api/v1/nodes/node-1"
+        with urllib.request.urlopen(urllib.request.Request(node_url, headers=viewer), timeout=5) as r:
             node = json.loads(r.read())
         assert node["state"] == "quarantined"
         [d] = [json.loads(line) for line in decisions.read_text().splitlines()]

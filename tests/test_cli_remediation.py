@@ -30,7 +30,9 @@ async def _run(*args: str, timeout: float = 60.0) -> tuple[int, str, str]:
 
 async def _get(url: str) -> dict[str, Any]:
     def fetch() -> dict[str, Any]:
-        with urllib.request.urlopen(url, timeout=5) as r:
+        # Reads need a viewer or admin token (aggregator/service.py).
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN}"})
+        with urllib.request.urlopen(req, timeout=5) as r:
             data: dict[str, Any] = json.loads(r.read())
             return data
 
@@ -104,7 +106,9 @@ async def test_the_aggregator_taints_through_the_real_client_and_the_breaker_cli
             # The other node: never reported, so never touched.
             assert api.node("node-2")["spec"]["taints"] == [{"key": "other", "effect": "NoSchedule"}]
 
-            code, out, err = await _run("breaker", "status", "--aggregator", base)
+            code, out, err = await _run(
+                "breaker", "status", "--aggregator", base, "--token-file", str(tmp_path / "admin.token")
+            )
             assert code == 0, err
             status = json.loads(out)
             assert status["mode"] == "enforce" and status["breaker"]["open"] is False

@@ -209,8 +209,12 @@ def _until(what: str, probe: Callable[[], T | None], procs: Processes, timeout: 
         time.sleep(0.2)
 
 
-def _get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as r:
+VIEWER = "viewer-token-of-the-e2e-test-0123456789"
+
+
+def _get_json(url: str, token: str | None = None) -> Any:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:
         return json.loads(r.read())
 
 
@@ -434,7 +438,9 @@ def stack(tmp_path: Path, processes: Processes, receiver: Receiver, kube: KubeSe
     )
 
     s.probe_key.write_text("probe-key-of-the-e2e-test-0123456789\n")
-    (tmp_path / "tokens").write_text("".join(f"{node} token-of-{node}-0123456789abcdef\n" for node in NODES))
+    (tmp_path / "tokens").write_text(
+        "".join(f"{node} token-of-{node}-0123456789abcdef\n" for node in NODES) + f"viewer:e2e {VIEWER}\n"
+    )
     agg_config = _write_yaml(
         tmp_path / "aggregator.yml",
         {
@@ -575,7 +581,7 @@ def test_hard_fault_is_quarantined_alerted_released_and_every_panel_has_data(
     assert "GPU 5" in ann["summary"] and "lost" in ann["summary"], ann
     assert ann["node_url"] == f"{EXTERNAL_URL}/api/v1/nodes/{BROKEN}"
     # The link works: the aggregator answers that path with the node's state.
-    node = _get_json(f"{stack.aggregator}/api/v1/nodes/{BROKEN}")
+    node = _get_json(f"{stack.aggregator}/api/v1/nodes/{BROKEN}", VIEWER)
     assert node["state"] == "quarantined"
 
     # 3. ... and routed it to the receiver.

@@ -426,10 +426,15 @@ def test_devices_coming_and_going_are_seen_next_cycle(tmp_path: Path) -> None:
     link.unlink()
     out = c.collect()
     assert [n.device for n in out.nics] == ["mlx5_0", "mlx5_2"]
-    assert out.errors == ()
+    # Gone is said, not just left out (the ib-device-vanished rule reads it).
+    assert out.errors == (
+        "vanished: RDMA device mlx5_1 port 1 was present earlier in this agent's run and is gone",
+    )
 
     link.symlink_to(target)
-    assert [n.device for n in c.collect().nics] == ["mlx5_0", "mlx5_1", "mlx5_2"]
+    back = c.collect()
+    assert [n.device for n in back.nics] == ["mlx5_0", "mlx5_1", "mlx5_2"]
+    assert back.errors == ()
 
 
 def test_a_file_vanishing_mid_layout_rediscovers_in_the_same_cycle(tmp_path: Path) -> None:
@@ -550,3 +555,21 @@ def test_class_directory_vanishing_is_a_collector_failure(tmp_path: Path) -> Non
     with pytest.raises(CollectorFailure, match="cannot list"):
         c.collect()
     assert not c.supported().supported
+
+
+def test_a_device_that_vanishes_is_named_in_the_errors_while_it_stays_gone(tmp_path: Path) -> None:
+    root = copy_devices(tmp_path, "mlx5_0", "mlx5_1")
+    c = collector(root)
+    assert not [e for e in c.collect().errors if "vanished" in str(e)]
+    link = root / "class" / "infiniband" / "mlx5_1"
+    target = os.readlink(link) if link.is_symlink() else None
+    if target is not None:
+        link.unlink()
+    else:
+        shutil.rmtree(link)
+    for _ in range(2):  # every cycle, not once
+        out = c.collect()
+        assert {n.device for n in out.nics} == {"mlx5_0"}
+        assert [str(e) for e in out.errors if "vanished" in str(e)] == [
+            "vanished: RDMA device mlx5_1 port 1 was present earlier in this agent's run and is gone"
+        ]

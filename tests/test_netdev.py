@@ -300,3 +300,15 @@ def test_class_directory_vanishing_is_a_collector_failure(tmp_path: Path) -> Non
     shutil.rmtree(root / "class" / "net")
     with pytest.raises(CollectorFailure, match="cannot list"):
         c.collect()
+
+
+def test_an_interface_that_vanishes_is_named_in_the_errors(tmp_path: Path) -> None:
+    root = copy_netdevs(tmp_path, "eth0", "veth1f3a9c2")
+    c = collector(root, rescan_every=1000)
+    assert "eth0" in by_name(c.collect().nics)
+    (root / "class" / "net" / "eth0").unlink()
+    out = c.collect()
+    assert "eth0" not in by_name(out.nics)
+    assert [str(e) for e in out.errors] == [
+        "vanished: network interface eth0 was present earlier in this agent's run and is gone"
+    ]

@@ -447,3 +447,17 @@ def test_a_failing_gpm_sample_is_an_error_and_frees_what_it_took() -> None:
     [problem] = problems(collected)
     assert problem.code == "unreadable" and "GPM metric" in problem.message
     assert fake.open_gpm_samples == 1
+
+
+def test_a_gpu_nvml_no_longer_counts_is_named_as_lost_every_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    c = collector_for(FakeNvml())
+    first = c.collect()
+    assert len(first.gpus) == 8 and not problems(first)
+    # NVML came back from a driver reload counting seven: GPU 7 is gone, not just absent.
+    monkeypatch.setattr(NvmlSession, "device_count", property(lambda self: 7))
+    for _ in range(2):
+        out = c.collect()
+        assert [g.index for g in out.gpus] == list(range(7))
+        (p,) = problems(out)
+        assert (p.code, p.gpu) == ("gpu_lost", 7)
+        assert p.message.startswith("vanished: GPU 7 (") and first.gpus[7].uuid in p.message

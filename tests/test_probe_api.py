@@ -188,3 +188,13 @@ async def test_rendezvous_refuses_strangers_impostors_and_big_bodies(harness: Ha
     assert status == 403 and body["error"] == "forbidden"
     status, body = await harness.fetch(probe_id, "gpu-b", token_of="gpu-c")
     assert status == 403 and body["error"] == "node_mismatch"
+
+
+async def test_a_node_may_advertise_only_its_own_probe_address(harness: Harness) -> None:
+    # Partners connect to what a node advertises: never another machine, never a privileged port.
+    for address in ("10.1.2.3:22", "10.1.2.3:7700", "gpu-b.cluster.local:7700", "127.0.0.1:22"):
+        status, body = await harness.poll("gpu-a", address=address)
+        assert status == 403 and body["error"] == "forbidden", address
+    for address in ("127.0.0.1:7700", "gpu-a:7700", "gpu-a.cluster.local:7700"):
+        status, _ = await harness.poll("gpu-a", address=address)
+        assert status == 200, address

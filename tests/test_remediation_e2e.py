@@ -346,7 +346,9 @@ async def replicas(
 
 
 async def remediation_status(session: aiohttp.ClientSession, replica: Replica) -> dict[str, Any]:
-    async with session.get(replica.url + REMEDIATION_PATH) as resp:
+    async with session.get(
+        replica.url + REMEDIATION_PATH, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    ) as resp:
         assert resp.status == 200
         body: dict[str, Any] = await resp.json()
         return body

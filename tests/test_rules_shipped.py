@@ -248,6 +248,38 @@ SCENARIOS: dict[str, Scenario] = {
             ),
         },
     ),
+    "ib-device-vanished": Scenario(
+        # As agent/collectors/vanished.py says it, every cycle the device stays gone.
+        fires=with_errors(
+            CollectorError(
+                collector="infiniband",
+                message="vanished: RDMA device mlx5_3 port 1 was present earlier and is gone",
+            )
+        ),
+        key="ib-device-vanished:infiniband",
+        lookalikes={
+            "an unreadable counter": with_errors(
+                CollectorError(collector="infiniband", message="mlx5_3/1: 1 unreadable: rate: EIO")
+            ),
+            "a netdev that vanished": with_errors(
+                CollectorError(collector="netdev", message="vanished: network interface eth3 was present")
+            ),
+        },
+    ),
+    "netdev-vanished": Scenario(
+        fires=with_errors(
+            CollectorError(
+                collector="netdev",
+                message="vanished: network interface eth3 was present earlier and is gone",
+            )
+        ),
+        key="netdev-vanished:netdev",
+        lookalikes={
+            "an RDMA device that vanished": with_errors(
+                CollectorError(collector="infiniband", message="vanished: RDMA device mlx5_3 port 1")
+            ),
+        },
+    ),
     "gpu-ecc-uncorrectable": Scenario(
         fires=gpu_series(4, 3, lambda i: {"ecc_dbe_volatile_total": 2 if i == 2 else 0}),
         key="gpu-ecc-uncorrectable:gpu4",
@@ -452,10 +484,13 @@ def test_rule_fires_on_its_fault(name: str) -> None:
         assert finding.evidence["gpu"] == index
         assert finding.evidence["uuid"] == gpu(index).uuid
         assert f"GPU {index} (" in finding.summary
-    else:
+    elif "/" in subject:
         device, _, port = subject.partition("/")
         assert (finding.evidence["device"], finding.evidence["port"]) == (device, int(port))
         assert subject in finding.summary
+    else:  # an error rule about no GPU: the collector that said it is the subject
+        assert finding.evidence["collector"] == subject
+        assert "vanished: " in finding.summary or subject in finding.summary
 
 
 @pytest.mark.parametrize(

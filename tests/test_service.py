@@ -40,6 +40,8 @@ from aggregator.service import (
 
 NOW = 1_764_441_600.0
 TOKENS = {"gpu-0001": "tok-gpu-0001-a3f9c2e81b7d4e65", "gpu-0002": "tok-gpu-0002-77d0e4b29c1a8f30"}
+VIEWER_TOKEN = "tok-viewer-5d1c0e9a7b3f2468"
+VIEWER = {"Authorization": f"Bearer {VIEWER_TOKEN}"}  # reads need a viewer (aggregator/auth.py)
 
 
 # -- a realistic report ---------------------------------------------------------------------------
@@ -205,6 +207,7 @@ class FakePipeline:
 def token_file(tmp_path: Path) -> Path:
     path = tmp_path / "tokens"
     lines = ["# node tokens", ""] + [f"{node} {token}" for node, token in TOKENS.items()]
+    lines.append(f"viewer:dashboards {VIEWER_TOKEN}")
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -878,28 +881,30 @@ async def test_advance_runs_periodically_and_survives_failures(
 async def test_nodes_and_node(client: TestClient[web.Request, web.Application], clock: FakeClock) -> None:
     await post_report(client, make_report("gpu-0001"))
     await post_report(client, make_report("gpu-0002"))
-    resp = await client.get("/api/v1/nodes")
+    resp = await client.get("/api/v1/nodes", headers=VIEWER)
     assert resp.status == 200
     assert [n["node"] for n in (await resp.json())["nodes"]] == ["gpu-0001", "gpu-0002"]
 
-    resp = await client.get("/api/v1/nodes/gpu-0002")
+    resp = await client.get("/api/v1/nodes/gpu-0002", headers=VIEWER)
     assert resp.status == 200
     assert (await resp.json())["last_received"] == clock.time()
 
-    resp = await client.get("/api/v1/nodes/gpu-9999")
+    resp = await client.get("/api/v1/nodes/gpu-9999", headers=VIEWER)
     assert resp.status == 404
     assert (await resp.json())["error"] == "unknown_node"
 
 
 async def test_decisions_since_and_limit(client: TestClient[web.Request, web.Application]) -> None:
-    resp = await client.get("/api/v1/decisions", params={"since": str(NOW - 98.0)})
+    resp = await client.get("/api/v1/decisions", params={"since": str(NOW - 98.0)}, headers=VIEWER)
     assert resp.status == 200
     assert [d["node"] for d in (await resp.json())["decisions"]] == ["gpu-0002", "gpu-0003", "gpu-0004"]
 
-    resp = await client.get("/api/v1/decisions", params={"since": str(NOW - 100.0), "limit": "2"})
+    resp = await client.get(
+        "/api/v1/decisions", params={"since": str(NOW - 100.0), "limit": "2"}, headers=VIEWER
+    )
     assert len((await resp.json())["decisions"]) == 2
 
-    resp = await client.get("/api/v1/decisions")
+    resp = await client.get("/api/v1/decisions", headers=VIEWER)
     assert len((await resp.json())["decisions"]) == 5
 
 
@@ -917,7 +922,7 @@ async def test_decisions_since_and_limit(client: TestClient[web.Request, web.App
 async def test_bad_decision_queries_are_400(
     client: TestClient[web.Request, web.Application], query: dict[str, str]
 ) -> None:
-    resp = await client.get("/api/v1/decisions", params=query)
+    resp = await client.get("/api/v1/decisions", params=query, headers=VIEWER)
     assert resp.status == 400
     answer = await resp.json()
     assert answer["error"] == "bad_request"
@@ -931,6 +936,6 @@ async def test_read_api_failure_is_a_json_500(
         raise RuntimeError("boom")
 
     pipeline.nodes = broken  # type: ignore[method-assign]
-    resp = await client.get("/api/v1/nodes")
+    resp = await client.get("/api/v1/nodes", headers=VIEWER)
     assert resp.status == 500
     assert (await resp.json())["error"] == "internal_error"

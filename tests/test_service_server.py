@@ -21,7 +21,7 @@ from agent.clock import FakeClock
 from agent.report import encode
 from agent.shipper import Shipper
 from aggregator.auth import StaticTokens
-from aggregator.config import Config
+from aggregator.config import Config, ServerConfig
 from aggregator.service import REPORTS_PATH, create_app, serve
 from tests.test_service import NOW, TOKENS, FakePipeline, make_report
 
@@ -37,7 +37,9 @@ class Running:
     task: asyncio.Task[None]
 
 
-async def start(tmp_path: Path, *, handle_signals: bool = False, advance_s: float = 0.02) -> Running:
+async def start(
+    tmp_path: Path, *, handle_signals: bool = False, advance_s: float = 0.02, config: Config | None = None
+) -> Running:
     token_file = tmp_path / "tokens"
     token_file.write_text("".join(f"{node} {token}\n" for node, token in TOKENS.items()))
     pipeline = FakePipeline()
@@ -45,7 +47,7 @@ async def start(tmp_path: Path, *, handle_signals: bool = False, advance_s: floa
     app = create_app(
         pipeline,
         StaticTokens(token_file),
-        Config(),
+        config or Config(),
         FakeClock(NOW),
         registry,
         advance_interval_s=advance_s,
@@ -179,10 +181,45 @@ async def test_hostile_clients_do_not_break_the_server(server: Running) -> None:
         assert count == 1, reason
 
 
-async def test_many_concurrent_reports(server: Running) -> None:
-    statuses = await asyncio.gather(*(post_valid(server, seq) for seq in range(1, 201)))
-    assert statuses == [200] * 200
-    assert sorted(r.seq for r, _ in server.pipeline.ingested) == list(range(1, 201))
+async def test_many_concurrent_reports(tmp_path: Path) -> None:
+    # Within the configured limits every one is taken (beyond them: tests/test_abuse_server.py).
+    limits = ServerConfig(max_in_flight=256, max_in_flight_per_token=256, max_wait_seconds=30.0)
+    server = await start(tmp_path, config=Config(server=limits))
+    try:
+        statuses = await asyncio.gather(*(post_valid(server, seq) for seq in range(1, 201)))
+        assert statuses == [200] * 200
+        assert sorted(r.seq for r, _ in server.pipeline.ingested) == list(range(1, 201))
+    finally:
+        server.stop.set()
+        await server.task
+
+
+async def test_concurrent_reports_beyond_the_limit_are_shed_with_retry_after(tmp_path: Path) -> None:
+    server = await start(tmp_path, config=Config(server=ServerConfig(max_in_flight=8)))
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def post(seq: int) -> tuple[int, str | None]:
+                body = gzip.compress(encode(make_report(seq=seq, time_=NOW - 1.0)))
+                async with session.post(
+                    server.url + REPORTS_PATH,
+                    data=body,
+                    headers={
+                        "Authorization": f"Bearer {TOKENS['gpu-0001']}",
+                        "Content-Type": "application/json",
+                        "Content-Encoding": "gzip",
+                    },
+                ) as resp:
+                    await resp.read()
+                    return resp.status, resp.headers.get("Retry-After")
+
+            answers = await asyncio.gather(*(post(seq) for seq in range(1, 41)))
+        assert {status for status, _ in answers} == {200, 503}
+        assert all(after == "5" for status, after in answers if status == 503)
+        assert len(server.pipeline.ingested) == sum(1 for status, _ in answers if status == 200)
+    finally:
+        server.stop.set()
+        await server.task
 
 
 async def test_stop_shuts_the_server_and_the_periodic_task(tmp_path: Path) -> None:

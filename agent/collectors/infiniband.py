@@ -48,6 +48,7 @@ from msgspec import UNSET
 
 from agent import sysfs
 from agent.collectors.base import Collected, CollectorContext, Support
+from agent.collectors.vanished import Vanished
 from agent.errors import CollectorFailure
 from agent.report import Nic
 
@@ -139,6 +140,7 @@ class InfinibandCollector:
         self._ports: tuple[_Port, ...] = ()
         self._cycles = 0
         self._warn = _WarnOnce()
+        self._vanished = Vanished("RDMA device")
 
     def supported(self) -> Support:
         # A root that is no sysfs at all is a failure (collect says why), not "no RDMA devices".
@@ -163,7 +165,8 @@ class InfinibandCollector:
             self._discover(sorted(sysfs.list_names(self._class_dir)))
             reader = sysfs.CycleReader()
             nics = [self._read_port(port, reader) for port in self._ports]
-        return Collected(nics=tuple(nics), errors=tuple(reader.problems))
+        gone = self._vanished.check((n.device, n.port) for n in nics)
+        return Collected(nics=tuple(nics), errors=(*reader.problems, *gone))
 
     def close(self) -> None:
         for port in self._ports:

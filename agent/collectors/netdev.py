@@ -35,6 +35,7 @@ from msgspec import UNSET
 
 from agent import sysfs
 from agent.collectors.base import Collected, CollectorContext, Support
+from agent.collectors.vanished import Vanished
 from agent.errors import CollectorFailure
 from agent.report import Nic
 
@@ -85,6 +86,7 @@ class NetdevCollector:
         self._known: dict[str, _Netdev | None] = {}
         self._reported: tuple[_Netdev, ...] = ()
         self._cycles = 0
+        self._vanished = Vanished("network interface")
 
     def supported(self) -> Support:
         # A root that is no sysfs at all is a failure (collect says why), not "no interfaces".
@@ -111,7 +113,8 @@ class NetdevCollector:
             self._update(sysfs.list_names(self._class_dir))
             reader = sysfs.CycleReader()
             nics = [self._read(netdev, reader) for netdev in self._reported]
-        return Collected(nics=tuple(nics), errors=tuple(reader.problems))
+        gone = self._vanished.check((n.device, n.port) for n in nics)
+        return Collected(nics=tuple(nics), errors=(*reader.problems, *gone))
 
     def close(self) -> None:
         self._forget_all()

@@ -283,6 +283,8 @@ class NvmlCollector:
         self._session: NvmlSession | None = ctx.nvml
         self._static: dict[int, _Static] = {}
         self._lost: set[int] = set()
+        # index -> identity of every GPU reported in this run, to name one that vanishes.
+        self._reported: dict[int, str] = {}
         # Old drivers lack the newer calls; once FUNCTION_NOT_FOUND, go straight to the old one.
         self._no_clocks_event_reasons = False
         self._no_gpu_max_pcie_gen = False
@@ -320,7 +322,20 @@ class NvmlCollector:
                 gpus.append(gpu)
             if error is not None:
                 errors.append(error)
+        errors.extend(self._vanished(gpus, count))
         return Collected(gpus=tuple(gpus), errors=tuple(errors))
+
+    def _vanished(self, gpus: list[Gpu], count: int) -> list[Problem]:
+        """GPUs reported earlier in this run that NVML no longer counts (a driver reload that came
+        back with fewer): named, as lost, every cycle they stay gone. One NVML still counts but
+        cannot read is its handle or lost error already."""
+        for gpu in gpus:
+            self._reported[gpu.index] = gpu.uuid
+        return [
+            Problem(f"vanished: GPU {index} ({uuid}) is no longer counted by NVML", "gpu_lost", index)
+            for index, uuid in sorted(self._reported.items())
+            if index >= count
+        ]
 
     def _name(self, index: int) -> str:
         static = self._static.get(index)

@@ -61,6 +61,7 @@ from aggregator.config import FleetConfig
 from aggregator.fleet.history import HistoryView
 from aggregator.fleet.pools import Placement
 from aggregator.fleet.view import NodeView
+from aggregator.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 
@@ -292,6 +293,7 @@ class PoolFrame:
         self.interval_s = interval_s
         self.slots = slots
         self.gpus = gpus
+        self._ratelog = RateLimitedLog(log)  # a node sending new NIC names may not flood the log
         self.gpu: FloatArray = np.full((slots, initial_rows, gpus, len(GPU_FIELDS)), np.nan, np.float32)
         self.nic: FloatArray = np.full(
             (slots, initial_rows, initial_nics, len(NIC_FIELDS)), np.nan, np.float32
@@ -372,13 +374,16 @@ class PoolFrame:
         elif seen.issuperset(keys):
             return known
         for key in sorted(set(keys) - seen, key=lambda k: (k[0], -1 if k[1] is None else k[1])):
-            seen.add(key)
             if len(known) >= max_nics:
-                log.warning(
+                # Not remembered as seen: a node sending new names in every report must not grow
+                # this set (or the log) without bound.
+                self._ratelog.warning(
+                    "frame_nics_full",
                     "node has more NICs than the frame keeps; this one is left out",
                     extra={"node": node, "nic": nic_name(key), "max_nics": max_nics},
                 )
                 continue
+            seen.add(key)
             known.append(key)
         if len(known) > self.nic.shape[2]:
             width = max(len(known), 2 * self.nic.shape[2])

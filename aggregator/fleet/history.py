@@ -54,7 +54,8 @@ whoever cares about the late report's own events can still read them. A report o
 and time) changes nothing (``outcome == "duplicate"``). One exception: a report older than the
 window whose boot_id is the latest's but whose seq is higher means the node's clock stepped back;
 keeping the old order would drop every report until the clock caught up, so the node's history
-starts over from it (logged).
+starts over from it (logged). So does a report of a boot not in the history dated before the
+latest: agents deliver in order, so it is the next boot, and the previous one's clock ran ahead.
 
 A view is meant to be used before the next ``add`` for its node (the pipeline evaluates it at once):
 its ``report``/``previous``/``rebooted`` are fixed, while its rates read the node's live history,
@@ -85,11 +86,14 @@ from agent.report import (
     Report,
 )
 from aggregator.config import FleetConfig
+from aggregator.ratelog import RateLimitedLog
 
 if TYPE_CHECKING:
     from aggregator.fleet.view import NodeView
 
 log = logging.getLogger(__name__)
+# A sender can trigger these once per report: one line per kind every few seconds, counted.
+_ratelog: Final = RateLimitedLog(log)
 
 _NAN: Final = math.nan
 
@@ -110,6 +114,9 @@ _LINK_GETTERS: Final = {name: attrgetter(name) for name in NVLINK_COUNTER_FIELDS
 
 DEFAULT_FINE_SECONDS: Final = 300.0
 DEFAULT_COARSE_SECONDS: Final = 60.0
+# NICs with series per node: twice what a report may carry (ingest.max_nics), so a renamed set
+# (a driver reload) keeps the old names' history for the window alongside the new.
+DEFAULT_MAX_NIC_KEYS: Final = 64
 
 Outcome = Literal["latest", "late", "duplicate", "expired"]
 NicKey = tuple[str, int | None]
@@ -324,6 +331,7 @@ class NodeHistory:
         fine_s: float = DEFAULT_FINE_SECONDS,
         coarse_s: float = DEFAULT_COARSE_SECONDS,
         registry: SeriesRegistry | None = None,
+        max_nic_keys: int = DEFAULT_MAX_NIC_KEYS,
     ) -> None:
         if not (window_s > 0 and interval_s > 0 and fine_s >= 0 and coarse_s >= 0):
             raise ConfigError(
@@ -335,6 +343,7 @@ class NodeHistory:
         self.fine_s = min(fine_s, window_s)
         self.coarse_s = coarse_s
         self.registry = registry if registry is not None else SeriesRegistry()
+        self.max_nic_keys = max_nic_keys
         spacing = max(coarse_s, interval_s)
         expected = self.fine_s / interval_s + (window_s - self.fine_s) / spacing + 2
         self.max_samples = 2 * math.ceil(expected) + 8
@@ -354,6 +363,8 @@ class NodeHistory:
         # (boot_id, seq, time) of reports taken in, for duplicates; insertion-ordered for eviction.
         self._seen: dict[tuple[str, int, float], None] = {}
 
+        self._nic_seen_at: dict[NicKey, float] = {}  # NIC -> last seen present; LRU order
+        self._nic_layout: tuple[NicKey, ...] = ()  # the NICs of the layout in force
         self._gpu_counters: dict[tuple[int, str], _Counter] = {}
         self._nvlinks: dict[tuple[int, str], _LinkCounter] = {}
         self._nic_counters: dict[tuple[str, int | None, str], _Counter] = {}
@@ -405,9 +416,23 @@ class NodeHistory:
             return self._view(report, report, "latest")
         if key in self._seen:
             return self._view(latest, report, "duplicate")
+        if report.boot_id != latest.boot_id and report.boot_id not in self._boots:
+            # A boot never seen, dated before the latest: the agent delivers in order, so it is the
+            # next boot and the last one's clock ran ahead. Kept as "late" it would leave the
+            # node judged by the old boot until the clock caught up (a day, at worst).
+            _ratelog.warning(
+                "history_new_boot_dated_back",
+                "new boot dated before the latest report; starting the node's history over",
+                extra={"node": self.node, "time": report.time, "latest_time": latest.time},
+            )
+            self._clear()
+            self._seen[key] = None
+            self._append(report)
+            return self._view(report, report, "latest")
         if report.time < latest.time - self.window_s:
             if report.boot_id == latest.boot_id and report.seq > latest.seq:
-                log.warning(
+                _ratelog.warning(
+                    "history_clock_stepped_back",
                     "node clock stepped back past the history window; starting its history over",
                     extra={"node": self.node, "time": report.time, "latest_time": latest.time},
                 )
@@ -502,7 +527,13 @@ class NodeHistory:
         layout = (reg.version, gpu_idx, nic_keys)
         if layout == self._layout:
             return
+        if self._latest is not None:
+            self._note_nics(self._nic_layout, self._latest.time)  # present up to the last report
         self._layout = layout
+        self._nic_layout = nic_keys
+        if nic_keys:
+            self._note_nics(nic_keys, report.time)
+            self._forget_nics(set(nic_keys), report.time)
         for gi in gpu_idx:
             for name in reg.gpu_counters:
                 if (gi, name) not in self._gpu_counters:
@@ -517,6 +548,33 @@ class NodeHistory:
             for counter in reg.nic_counters:
                 if (dev, port, counter) not in self._nic_counters:
                     self._new_nic_counter((dev, port), counter, report.time)
+
+    def _note_nics(self, keys: Iterable[NicKey], at: float) -> None:
+        seen = self._nic_seen_at
+        for key in keys:
+            seen.pop(key, None)
+            seen[key] = at  # newest last: the dict is the LRU order
+
+    def _forget_nics(self, present: set[NicKey], now: float) -> None:
+        """Drop the series of NICs gone for longer than the window (they can answer no rate),
+        and past ``max_nic_keys`` those gone longest: a node's NIC state is bounded whatever
+        names its reports carry."""
+        seen = self._nic_seen_at
+        absent = [k for k in seen if k not in present]  # oldest first
+        excess = len(seen) - self.max_nic_keys
+        drop = [k for i, k in enumerate(absent) if i < excess or now - seen[k] > self.window_s]
+        if not drop:
+            return
+        gone = set(drop)
+        for key in drop:
+            del seen[key]
+        columns = {id(c.cum) for (dev, port, _), c in self._nic_counters.items() if (dev, port) in gone}
+        self._nic_counters = {k: c for k, c in self._nic_counters.items() if (k[0], k[1]) not in gone}
+        self._columns = [col for col in self._columns if id(col) not in columns]
+
+    def nic_keys(self) -> list[NicKey]:
+        """The NICs the node's history holds series for (present or gone less than the window)."""
+        return list(self._nic_seen_at)
 
     def _seeds(self) -> list[Report]:
         """The full reports that are the newest rows, oldest first: what a new series starts from."""
@@ -743,8 +801,10 @@ class Fleet:
         fine_seconds: float = DEFAULT_FINE_SECONDS,
         coarse_seconds: float = DEFAULT_COARSE_SECONDS,
         registry: SeriesRegistry | None = None,
+        max_nic_keys: int = DEFAULT_MAX_NIC_KEYS,
     ) -> None:
         self.config = config if config is not None else FleetConfig()
+        self.max_nic_keys = max_nic_keys
         self.fine_seconds = fine_seconds
         self.coarse_seconds = coarse_seconds
         self.registry = registry if registry is not None else SeriesRegistry()
@@ -760,6 +820,7 @@ class Fleet:
                 fine_s=self.fine_seconds,
                 coarse_s=self.coarse_seconds,
                 registry=self.registry,
+                max_nic_keys=self.max_nic_keys,
             )
         return h.add(report)
 

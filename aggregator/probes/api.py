@@ -26,6 +26,7 @@ Refusals are JSON ``{"error": <code>, "message": <text>}`` as in ``aggregator/se
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 from collections.abc import Callable
@@ -168,6 +169,15 @@ def probe_routes(
             address = request.query.get("address") or None
             if address is not None and (len(address) > _ADDRESS_MAX or not _valid_address(address)):
                 raise _Refuse(400, "bad_request", f"address must be host:port, got {address[:64]!r}")
+            if address is not None and not _own_address(address, node, request.remote):
+                # Partners connect to it: a node may only advertise itself, never point them at
+                # another machine's port (10.1.2.3:22).
+                raise _Refuse(
+                    403,
+                    "forbidden",
+                    f"address {address[:64]!r} is not {node}'s own (its name, or {request.remote!r} it "
+                    f"connects from) with a port of at least {_MIN_PROBE_PORT}",
+                )
         except _Refuse as exc:
             return _refused(exc)
         if not is_leader():
@@ -241,6 +251,21 @@ def probe_routes(
         web.put(rendezvous, put_rendezvous),
         web.get(rendezvous, get_rendezvous),
     ]
+
+
+_MIN_PROBE_PORT: Final = 1024  # a probe listens on an unprivileged port; below it are sshd & co.
+
+
+def _own_address(address: str, node: str, remote: str | None) -> bool:
+    """The advertised host is the node's own: the IP it connects from, or its own name (``node``
+    or a name under it, ``node.cluster.local``); and the port is unprivileged."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        same = remote is not None and ipaddress.ip_address(host) == ipaddress.ip_address(remote)
+    except ValueError:
+        same = host == node or host.startswith(node + ".")
+    return same and int(port) >= _MIN_PROBE_PORT
 
 
 def _valid_address(address: str) -> bool:

@@ -79,8 +79,10 @@ from agent.probes.protocol import Assignment, ProbeKind, Role, sign
 from agent.report import GPU_GONE_CODES, Probe, Report, error_code
 from aggregator.config import ProbesConfig
 from aggregator.fleet.pools import Placement
+from aggregator.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
+_ratelog: Final = RateLimitedLog(log)
 
 __all__ = [
     "BUSY_ERROR_PREFIXES",
@@ -325,6 +327,7 @@ class ProbeScheduler:
         self._deadlines: list[tuple[float, str]] = []
         self._ended: dict[tuple[str, str, str | None], _Probe] = {}
         self._unplanned: dict[tuple[Pair | str, str], float] = {}
+        self.unknown_peer_results = 0  # results ignored: their peer is no node of the fleet
         self._per_domain: Counter[str] = Counter()
         self._bandwidth: deque[tuple[float, int]] = deque()
         self._bandwidth_bytes = 0
@@ -379,14 +382,28 @@ class ProbeScheduler:
             else:
                 probe.interrupted = True
 
-    def result(self, report_node: str, probe: Probe, placement: Placement, now: float) -> None:
-        """One probe result from ``report_node``'s report (both ends report a pair probe)."""
+    def result(self, report_node: str, probe: Probe, placement: Placement, now: float) -> bool:
+        """One probe result from ``report_node``'s report (both ends report a pair probe); False
+        when it counts for nothing, so nobody else may keep it either.
+
+        A result counts when the scheduler assigned the probe, or (a probe planned before a
+        restart) when both ends are nodes it knows: a node cannot make state out of peers that do
+        not exist, so what the results cost is bounded by the fleet, not by what one token sends.
+        """
         pair_kind = probe.kind in PAIR_KINDS
         peer = probe.peer if pair_kind else None
         if pair_kind and (peer is None or peer == report_node):
             log.debug("pair probe result without a usable peer", extra={"node": report_node})
-            return
+            return False
         planned = self._match(report_node, probe.kind, peer, now)
+        if planned is None and peer is not None and peer not in self._nodes:
+            self.unknown_peer_results += 1
+            _ratelog.warning(
+                "probe_unknown_peer",
+                "probe result naming a peer that is no node of the fleet ignored",
+                extra={"node": report_node, "ignored_total": self.unknown_peer_results},
+            )
+            return False
         n = self._nodes.get(report_node)
         if planned is not None:
             first = not planned.result_seen and not planned.cancelled
@@ -397,15 +414,16 @@ class ProbeScheduler:
                 if not planned.open_ends and planned.id in self._in_flight:
                     self._finish(planned)
             if not first:
-                return  # the other end's copy, or a probe called off before it started
+                return True  # the other end's copy, or a probe called off before it started
         else:
             key: tuple[Pair | str, str] = (_pair(report_node, peer) if peer else report_node, probe.kind)
             last = self._unplanned.get(key)
             if last is not None and abs(now - last) < self.config.pair_again_after_seconds:
-                return
+                return True
             self._unplanned[key] = now
         ends = (report_node, peer) if peer else (report_node,)
         self._record(ends, placement.pool, probe, planned, now)
+        return True
 
     # -- outputs ----------------------------------------------------------------------------------
 

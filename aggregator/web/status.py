@@ -761,6 +761,16 @@ def _guard(what: str, render: Callable[[web.Request], web.Response]) -> Handler:
     return handler
 
 
+# The HTML pages and their assets (the routes below): what ``server.status_page_public`` opens and
+# where a browser is asked for the viewer token by HTTP Basic authentication.
+_PAGE_ROOTS: Final = ("/nodes", "/decisions", "/systemic", "/links", "/probes", "/static")
+
+
+def is_page(path: str) -> bool:
+    """Whether ``path`` is one of the status page's HTML pages or assets (not its JSON routes)."""
+    return path == "/" or any(path == r or path.startswith(r + "/") for r in _PAGE_ROOTS)
+
+
 def status_routes(source: StatusSource, *, config: Config, clock: Clock) -> list[web.RouteDef]:
     """The status page's routes; add them to the aggregator's app (``app.router.add_routes``)."""
     view = StatusView(source, config, clock)
