@@ -49,7 +49,6 @@ import platform
 import pstats
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from _common import cpu_model, free_port, interpolated_percentile, proc_cpu_seconds
 from _reports import (
     GPUS,
     IB_COUNTERS,
@@ -99,7 +99,6 @@ TARGET_PER_CORE = 1000.0  # reports/s per core, from the issue
 NEEDED_PER_CORE = 750.0  # 7,500 nodes at a 10 s interval
 INTERVAL_S = 10.0
 ACCEPTED = b'{"status":"accepted"}'
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 class BenchError(RuntimeError):
@@ -174,21 +173,7 @@ def build_workload(
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """utime + stime of a whole process (all threads), from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return interpolated_percentile(values, q) if values else math.nan
 
 
 def proc_status_kb(pid: int, key: str) -> int | None:
@@ -202,13 +187,6 @@ def proc_status_kb(pid: int, key: str) -> int | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @contextmanager
 def pinned(core: int) -> Iterator[None]:
     before = os.sched_getaffinity(0)
@@ -217,17 +195,6 @@ def pinned(core: int) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, before)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # ---- in-process ceilings ------------------------------------------------------------------------

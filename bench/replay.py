@@ -49,6 +49,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from _common import cpu_model
 from _reports import GPUS, IB_COUNTERS, NICS, NVLINKS, Fault, FaultKind, fleet_reports, node_name
 
 from agent.report import decode, encode
@@ -190,17 +191,6 @@ def in_process_replay(trace: Path, out: Path, profile: bool) -> tuple[Timed, dic
         print(buf.getvalue(), file=sys.stderr)
     by_node = Counter(d.node for d in decisions)
     return timed, dict(sorted(by_node.items()))
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _median(values: Sequence[float]) -> float:
