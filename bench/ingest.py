@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import functools
 import http.client
 import io
 import json
@@ -766,19 +767,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.info(
                 "%s: %.0f us per report, %.0f reports/s per core", ip.what, ip.cpu_us_per_report, ip.per_core
             )
+        # Every HTTP run, the no-op pipeline's too, sends the same workload between the same cores.
+        run_http = functools.partial(
+            http_run,
+            work,
+            tmp,
+            server_core=server_core,
+            load_core=load_core,
+            concurrency=args.concurrency,
+            max_seconds=args.max_seconds,
+        )
         results: list[HttpRun] = []
         for i in range(runs):
             prof_out = tmp / "server.prof" if args.profile else None
-            run = http_run(
-                work,
-                tmp,
-                server_core=server_core,
-                load_core=load_core,
-                concurrency=args.concurrency,
-                max_seconds=args.max_seconds,
-                paced_rate=args.paced_rate,
-                profile_out=prof_out,
-            )
+            run = run_http(paced_rate=args.paced_rate, profile_out=prof_out)
             log.info(
                 "run %d: %.0f reports/s wall, %.0f us server CPU per report (%.0f/s per core), "
                 "server CPU %.0f%%, p50 %.1f ms, p99 %.1f ms, refused %s",
@@ -796,17 +798,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print_profile(pstats.Stats(str(prof_out)), "aggregator server process (whole run)")
         noop = None
         if not args.profile:
-            noop = http_run(
-                work,
-                tmp,
-                server_core=server_core,
-                load_core=load_core,
-                concurrency=args.concurrency,
-                max_seconds=args.max_seconds,
-                paced_rate=0.0,
-                profile_out=None,
-                noop=True,
-            )
+            noop = run_http(paced_rate=0.0, profile_out=None, noop=True)
             log.info(
                 "no-op pipeline: %.0f us server CPU per report (%.0f/s per core), %.0f reports/s wall",
                 noop.server_cpu_us_per_report,
