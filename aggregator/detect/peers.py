@@ -169,6 +169,14 @@ def median_mad(a: Float, axis: int) -> tuple[Float, Float]:
     return median, nanmedian(np.abs(a - np.expand_dims(median, axis)), axis=axis)
 
 
+def under_load(gpu: npt.NDArray[np.float32], load_threshold: float) -> npt.NDArray[np.bool_]:
+    """Where a frame's GPU values (``(..., GPU_FIELDS)``) show the GPU under load: utilization at
+    least ``load_threshold``. NaN compares False: not reported is not loaded."""
+    util = gpu[..., GPU_COLUMN["utilization_ratio"]].astype(np.float64)
+    loaded: npt.NDArray[np.bool_] = util >= load_threshold
+    return loaded
+
+
 def complete_slots(frame: PoolFrame, now: float) -> tuple[float, float]:
     """The ``(t0, t1)`` range for ``frame.snapshot`` of the frame's complete slots before ``now``.
 
@@ -209,8 +217,7 @@ class PeerDetector(PoolDetector):
         if gpu.shape[0] == 0 or not nodes:
             return out
         c = self.config
-        util = gpu[..., GPU_COLUMN["utilization_ratio"]].astype(np.float64)
-        loaded = util >= c.load_threshold  # NaN compares False: not reported is not loaded
+        loaded = under_load(gpu, c.load_threshold)
         for feature in self.features:
             cols = [GPU_COLUMN[col] for col in feature.columns]
             raw = gpu[..., cols].astype(np.float64)

@@ -38,7 +38,7 @@ from msgspec import Meta
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import PoolDetector
 from aggregator.detect.load import settled
-from aggregator.detect.peers import MAD_SCALE, complete_slots, median_mad, nanmedian
+from aggregator.detect.peers import MAD_SCALE, complete_slots, median_mad, nanmedian, under_load
 from aggregator.fleet.frame import GPU_COLUMN, NIC_COLUMN, PoolFrame, nic_name
 from aggregator.model import Action, Finding
 
@@ -271,7 +271,7 @@ class TrendDetector(PoolDetector):
         slots = gpu.shape[0]
         if slots - c.drift_slots < c.min_drift_samples:
             return
-        busy = gpu[..., GPU_COLUMN["utilization_ratio"]].astype(np.float64) >= c.load_threshold
+        busy = under_load(gpu, c.load_threshold)
         loaded = settled(busy, max(0, round(c.settle_seconds / interval)))
         power = np.where(loaded, gpu[..., GPU_COLUMN["power_watts"]].astype(np.float64), np.nan)
         split = slots - c.drift_slots
