@@ -20,7 +20,7 @@ import logging
 import os
 import stat
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final, Protocol
 
@@ -298,12 +298,5 @@ class KmsgReader:
             counts["overwritten"] += record.seq - last - 1
         self._last_seq = record.seq
         if fields:
-            record = KmsgRecord(
-                facility=record.facility,
-                level=record.level,
-                seq=record.seq,
-                usec=record.usec,
-                message=record.message,
-                fields=fields,
-            )
+            record = replace(record, fields=fields)
         out.append(record)

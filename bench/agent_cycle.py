@@ -45,7 +45,6 @@ import platform
 import pstats
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -60,6 +59,7 @@ from types import FrameType
 from typing import IO, Any, cast
 
 import msgspec
+from _common import cpuinfo_model, free_port, interpolated_percentile, proc_cpu_seconds
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
 
@@ -86,7 +86,6 @@ FRESH_INTERVAL = 0.25  # agent interval while measuring fresh scrapes
 CACHED_INTERVAL = 5.0  # agent interval while measuring cached scrapes
 BASELINE = "infiniband+netclass"  # the node_exporter run that reads what the agent's NIC collectors read
 SCRAPE_HEADERS = {"Accept": "text/plain;version=0.0.4", "Accept-Encoding": "gzip"}
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 _MB = 1024.0 * 1024.0
 
 
@@ -101,11 +100,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100), linear between closest ranks."""
     if not values:
         raise BenchError("percentile of no values")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    return interpolated_percentile(values, q)
 
 
 @dataclass(frozen=True)
@@ -400,22 +395,6 @@ def print_profile(title: str, fn: Callable[[], object], repeat: int) -> None:
 # ---- processes ----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of the whole process (all threads, dead ones included)."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        text = f.read()
-    fields = text[text.rindex(")") + 2 :].split()
-    # Fields after the command: state is field 3, utime 14 and stime 15 (proc(5)).
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-
-
 def peak_rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status", encoding="ascii") as f:
         for line in f:
@@ -634,9 +613,9 @@ def measure_agent_process(
     proc, lines = start_agent(argv, port, tmp, "cycles")
     try:
         lines.wait_beyond(5, timeout=20.0)  # past discovery and the kernel log's backlog
-        n0, c0, t0 = lines.value(), cpu_seconds(proc.pid), time.monotonic()
+        n0, c0, t0 = lines.value(), proc_cpu_seconds(proc.pid), time.monotonic()
         time.sleep(seconds)
-        n1, c1, t1 = lines.value(), cpu_seconds(proc.pid), time.monotonic()
+        n1, c1, t1 = lines.value(), proc_cpu_seconds(proc.pid), time.monotonic()
         cycles = n1 - n0
         if cycles < 20:
             raise BenchError(f"only {cycles} cycles in {seconds} s:\n{proc.stderr_tail()}")
@@ -652,13 +631,13 @@ def measure_agent_process(
     try:
         seen = lines.wait_beyond(2, timeout=20.0)
         results: list[ScrapeResult] = []
-        n2, c2 = seen, cpu_seconds(proc.pid)
+        n2, c2 = seen, proc_cpu_seconds(proc.pid)
         for _ in range(fresh_n):
             seen = lines.wait_beyond(seen, timeout=10.0)
             results.append(scrape(port))
         # The window ends at a cycle's end, so that every cycle in it is counted whole.
         n3 = lines.wait_beyond(lines.value(), timeout=10.0)
-        c3 = cpu_seconds(proc.pid)
+        c3 = proc_cpu_seconds(proc.pid)
         rss.append(peak_rss_bytes(proc.pid))
         fresh = summarize(results, ((c3 - c2) - (n3 - n2) * per_cycle) / fresh_n, rss[-1])
     finally:
@@ -670,9 +649,9 @@ def measure_agent_process(
     try:
         lines.wait_beyond(0, timeout=CACHED_INTERVAL + 10.0)
         run_scrapes(port, 5, 0.0)  # builds the families of this snapshot
-        n0, c0 = lines.value(), cpu_seconds(proc.pid)
+        n0, c0 = lines.value(), proc_cpu_seconds(proc.pid)
         results = run_scrapes(port, scrapes_n, pace)
-        n1, c1 = lines.value(), cpu_seconds(proc.pid)
+        n1, c1 = lines.value(), proc_cpu_seconds(proc.pid)
         rss.append(peak_rss_bytes(proc.pid))
         cached = summarize(results, ((c1 - c0) - (n1 - n0) * per_cycle) / scrapes_n, rss[-1])
     finally:
@@ -717,9 +696,9 @@ def measure_node_exporter(
     try:
         wait_ready(proc, port, timeout=20.0)
         run_scrapes(port, 5, 0.0)
-        c0 = cpu_seconds(proc.pid)
+        c0 = proc_cpu_seconds(proc.pid)
         results = run_scrapes(port, scrapes_n, pace)
-        c1 = cpu_seconds(proc.pid)
+        c1 = proc_cpu_seconds(proc.pid)
         summary = summarize(results, (c1 - c0) / scrapes_n, peak_rss_bytes(proc.pid))
     finally:
         proc.stop()
@@ -743,18 +722,10 @@ class Results:
 
 
 def machine() -> dict[str, str]:
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    model = cpuinfo_model()
     return {
         "cpus": str(os.cpu_count() or 0),
-        "cpu_model": model,
+        "cpu_model": model if model is not None else "unknown",
         "kernel": platform.release(),
         "python": platform.python_version(),
     }

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import othergen  # bench/othergen.py, beside this script
+from _common import cpuinfo_model
 
 from agent.errors import ConfigError
 from aggregator.config import Config
@@ -428,15 +429,9 @@ def _detail(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu = cpuinfo_model()
+    if cpu is None:
+        cpu = platform.processor() or "unknown CPU"
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 

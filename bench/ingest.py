@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import functools
 import http.client
 import io
 import json
@@ -49,7 +50,6 @@ import platform
 import pstats
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from _common import cpu_model, free_port, interpolated_percentile, proc_cpu_seconds
 from _reports import (
     GPUS,
     IB_COUNTERS,
@@ -99,7 +100,6 @@ TARGET_PER_CORE = 1000.0  # reports/s per core, from the issue
 NEEDED_PER_CORE = 750.0  # 7,500 nodes at a 10 s interval
 INTERVAL_S = 10.0
 ACCEPTED = b'{"status":"accepted"}'
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 class BenchError(RuntimeError):
@@ -174,21 +174,7 @@ def build_workload(
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """utime + stime of a whole process (all threads), from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return interpolated_percentile(values, q) if values else math.nan
 
 
 def proc_status_kb(pid: int, key: str) -> int | None:
@@ -202,13 +188,6 @@ def proc_status_kb(pid: int, key: str) -> int | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @contextmanager
 def pinned(core: int) -> Iterator[None]:
     before = os.sched_getaffinity(0)
@@ -217,17 +196,6 @@ def pinned(core: int) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, before)
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # ---- in-process ceilings ------------------------------------------------------------------------
@@ -802,19 +770,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.info(
                 "%s: %.0f us per report, %.0f reports/s per core", ip.what, ip.cpu_us_per_report, ip.per_core
             )
+        # Every HTTP run, the no-op pipeline's too, sends the same workload between the same cores.
+        run_http = functools.partial(
+            http_run,
+            work,
+            tmp,
+            server_core=server_core,
+            load_core=load_core,
+            concurrency=args.concurrency,
+            max_seconds=args.max_seconds,
+        )
         results: list[HttpRun] = []
         for i in range(runs):
             prof_out = tmp / "server.prof" if args.profile else None
-            run = http_run(
-                work,
-                tmp,
-                server_core=server_core,
-                load_core=load_core,
-                concurrency=args.concurrency,
-                max_seconds=args.max_seconds,
-                paced_rate=args.paced_rate,
-                profile_out=prof_out,
-            )
+            run = run_http(paced_rate=args.paced_rate, profile_out=prof_out)
             log.info(
                 "run %d: %.0f reports/s wall, %.0f us server CPU per report (%.0f/s per core), "
                 "server CPU %.0f%%, p50 %.1f ms, p99 %.1f ms, refused %s",
@@ -832,17 +801,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print_profile(pstats.Stats(str(prof_out)), "aggregator server process (whole run)")
         noop = None
         if not args.profile:
-            noop = http_run(
-                work,
-                tmp,
-                server_core=server_core,
-                load_core=load_core,
-                concurrency=args.concurrency,
-                max_seconds=args.max_seconds,
-                paced_rate=0.0,
-                profile_out=None,
-                noop=True,
-            )
+            noop = run_http(paced_rate=0.0, profile_out=None, noop=True)
             log.info(
                 "no-op pipeline: %.0f us server CPU per report (%.0f/s per core), %.0f reports/s wall",
                 noop.server_cpu_us_per_report,

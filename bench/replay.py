@@ -49,6 +49,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from _common import cpu_model
 from _reports import GPUS, IB_COUNTERS, NICS, NVLINKS, Fault, FaultKind, fleet_reports, node_name
 
 from agent.report import decode, encode
@@ -192,19 +193,19 @@ def in_process_replay(trace: Path, out: Path, profile: bool) -> tuple[Timed, dic
     return timed, dict(sorted(by_node.items()))
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def _median(values: Sequence[float]) -> float:
     return statistics.median(values)
+
+
+def _row(what: str, trace: Path, runs: Sequence[Timed], *, per_report: bool = True) -> dict[str, Any]:
+    """One row of the results: the median wall and CPU time of ``runs`` of one measurement."""
+    return {
+        "what": what,
+        "trace": trace.name,
+        "wall_s": _median([r.wall_s for r in runs]),
+        "cpu_s": _median([r.cpu_s for r in runs]),
+        "per_report": per_report,
+    }
 
 
 def render(result: dict[str, Any]) -> str:
@@ -271,37 +272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.sched_setaffinity(0, {core})
         try:
             startup = [timed_replay(trace.one, tmp / "one-out.jsonl", core)[0] for _ in range(args.runs)]
-            rows.append(
-                {
-                    "what": "`gpuwarden replay` of a 1-report trace (start-up only)",
-                    "trace": trace.one.name,
-                    "wall_s": _median([s.wall_s for s in startup]),
-                    "cpu_s": _median([s.cpu_s for s in startup]),
-                    "per_report": False,
-                }
-            )
+            what = "`gpuwarden replay` of a 1-report trace (start-up only)"
+            rows.append(_row(what, trace.one, startup, per_report=False))
             decided: dict[str, int] = {}
             for path in (trace.plain, trace.gz):
                 ceiling = [decode_ceiling(path) for _ in range(args.runs)]
-                rows.append(
-                    {
-                        "what": "decode only (read + decode every line), in process",
-                        "trace": path.name,
-                        "wall_s": _median([c.wall_s for c in ceiling]),
-                        "cpu_s": _median([c.cpu_s for c in ceiling]),
-                        "per_report": True,
-                    }
-                )
+                rows.append(_row("decode only (read + decode every line), in process", path, ceiling))
                 inproc, decided = in_process_replay(path, tmp / "inproc.jsonl", args.profile)
-                rows.append(
-                    {
-                        "what": "`aggregator.replay.replay()`, in process (no start-up)",
-                        "trace": path.name,
-                        "wall_s": inproc.wall_s,
-                        "cpu_s": inproc.cpu_s,
-                        "per_report": True,
-                    }
-                )
+                rows.append(_row("`aggregator.replay.replay()`, in process (no start-up)", path, [inproc]))
                 runs: list[Timed] = []
                 summary = ""
                 for i in range(args.runs):
@@ -318,11 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log.info("gpuwarden replay said: %s", summary.strip().replace("\n", " | "))
                 rows.append(
                     {
-                        "what": "**`gpuwarden replay TRACE --out D`** (subprocess)",
-                        "trace": path.name,
-                        "wall_s": _median([r.wall_s for r in runs]),
-                        "cpu_s": _median([r.cpu_s for r in runs]),
-                        "per_report": True,
+                        **_row("**`gpuwarden replay TRACE --out D`** (subprocess)", path, runs),
                         "summary": summary.strip(),
                         "peak_rss_mb": max(r.peak_rss_mb or 0.0 for r in runs),
                     }

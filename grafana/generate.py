@@ -243,6 +243,14 @@ def _override(matcher: str, options: str, properties: Mapping[str, Any]) -> Json
     }
 
 
+def _without_time_sorted_by(field: str) -> list[Json]:
+    """A table's transformations that drop the Time column of instant queries and sort by ``field``."""
+    return [
+        {"id": "organize", "options": {"excludeByName": {"Time": True}}},
+        {"id": "sortBy", "options": {"sort": [{"field": field}]}},
+    ]
+
+
 def _text(title: str, markdown: str, *, w: int = 12, h: int = 4, links: Sequence[Json] = ()) -> Json:
     panel: Json = {
         "type": "text",
@@ -728,10 +736,7 @@ def _pair_probe_panels() -> list[Json]:
                     },
                 ),
             ],
-            transformations=[
-                {"id": "organize", "options": {"excludeByName": {"Time": True}}},
-                {"id": "sortBy", "options": {"sort": [{"field": "Value #A"}]}},
-            ],
+            transformations=_without_time_sorted_by("Value #A"),
         ),
         _table(
             "Pairs by last result, failed first",
@@ -765,10 +770,7 @@ def _pair_probe_panels() -> list[Json]:
                     },
                 )
             ],
-            transformations=[
-                {"id": "organize", "options": {"excludeByName": {"Time": True}}},
-                {"id": "sortBy", "options": {"sort": [{"field": "Value"}]}},
-            ],
+            transformations=_without_time_sorted_by("Value"),
         ),
         _stat(
             "Pairs whose last probe failed",

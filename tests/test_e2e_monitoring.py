@@ -25,7 +25,6 @@ installs them. Everything listens on 127.0.0.1 on free ports and lives in a temp
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -42,7 +41,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
 import pytest
@@ -50,6 +48,7 @@ import yaml
 
 from tests.conftest import FIXTURES, REPO
 from tests.kube_double import KubeApiDouble
+from tests.test_grafana import generate  # grafana/generate.py, loaded as a module
 
 GPWD = [sys.executable, "-m", "gpuwarden"]
 RULE_FILES = sorted((REPO / "rules" / "prometheus").glob("*.yml"))
@@ -526,16 +525,6 @@ def stack(tmp_path: Path, processes: Processes, receiver: Receiver, kube: KubeSe
 # --- the dashboards -------------------------------------------------------------------------------
 
 
-def _load_generate() -> ModuleType:
-    path = REPO / "grafana" / "generate.py"
-    spec = importlib.util.spec_from_file_location("gpuwarden_grafana_generate", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and typing resolve the module by name
-    spec.loader.exec_module(module)
-    return module
-
-
 def _series_names(expr: str, known: set[str]) -> set[str]:
     """The metric names an expression reads: its identifiers that name gpuwarden series."""
     idents = set(re.findall(r"[A-Za-z_:][A-Za-z0-9_:]*", re.sub(r'"[^"]*"', '""', expr)))
@@ -840,7 +829,6 @@ def _check_dcgm_exporter_dashboard(stack: Stack) -> None:
 
 
 def _check_dashboards(stack: Stack, recorded: set[str]) -> None:
-    generate = _load_generate()
     known = set(stack.query_names()) | recorded
     seen_allowed: set[tuple[str, str]] = set()
     problems: list[str] = []

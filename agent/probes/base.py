@@ -92,6 +92,21 @@ def failed(
     return Probe(kind=kind, time=time, ok=False, peer=peer, size_bytes=size, error=error[:MAX_ERROR])
 
 
+def passed(
+    kind: ProbeKind, time: float, *, peer: str | None, size: int, busbw: float | None, duration: float
+) -> Probe:
+    """A probe that completed: its bus bandwidth (None where it measures none) and what it took."""
+    return Probe(
+        kind=kind,
+        time=time,
+        ok=True,
+        peer=peer,
+        size_bytes=size,
+        busbw_bytes_per_second=busbw,
+        duration_seconds=duration,
+    )
+
+
 def mono_deadline(assignment: Assignment, clock: Clock) -> float:
     """The assignment's wall-clock deadline on our monotonic clock (wall time may be stepped)."""
     return clock.monotonic() + (assignment.deadline - clock.time())

@@ -43,7 +43,7 @@ from typing import Any, Final, Protocol
 
 from agent.clock import Clock
 from agent.probes import nccl_tests
-from agent.probes.base import Cancel, ProbeFailure, Rendezvous, Support, failed, mono_deadline
+from agent.probes.base import Cancel, ProbeFailure, Rendezvous, Support, failed, mono_deadline, passed
 from agent.probes.idle import IdleGuard
 from agent.probes.protocol import Assignment, ProbeKind
 from agent.report import Probe
@@ -413,14 +413,9 @@ class _NcclProbe:
 
     def _result(self, assignment: Assignment, started: float, bw: float | None) -> Probe:
         """``duration_seconds`` is the whole probe (init, warm-up, timed loop): what it cost the node."""
-        return Probe(
-            kind=self.kind,
-            time=started,
-            ok=True,
-            peer=assignment.peer,
-            size_bytes=assignment.size_bytes,
-            busbw_bytes_per_second=bw,
-            duration_seconds=max(self.clock.time() - started, 0.0),
+        duration = max(self.clock.time() - started, 0.0)
+        return passed(
+            self.kind, started, peer=assignment.peer, size=assignment.size_bytes, busbw=bw, duration=duration
         )
 
 

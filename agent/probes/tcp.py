@@ -51,6 +51,7 @@ from agent.probes.base import (
     Support,
     failed,
     mono_deadline,
+    passed,
 )
 from agent.probes.protocol import Assignment, ProbeKind, verify
 from agent.report import Probe
@@ -205,15 +206,8 @@ class TcpPairProbe:
             error = str(exc) if isinstance(exc, ProbeFailure) else f"{type(exc).__name__}: {exc}"
             return failed(self.kind, started, error, peer=peer, size=size)
         seconds = max(seconds, 1e-9)
-        return Probe(
-            kind=self.kind,
-            time=started,
-            ok=True,
-            peer=peer,
-            size_bytes=size,
-            busbw_bytes_per_second=size / seconds,
-            duration_seconds=self.clock.monotonic() - begun,
-        )
+        duration = self.clock.monotonic() - begun
+        return passed(self.kind, started, peer=peer, size=size, busbw=size / seconds, duration=duration)
 
 
 class TcpProbeServer:
@@ -372,16 +366,10 @@ class TcpProbeServer:
             error = str(exc) if isinstance(exc, ProbeFailure) else f"{type(exc).__name__}: {exc}"
             self._on_result(failed("tcp_pair", started, error, peer=assignment.node, size=size))
             return
+        duration = self._clock.monotonic() - begun
+        busbw = (size - 1) / seconds  # the first byte started the clock
         self._on_result(
-            Probe(
-                kind="tcp_pair",
-                time=started,
-                ok=True,
-                peer=assignment.node,
-                size_bytes=size,
-                busbw_bytes_per_second=(size - 1) / seconds,
-                duration_seconds=self._clock.monotonic() - begun,
-            )
+            passed("tcp_pair", started, peer=assignment.node, size=size, busbw=busbw, duration=duration)
         )
 
 

@@ -51,7 +51,7 @@ from sklearn.ensemble import IsolationForest  # type: ignore[import-untyped]  # 
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import PoolDetector
 from aggregator.detect.load import settled
-from aggregator.detect.peers import MAD_SCALE, nanmedian
+from aggregator.detect.peers import MAD_SCALE, median_mad, nanmedian, under_load
 from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, PoolFrame
 from aggregator.model import Finding
 
@@ -186,8 +186,7 @@ def pool_vectors(frame: PoolFrame, now: float, config: ForestConfig) -> PoolVect
     t0, t1 = now - slots * frame.interval_s, now - frame.interval_s
     nodes, history = frame.snapshot(t0 - settle * frame.interval_s, t1)
     all_starts = frame.slot_starts(t0 - settle * frame.interval_s, t1)
-    util = history[..., GPU_COLUMN["utilization_ratio"]].astype(np.float64)
-    busy = util >= config.load_threshold  # NaN compares False: not reported is not loaded
+    busy = under_load(history, config.load_threshold)
     # A slot counts as loaded once the GPU has been busy for ``settle_seconds`` before it: a GPU
     # that started a job a minute ago is still heating up (heat sinks take minutes), and would
     # look colder than every settled peer. Slots before the held history cannot vouch for it.
@@ -218,8 +217,10 @@ def pool_vectors(frame: PoolFrame, now: float, config: ForestConfig) -> PoolVect
             summary = nanmedian(x, axis=0) if f.reduce == "median" else np.nanmean(x, axis=0)
             values[:, j] = summary[eligible]
     has = ~np.isnan(values)
-    median = nanmedian(values, axis=0) if values.shape[0] else np.full(len(usable), np.nan)
-    mad = nanmedian(np.abs(values - median), axis=0) if values.shape[0] else median
+    if values.shape[0]:
+        median, mad = median_mad(values, axis=0)
+    else:
+        median = mad = np.full(len(usable), np.nan)
     floors = np.array([f.floor for f in usable])
     scale = np.maximum(MAD_SCALE * np.nan_to_num(mad), floors)
     z = np.where(has, (values - median) / scale, 0.0)

@@ -162,6 +162,30 @@ def nanmedian(a: npt.NDArray[np.floating], axis: int) -> Float:
     return out
 
 
+def median_mad(a: Float, axis: int) -> tuple[Float, Float]:
+    """The NaN-ignoring median along ``axis`` and the median absolute deviation from it (unscaled:
+    times ``MAD_SCALE`` it estimates a normal's standard deviation)."""
+    median = nanmedian(a, axis=axis)
+    return median, nanmedian(np.abs(a - np.expand_dims(median, axis)), axis=axis)
+
+
+def under_load(gpu: npt.NDArray[np.float32], load_threshold: float) -> npt.NDArray[np.bool_]:
+    """Where a frame's GPU values (``(..., GPU_FIELDS)``) show the GPU under load: utilization at
+    least ``load_threshold``. NaN compares False: not reported is not loaded."""
+    util = gpu[..., GPU_COLUMN["utilization_ratio"]].astype(np.float64)
+    loaded: npt.NDArray[np.bool_] = util >= load_threshold
+    return loaded
+
+
+def complete_slots(frame: PoolFrame, now: float) -> tuple[float, float]:
+    """The ``(t0, t1)`` range for ``frame.snapshot`` of the frame's complete slots before ``now``.
+
+    The slot ``now`` falls in is still filling: a partial slot has fewer peers and a skewed median,
+    so only complete slots are compared.
+    """
+    return now - frame.slots * frame.interval_s, now - frame.interval_s
+
+
 def _node_relative(x: Float, min_gpus: int) -> Float:
     """Each GPU's value over the median of its node's loaded GPUs in the slot; NaN on nodes with
     fewer than ``min_gpus`` of them (too few node-mates to say which one is off)."""
@@ -186,17 +210,14 @@ class PeerDetector(PoolDetector):
 
     def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
         """Findings for every node of one pool's frame (empty lists where nothing deviates)."""
-        # The slot ``now`` falls in is still filling: a partial slot has fewer peers and a skewed
-        # median, so only complete slots are compared.
-        t0, t1 = now - frame.slots * frame.interval_s, now - frame.interval_s
+        t0, t1 = complete_slots(frame, now)
         nodes, gpu = frame.snapshot(t0, t1)
         starts = frame.slot_starts(t0, t1)
         out: dict[str, list[Finding]] = {n: [] for n in nodes}
         if gpu.shape[0] == 0 or not nodes:
             return out
         c = self.config
-        util = gpu[..., GPU_COLUMN["utilization_ratio"]].astype(np.float64)
-        loaded = util >= c.load_threshold  # NaN compares False: not reported is not loaded
+        loaded = under_load(gpu, c.load_threshold)
         for feature in self.features:
             cols = [GPU_COLUMN[col] for col in feature.columns]
             raw = gpu[..., cols].astype(np.float64)
@@ -229,8 +250,7 @@ class PeerDetector(PoolDetector):
         if not enough.any():
             return
         flat = x.reshape(slots, -1)
-        median = nanmedian(flat, axis=1)
-        mad = nanmedian(np.abs(flat - median[:, None]), axis=1)
+        median, mad = median_mad(flat, axis=1)
         scale = np.maximum(MAD_SCALE * mad, feature.floor)
         sign = -1.0 if feature.worse == "low" else 1.0
         z = sign * (x - median[:, None, None]) / scale[:, None, None]

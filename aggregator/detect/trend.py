@@ -38,7 +38,7 @@ from msgspec import Meta
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import PoolDetector
 from aggregator.detect.load import settled
-from aggregator.detect.peers import MAD_SCALE, nanmedian
+from aggregator.detect.peers import MAD_SCALE, complete_slots, median_mad, nanmedian, under_load
 from aggregator.fleet.frame import GPU_COLUMN, NIC_COLUMN, PoolFrame, nic_name
 from aggregator.model import Action, Finding
 
@@ -136,7 +136,7 @@ class TrendDetector(PoolDetector):
         self.every_seconds = self.config.every_seconds
 
     def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
-        t0, t1 = now - frame.slots * frame.interval_s, now - frame.interval_s  # complete slots only
+        t0, t1 = complete_slots(frame, now)
         nodes, gpu = frame.snapshot(t0, t1)
         _, nic = frame.nic_snapshot(t0, t1)
         out: dict[str, list[Finding]] = {n: [] for n in nodes}
@@ -194,8 +194,7 @@ class TrendDetector(PoolDetector):
             return None
         base = rate[: slots - c.long_slots]
         enough = (~np.isnan(base)).sum(axis=0) >= c.min_baseline_slots
-        median = nanmedian(base, axis=0)
-        mad = nanmedian(np.abs(base - median[None]), axis=0)
+        median, mad = median_mad(base, axis=0)
         line = median + np.maximum(c.burst_mads * MAD_SCALE * mad, floor)
         # NaN compares False: a missing rate is no evidence. The frame holds float32, whose 0.1 is
         # a hair above float64's: the tolerance keeps "exactly the floor" at the floor.
@@ -272,7 +271,7 @@ class TrendDetector(PoolDetector):
         slots = gpu.shape[0]
         if slots - c.drift_slots < c.min_drift_samples:
             return
-        busy = gpu[..., GPU_COLUMN["utilization_ratio"]].astype(np.float64) >= c.load_threshold
+        busy = under_load(gpu, c.load_threshold)
         loaded = settled(busy, max(0, round(c.settle_seconds / interval)))
         power = np.where(loaded, gpu[..., GPU_COLUMN["power_watts"]].astype(np.float64), np.nan)
         split = slots - c.drift_slots

@@ -484,13 +484,17 @@ def _taint(node_name: str, obj: Json) -> Taint:
     )
 
 
-def _taint_json(taint: Taint) -> Json:
-    out: Json = {"key": taint.key, "effect": taint.effect}
-    if taint.value is not None:
-        out["value"] = taint.value
-    if taint.time_added is not None:
-        out["timeAdded"] = taint.time_added
+def _with_optional(out: Json, optional: Mapping[str, object]) -> Json:
+    """``out`` and each of the ``optional`` fields that is set: an unset field is left out of what
+    gpuwarden writes, never sent as null."""
+    out.update((key, value) for key, value in optional.items() if value is not None)
     return out
+
+
+def _taint_json(taint: Taint) -> Json:
+    return _with_optional(
+        {"key": taint.key, "effect": taint.effect}, {"value": taint.value, "timeAdded": taint.time_added}
+    )
 
 
 def _condition(obj: Json) -> Condition:
@@ -507,17 +511,18 @@ def _condition(obj: Json) -> Condition:
 
 
 def _condition_json(condition: Condition) -> Json:
-    out: Json = {
-        "type": condition.type,
-        "status": condition.status,
-        "reason": condition.reason,
-        "message": condition.message,
-    }
-    if condition.last_transition_time is not None:
-        out["lastTransitionTime"] = condition.last_transition_time
-    if condition.last_heartbeat_time is not None:
-        out["lastHeartbeatTime"] = condition.last_heartbeat_time
-    return out
+    return _with_optional(
+        {
+            "type": condition.type,
+            "status": condition.status,
+            "reason": condition.reason,
+            "message": condition.message,
+        },
+        {
+            "lastTransitionTime": condition.last_transition_time,
+            "lastHeartbeatTime": condition.last_heartbeat_time,
+        },
+    )
 
 
 def _node(obj: Json) -> Node:
@@ -581,13 +586,13 @@ def _lease_json(lease: Lease, *, with_version: bool) -> Json:
         metadata["resourceVersion"] = lease.resource_version
     if lease.annotations:
         metadata["annotations"] = dict(lease.annotations)
-    spec: Json = {"leaseTransitions": lease.transitions}
-    for key, value in (
-        ("holderIdentity", lease.holder),
-        ("leaseDurationSeconds", lease.lease_duration_seconds),
-        ("acquireTime", lease.acquire_time),
-        ("renewTime", lease.renew_time),
-    ):
-        if value is not None:
-            spec[key] = value
+    spec = _with_optional(
+        {"leaseTransitions": lease.transitions},
+        {
+            "holderIdentity": lease.holder,
+            "leaseDurationSeconds": lease.lease_duration_seconds,
+            "acquireTime": lease.acquire_time,
+            "renewTime": lease.renew_time,
+        },
+    )
     return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": spec}
