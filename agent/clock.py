@@ -54,3 +54,21 @@ class FakeClock:
         with self._lock:
             self._now += seconds
             self._mono += seconds
+
+
+class SettableClock:
+    """A clock that reads whatever it was last set to (``now``), wall and monotonic alike: the
+    aggregator's clock when a driver posts reports at their simulated receive times (the
+    simulated-fleet demo, the replay-equals-live test). ``sleep`` moves it forward."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds

@@ -31,6 +31,7 @@ from typing import Any, Final, TextIO
 
 import aiohttp
 
+from agent.clock import SettableClock
 from agent.errors import ConfigError
 from agent.report import encode
 from gpuwarden.narrate import Narrator, action_words
@@ -146,22 +147,6 @@ def _scenario(args: argparse.Namespace) -> scenario_mod.Scenario:
     return scenario_mod.load(args.scenario).with_overrides(
         seed=args.seed, nodes=args.nodes, minutes=args.minutes
     )
-
-
-class _SimClock:
-    """The aggregator's clock: set to each report's receive time before it is posted."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def time(self) -> float:
-        return self.now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def _offset(s: scenario_mod.Scenario, t: float) -> str:
@@ -299,7 +284,7 @@ async def _demo(s: scenario_mod.Scenario, speed: float, work: Path, out: TextIO)
     (work / "tokens").write_text(
         "".join(f"{n} {t}\n" for n, t in tokens.items()) + f"viewer:simdemo {viewer}\n"
     )
-    clock = _SimClock(s.start)
+    clock = SettableClock(s.start)
     # No periodic task: the demo advances the pipeline itself, once per simulated second.
     aggregator = await build_aggregator(
         # On 127.0.0.1 only: the status page opens in a browser without a token.
@@ -382,7 +367,7 @@ async def _stream(
     path: str,
     tokens: Mapping[str, str],
     pipeline: Any,
-    clock: _SimClock,
+    clock: SettableClock,
     interrupted: asyncio.Event,
     progress: _Progress,
     seen: list[Mapping[str, Any]],

@@ -23,6 +23,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
+from agent.clock import SettableClock
 from agent.report import encode
 from aggregator.app import build_pipeline
 from aggregator.auth import StaticTokens
@@ -363,22 +364,6 @@ def test_reports_out_of_order_across_nodes_give_the_same_decisions(
 # -- replay is live ingestion -----------------------------------------------------------------------
 
 
-class ReceiveClock:
-    """The aggregator's clock, set by the test to each report's receive time before it is posted."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def time(self) -> float:
-        return self.now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
 async def test_replay_gives_the_same_decisions_as_live_ingestion(aiohttp_client: Any, tmp_path: Path) -> None:
     """Post every report of the trace to the real aggregator app over HTTP (gzip, bearer token),
     in receive order with the clock at each receive time, then replay the same trace.
@@ -392,7 +377,7 @@ async def test_replay_gives_the_same_decisions_as_live_ingestion(aiohttp_client:
     live_log = tmp_path / "live.jsonl"
     decisions = DecisionLog(live_log)
     pipeline = build_pipeline(CONFIG, RULES, decisions)
-    clock = ReceiveClock(SCENARIO.start)
+    clock = SettableClock(SCENARIO.start)
     app = create_app(
         pipeline, StaticTokens(token_file), CONFIG, clock, CollectorRegistry(), advance_interval_s=None
     )
