@@ -615,7 +615,7 @@ async def advance_periodically(
 
 def create_app(
     pipeline: PipelineLike,
-    authenticator: Authenticator,
+    authenticator: Authenticator | None,
     config: Config,
     clock: Clock,
     registry: CollectorRegistry,
@@ -623,6 +623,7 @@ def create_app(
     metrics: Metrics | None = None,
     readiness: Readiness | None = None,
     advance_interval_s: float | None = 1.0,
+    banner: str | None = None,
 ) -> web.Application:
     """The aggregator's web application.
 
@@ -630,7 +631,8 @@ def create_app(
     on ``registry``); by default one is made here. ``readiness`` returns the problems that make the
     aggregator unready. ``advance_interval_s``: how often ``pipeline.advance`` runs while the app
     is up (None: never, for a caller that drives it). Serve it with ``SERVER_KWARGS`` (``serve()``
-    does). The authenticator is closed with the app if it has an ``async close()``.
+    does). The authenticator is closed with the app if it has an ``async close()``; without one
+    the app is read-only (no ingest route). ``banner``: a line atop every status page.
     """
     if metrics is None:
         metrics = Metrics(registry)
@@ -641,11 +643,12 @@ def create_app(
     app = web.Application(client_max_size=config.ingest.max_body_bytes)
     app[PIPELINE_KEY] = pipeline
     app[METRICS_KEY] = metrics
-    ingest = _Ingest(pipeline, authenticator, config, clock, metrics)
-    app.router.add_post(REPORTS_PATH, ingest.handle)
+    if authenticator is not None:
+        ingest = _Ingest(pipeline, authenticator, config, clock, metrics)
+        app.router.add_post(REPORTS_PATH, ingest.handle)
     app.router.add_routes(_health(registry, readiness))
     app.router.add_routes(_read_api(pipeline))
-    app.router.add_routes(status_routes(pipeline, config=config, clock=clock))
+    app.router.add_routes(status_routes(pipeline, config=config, clock=clock, banner=banner))
 
     if advance_interval_s is not None:
         interval = advance_interval_s
@@ -661,7 +664,7 @@ def create_app(
 
         app.cleanup_ctx.append(periodic)
 
-    if isinstance(authenticator, SupportsClose):
+    if authenticator is not None and isinstance(authenticator, SupportsClose):
         closeable = authenticator
 
         async def close_authenticator(app: web.Application) -> None:
