@@ -300,3 +300,20 @@ async def build_aggregator(
         remediation=remediation,
         app=app,
     )
+
+
+def build_read_only_app(pipeline: Pipeline, config: Config, clock: Clock, *, banner: str) -> web.Application:
+    """The read-only views over a pipeline already driven to its state (``gpuwarden replay
+    --serve``): the status page and the JSON read API, no ingest route, and no periodic
+    ``advance`` (``clock`` is typically frozen at the end of a trace, so time does not move)."""
+    registry = CollectorRegistry()
+    return create_app(
+        pipeline,
+        None,
+        config,
+        clock,
+        registry,
+        metrics=Metrics(registry),
+        advance_interval_s=None,
+        banner=banner,
+    )

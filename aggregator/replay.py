@@ -1,13 +1,19 @@
-"""``gpuwarden replay TRACE --out DECISIONS``: the live pipeline over a recorded trace.
+"""``gpuwarden replay TRACE --out DECISIONS [--serve HOST:PORT]``: the live pipeline over a
+recorded trace.
 
 The clock is the reports' own ``time`` (no sleeping), remediation is in dry-run (decisions say
 what would be done), and the result is deterministic. Reports a little out of order across nodes,
 as live ingestion sees them, are put back in time order through a short reorder buffer.
+
+With ``--serve``, the replayed pipeline's final state is then served read-only (the status page
+and the JSON API ``gpuwarden status`` and ``explain`` read) with the clock frozen at the trace's
+last report, until SIGINT or SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gzip
 import heapq
@@ -21,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TextIO
+from typing import IO, TYPE_CHECKING, TextIO
 
 import msgspec
 import numpy as np
@@ -34,6 +40,10 @@ from aggregator.decisions import Decision, DecisionLog
 from aggregator.model import IngestOutcome
 from aggregator.rules.model import Rule
 from aggregator.service import plausibility_errors
+from aggregator.story import iso
+
+if TYPE_CHECKING:
+    from aggregator.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +218,22 @@ def _ordered(
 def replay(
     trace: Path, out: Path | None, config: Config, rules: list[Rule], *, progress: Progress | None = None
 ) -> tuple[list[Decision], ReplaySummary]:
+    produced, summary, _ = replayed(trace, out, config, rules, progress=progress)
+    return produced, summary
+
+
+@dataclass
+class FinalState:
+    """The pipeline as the replay left it, and the trace's last (aggregator) time."""
+
+    pipeline: Pipeline
+    at: float
+
+
+def replayed(
+    trace: Path, out: Path | None, config: Config, rules: list[Rule], *, progress: Progress | None = None
+) -> tuple[list[Decision], ReplaySummary, FinalState]:
+    """``replay``, and the final state it leaves (for ``--serve``)."""
     # Imported here, not at the top: the pipeline loads scikit-learn (seconds), which `--help`
     # and a refused argument must not wait for.
     from aggregator.app import build_pipeline  # noqa: PLC0415
@@ -245,7 +271,7 @@ def replay(
         pipeline.advance(last)
     finally:
         decisions.close()
-    return produced, summary
+    return produced, summary, FinalState(pipeline, last)
 
 
 def _refuse_the_trace_as_out(trace: Path, out: Path | None) -> None:
@@ -291,6 +317,57 @@ class TerminalProgress:
             self._drawn = False
 
 
+class FrozenClock:
+    """Wall time stopped at ``at`` (the end of a replayed trace), so probation clocks, "ago" and
+    "what happens next" read as of then however long the views are served; monotonic time and
+    sleeping are real (throttles and timeouts still work)."""
+
+    def __init__(self, at: float) -> None:
+        self._at = at
+
+    def time(self) -> float:
+        return self._at
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6; port 0 picks a free one)."""
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:8080)")
+    return host, int(port)
+
+
+def banner(trace: Path, at: float) -> str:
+    return f"Replay of {trace}, as of {iso(at)} (the trace's last report; the clock is frozen there)"
+
+
+async def serve_final_state(
+    trace: Path,
+    final: FinalState,
+    config: Config,
+    host: str,
+    port: int,
+    *,
+    on_started: Callable[[str, int], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """The read-only views over ``final`` on ``host:port`` until ``stop`` (default: SIGINT or
+    SIGTERM)."""
+    from aggregator.app import build_read_only_app  # noqa: PLC0415 - only with --serve
+    from aggregator.service import serve  # noqa: PLC0415
+
+    app = build_read_only_app(final.pipeline, config, FrozenClock(final.at), banner=banner(trace, final.at))
+    await serve(app, host, port, stop=stop, on_started=on_started, shutdown_timeout_s=2.0)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", type=Path, help="trace file: JSON Lines of reports, .gz allowed")
     p.add_argument("--out", type=Path, required=True, help="where to write the decision log (JSONL)")
@@ -302,6 +379,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="log every decision and every skipped line as it happens (they are in --out and "
         "the summary either way)",
+    )
+    p.add_argument(
+        "--serve",
+        type=parse_address,
+        metavar="HOST:PORT",
+        help="after the replay, serve the status page and the read API (gpuwarden status, "
+        "explain) over its final state, as of the trace's last report, until Ctrl-C or SIGTERM",
     )
 
 
@@ -321,7 +405,7 @@ def run(args: argparse.Namespace) -> int:
         )
         _refuse_the_trace_as_out(args.trace, args.out)
         with _written_on_success(args.out) as tmp:
-            _, summary = replay(args.trace, tmp, config, rules, progress=progress)
+            _, summary, final = replayed(args.trace, tmp, config, rules, progress=progress)
     except TraceError as exc:
         if progress is not None:
             progress.clear()
@@ -332,4 +416,16 @@ def run(args: argparse.Namespace) -> int:
     if progress is not None:
         progress.clear()
     print(summary.render(), file=sys.stderr)
+    if args.serve is not None:
+        host, port = args.serve
+
+        def started(bound_host: str, bound_port: int) -> None:
+            shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+            print(
+                f"serving the replay as of {iso(final.at)} on http://{shown}:{bound_port}/ "
+                "(read-only; Ctrl-C to stop)",
+                flush=True,
+            )
+
+        asyncio.run(serve_final_state(args.trace, final, config, host, port, on_started=started))
     return 0

@@ -633,14 +633,25 @@ _AGENT_API_PREFIX: Final = "/v1/"  # reports and probes: node tokens, checked by
 
 
 def _read_guard(
-    authenticator: Authenticator,
+    authenticator: Authenticator | None,
     *,
     metrics_public: bool,
     status_page_public: bool,
     clock: Clock,
     admin_tokens: Sequence[str],
 ) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """Middleware: reads need a viewer or an admin token (see the module docstring)."""
+    """Middleware: reads need a viewer or an admin token (see the module docstring). Without an
+    authenticator (``gpuwarden replay --serve``: a read-only view of a trace file, no tokens to
+    check) every read is open: that command is meant for the operator's own machine."""
+    if authenticator is None:
+
+        @web.middleware
+        async def open_reads(
+            request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+        ) -> web.StreamResponse:
+            return await handler(request)
+
+        return open_reads
     reject_log = RateLimitedLog(log, monotonic=clock.monotonic)
     admins = [hashlib.sha256(t.encode()).digest() for t in admin_tokens]
     open_paths = _OPEN_PATHS | ({"/metrics"} if metrics_public else set())
@@ -791,7 +802,7 @@ async def advance_periodically(
 
 def create_app(
     pipeline: PipelineLike,
-    authenticator: Authenticator,
+    authenticator: Authenticator | None,
     config: Config,
     clock: Clock,
     registry: CollectorRegistry,
@@ -800,6 +811,7 @@ def create_app(
     readiness: Readiness | None = None,
     advance_interval_s: float | None = 1.0,
     admin_tokens: Sequence[str] = (),
+    banner: str | None = None,
 ) -> web.Application:
     """The aggregator's web application.
 
@@ -807,7 +819,8 @@ def create_app(
     on ``registry``); by default one is made here. ``readiness`` returns the problems that make the
     aggregator unready. ``advance_interval_s``: how often ``pipeline.advance`` runs while the app
     is up (None: never, for a caller that drives it). Serve it with ``SERVER_KWARGS`` (``serve()``
-    does). The authenticator is closed with the app if it has an ``async close()``.
+    does). The authenticator is closed with the app if it has an ``async close()``; without one
+    the app is read-only (no ingest route). ``banner``: a line atop every status page.
     """
     if metrics is None:
         metrics = Metrics(registry)
@@ -828,11 +841,12 @@ def create_app(
     app[PIPELINE_KEY] = pipeline
     app[METRICS_KEY] = metrics
     app[SERVER_CONFIG_KEY] = config.server
-    ingest = _Ingest(pipeline, authenticator, config, clock, metrics)
-    app.router.add_post(REPORTS_PATH, ingest.handle)
+    if authenticator is not None:
+        ingest = _Ingest(pipeline, authenticator, config, clock, metrics)
+        app.router.add_post(REPORTS_PATH, ingest.handle)
     app.router.add_routes(_health(registry, readiness))
     app.router.add_routes(_read_api(pipeline))
-    app.router.add_routes(status_routes(pipeline, config=config, clock=clock))
+    app.router.add_routes(status_routes(pipeline, config=config, clock=clock, banner=banner))
 
     if advance_interval_s is not None:
         interval = advance_interval_s
@@ -848,7 +862,7 @@ def create_app(
 
         app.cleanup_ctx.append(periodic)
 
-    if isinstance(authenticator, SupportsClose):
+    if authenticator is not None and isinstance(authenticator, SupportsClose):
         closeable = authenticator
 
         async def close_authenticator(app: web.Application) -> None:

@@ -223,9 +223,16 @@ class StatusView:
     """Renders each page from ``source``; every method returns the page's HTML (or JSON data)."""
 
     def __init__(
-        self, source: StatusSource, config: Config, clock: Clock, *, nodes_ttl_s: float = NODES_TTL_S
+        self,
+        source: StatusSource,
+        config: Config,
+        clock: Clock,
+        *,
+        nodes_ttl_s: float = NODES_TTL_S,
+        banner: str | None = None,
     ) -> None:
         self.source = source
+        self.banner = banner  # shown atop every page: what this view is of, when not a live fleet
         self.config = config
         self.clock = clock
         self.nodes_ttl_s = nodes_ttl_s
@@ -315,6 +322,7 @@ class StatusView:
             title=h(title),
             body=body,
             refresh=meta,
+            banner=f'<p class="banner">{h(self.banner)}</p>\n' if self.banner else "",
             now=h(iso(self.clock.time())),
             render_ms=f"{(time.perf_counter() - started) * 1000:.1f}",
         )
@@ -771,9 +779,12 @@ def is_page(path: str) -> bool:
     return path == "/" or any(path == r or path.startswith(r + "/") for r in _PAGE_ROOTS)
 
 
-def status_routes(source: StatusSource, *, config: Config, clock: Clock) -> list[web.RouteDef]:
-    """The status page's routes; add them to the aggregator's app (``app.router.add_routes``)."""
-    view = StatusView(source, config, clock)
+def status_routes(
+    source: StatusSource, *, config: Config, clock: Clock, banner: str | None = None
+) -> list[web.RouteDef]:
+    """The status page's routes; add them to the aggregator's app (``app.router.add_routes``).
+    ``banner``: a line atop every page saying what is shown (a replayed trace, as of when)."""
+    view = StatusView(source, config, clock, banner=banner)
 
     def not_found(name: str) -> web.Response:
         body = view.page(
