@@ -332,12 +332,28 @@ class HealthMachine:
 
     def adopt_taint(self, node: str) -> bool:
         """The cluster shows our taint on a node quarantined since we started (its report came
-        before the first list): it is out already, and stays out without a new gate verdict."""
+        before the first list): it is out already, and stays out without a new gate verdict.
+        Returns whether the node was taken as out."""
         h = self._nodes.get(node)
         if h is None or h.state not in ("quarantined", "probation") or h.tainted:
             return False
         h.pending = h.held = False
         h.tainted = True
+        return True
+
+    def continue_episode(self, node: str, snap: HealthSnapshot) -> bool:
+        """A node decided out since we started, whose snapshot says the same state: the same
+        episode, told as it began. Its start, quarantine count, lemon and words are the
+        snapshot's (so a restart rewrites nothing and a probation clock is not reset); the live
+        findings stay. Returns whether it was the same episode."""
+        h = self._nodes.get(node)
+        if h is None or h.state != snap.state or h.state not in ("quarantined", "probation"):
+            return False
+        h.since = snap.since
+        h.quarantines = deque(snap.quarantines)
+        h.lemon = h.lemon or snap.lemon
+        if snap.message is not None:
+            h.reasons = _restored_reasons(snap)
         return True
 
     def replaced_gpus(self, node: str, uuids: Mapping[int, str], now: float) -> Decision | None:
@@ -439,21 +455,7 @@ class HealthMachine:
             h.groups[RESTORED] = {f.key: _Tracked(f, min(f.since, now)) for f in findings}
             h.restored_until = now + grace_seconds
         if snap.message is not None:
-            # The decision's own words and reason code: the taint's value, the condition and the
-            # reason annotation stay exactly as they are, so a restart rewrites nothing.
-            lead = snap.findings[0] if snap.findings else None
-            h.reasons = (
-                []
-                if snap.state == "healthy" and lead is None
-                else [
-                    Reason(
-                        detector=lead.detector if lead is not None else "rule",
-                        rule=snap.reason_code,
-                        severity=lead.severity if lead is not None else "info",
-                        summary=snap.message,
-                    )
-                ]
-            )
+            h.reasons = _restored_reasons(snap)
         else:
             h.reasons = [_reason(f) for f in findings] or [
                 Reason(detector="rule", severity="info", summary=f"restored from the cluster: {snap.state}")
@@ -479,6 +481,23 @@ class HealthMachine:
         h.lemon = False
         h.quarantines.clear()
         return self._evaluate(h, now)
+
+
+def _restored_reasons(snap: HealthSnapshot) -> list[Reason]:
+    """The decision's own words and reason code, as the snapshot kept them: the taint's value,
+    the condition and the reason annotation stay exactly as they are, so a restart rewrites
+    nothing."""
+    lead = snap.findings[0] if snap.findings else None
+    if snap.state == "healthy" and lead is None:
+        return []
+    return [
+        Reason(
+            detector=lead.detector if lead is not None else "rule",
+            rule=snap.reason_code,
+            severity=lead.severity if lead is not None else "info",
+            summary=snap.message or snap.state,
+        )
+    ]
 
 
 def _about_replaced_gpu(f: Finding, uuids: Mapping[int, str]) -> bool:

@@ -610,9 +610,13 @@ class Pipeline:
         tainted (it is out already: no gate verdict, held or not, takes the taint off)."""
         known = self.health.get(node)
         if known is not None and (known.state in ("quarantined", "probation") or known.tainted or known.held):
+            episode = snapshot is not None and self.health.continue_episode(node, snapshot)
             if taint_value is not None and self.health.adopt_taint(node):
                 if snapshot is not None and snapshot.tainted and snapshot.quarantines:
                     self.limits.remember_taint(max(snapshot.quarantines), now)
+                if episode:
+                    # What the queued decisions said, the node shows already: nothing to record.
+                    self._deferred = [d for d in self._deferred if d.node != node]
                 log.info(
                     "quarantine decided before the first list: our taint is on the node and stays",
                     extra={"node": node, "state": known.state, "taint": taint_value},
