@@ -405,9 +405,16 @@ class HealthMachine:
         h = self._nodes.get(node)
         if h is None:
             return None
-        tracked = sorted(
-            h.active(), key=lambda t: (t.finding.action != "quarantine", not t.finding.hard, t.finding.key)
-        )
+        # One finding per key: after a restart the restored evidence and the live finding it
+        # gave way to say the same thing; the one first seen is kept, so the snapshot is the one
+        # already on the node and a restart rewrites nothing.
+        first: dict[str, _Tracked] = {}
+        for t in h.active():
+            kept = first.get(t.finding.key)
+            if kept is None or t.finding.since < kept.finding.since:
+                first[t.finding.key] = t
+        order = lambda t: (t.finding.action != "quarantine", not t.finding.hard, t.finding.key)  # noqa: E731
+        tracked = sorted(first.values(), key=order)
         return HealthSnapshot(
             state=h.state,
             since=h.since,
