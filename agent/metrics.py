@@ -6,7 +6,10 @@ units in the name (seconds, bytes, celsius, watts, joules, hertz, ratio), ``_tot
 
 Label choices, made to keep cardinality low and joins easy:
 
-- No node or hostname label anywhere: Prometheus attaches the target's own labels.
+- No node or hostname label on the measurements: Prometheus attaches the target's own labels.
+  Only ``gpuwarden_gpu_info`` carries ``node_name``, the agent's own node name, so that rules that
+  need a host name (dcgm-exporter's ``Hostname``) have one where the scrape config adds no ``node``
+  label; named so that it never collides with a target label ``node``.
 - GPU series carry ``gpu`` (the index, what people say) and ``uuid`` (what survives re-indexing).
   ``model`` and ``pci_bus_id`` are only on ``gpuwarden_gpu_info`` (value 1), the info-metric pattern
   of node_exporter: ``... * on(gpu, uuid) group_left(model) gpuwarden_gpu_info``.
@@ -14,9 +17,11 @@ Label choices, made to keep cardinality low and joins easy:
   empty label as an absent one). ``netdev`` and ``link_layer`` are only on ``gpuwarden_nic_info``.
 - The well-known InfiniBand port error counters of an RDMA port get families of their own
   (``gpuwarden_infiniband_symbol_errors_total``, ...), named like node_exporter's; every other
-  counter the report carries goes to ``gpuwarden_nic_stat_total{stat="<sysfs file name>"}``, since
-  that set is open-ended. (Not ``..._counter_total``: promtool rejects a counter with "counter" in
-  its name.)
+  counter the report carries goes to a family by its unit (``NIC_STAT_FAMILIES``:
+  ``gpuwarden_nic_stat_bytes_total``, ``..._packets_total``, ``..._errors_total``,
+  ``..._events_total``, with ``stat="<sysfs file name>"``, since that set is open-ended), and one
+  the catalogue does not know to ``gpuwarden_nic_stat_total``. (Not ``..._counter_total``:
+  promtool rejects a counter with "counter" in its name.)
 
 A field the report has as null produces no sample: absent, never 0. Families with no samples are
 left out.
@@ -32,6 +37,21 @@ no peer label at all, as for a netdev's ``port``. A result that only says the no
 (``skipped: ...``, ``stepped aside: ...``) is counted, but does not replace the last measurement:
 it says nothing about the link.
 
+XID counters and their zero. ``increase()`` and ``rate()`` count nothing for a series whose first
+sample is already 1: Prometheus cannot tell "one XID" from "the counter was always 1". So a
+``gpuwarden_gpu_xid_events_total{gpu, code}`` series is shown at 0 in at least one scrape before
+any event is counted in it:
+
+- for the XID codes in ``XID_CODES_PREDECLARED`` (the ones the shipped rules act on), every GPU of
+  the report has its series at 0 from the first cycle on, so the first such XID counts at once;
+- any other (gpu, code) appears at 0 the first time it occurs, and the event is added after the
+  next scrape has shown that 0 (one scrape late, never lost). With two Prometheus servers scraping
+  one agent, only the first to scrape sees that 0; predeclared codes count right for both.
+
+Predeclaring every code would cost a series per GPU and code (hundreds of codes); the list costs
+``len(XID_CODES_PREDECLARED)`` series per GPU. ``gpuwarden_gpu_last_xid_code{gpu, uuid}`` is the
+code of the GPU's latest XID (0 before any), dcgm-exporter's DCGM_FI_DEV_XID_ERRORS.
+
 Cost: the families built from one cycle's report are kept until the next cycle, so a scrape of an
 unchanged snapshot only re-renders text; only the few shipper and agent samples are rebuilt.
 """
@@ -40,7 +60,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Final
 from wsgiref.simple_server import WSGIServer
@@ -59,6 +79,7 @@ from agent.errors import ConfigError
 from agent.report import CLOCK_EVENT_REASONS as _REASONS
 from agent.report import (
     GPU_CATALOGUE,
+    NIC_COUNTER_CATALOGUE,
     NIC_COUNTER_NAMES,
     NIC_TYPED_COUNTERS,
     NVLINK_COUNTERS,
@@ -74,9 +95,11 @@ log = logging.getLogger(__name__)
 __all__ = [
     "CLOCK_EVENT_REASONS",
     "INFINIBAND_COUNTERS",
+    "NIC_STAT_FAMILIES",
     "PROBE_FORGET_SECONDS",
     "PROBE_OUTCOMES",
     "PROBE_PEERS_PER_KIND",
+    "XID_CODES_PREDECLARED",
     "AgentMetrics",
     "AgentSnapshot",
     "MetricsServer",
@@ -169,7 +192,47 @@ INFINIBAND_COUNTERS: dict[str, tuple[str, str]] = {
     ),
 }
 
+# The other counters of ``Nic.counters``, one family per unit (the catalogue's NicCounter.unit):
+# a sum or a rate within one family means something. Words are exported as bytes (x 4). A driver
+# counter the catalogue does not know has no known unit: it goes to gpuwarden_nic_stat_total.
+NIC_STAT_FAMILIES: Final[Mapping[str | None, tuple[str, str]]] = {
+    "bytes": (
+        "gpuwarden_nic_stat_bytes_total",
+        "Other byte counters of the port, in bytes, named by their sysfs file (IBTA's port_xmit_data "
+        "and port_rcv_data count 4-byte words: they are multiplied by 4 here).",
+    ),
+    "packets": (
+        "gpuwarden_nic_stat_packets_total",
+        "Other packet counters of the port (count of packets or requests), named by their sysfs file.",
+    ),
+    "errors": (
+        "gpuwarden_nic_stat_errors_total",
+        "Other error counters of the port (count of errors, discards, drops), named by their sysfs "
+        "file: zero on healthy hardware.",
+    ),
+    "events": (
+        "gpuwarden_nic_stat_events_total",
+        "Other event counters of the port (count): congestion notifications and link transitions "
+        "(carrier_changes, ...), named by their sysfs file.",
+    ),
+    None: (
+        "gpuwarden_nic_stat_total",
+        "Driver counters of the port that gpuwarden does not know (count, unit unknown), named by "
+        "their sysfs file.",
+    ),
+}
+
 _EVENT_KINDS = ("xid", "sxid", "kernel")
+# XID codes whose counter every GPU has at 0 from the start (see the module docstring): the codes
+# rules/xid.yaml acts on (tests/test_metrics.py keeps the two in step), NVIDIA's catalogue's
+# hardware, driver and application faults: 13 graphics engine exception, 31 MMU fault, 43 stopped
+# processing, 45 preemptive cleanup, 48 double-bit ECC, 62 micro-controller halt, 63 row remap
+# pending, 64 row remap failure, 74 NVLink error, 79 fallen off the bus, 92 high single-bit ECC
+# rate, 94 contained ECC error, 95 uncontained ECC error, 119 and 120 GSP errors, 140 unrecovered
+# ECC error.
+XID_CODES_PREDECLARED: Final[tuple[int, ...]] = (
+    13, 31, 43, 45, 48, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140,
+)  # fmt: skip
 _PSTATE_UNKNOWN = 32  # NVML_PSTATE_UNKNOWN: no state to report
 _GPU_LABELS = ("gpu", "uuid")
 _NIC_LABELS = ("device", "port")
@@ -330,6 +393,56 @@ _GPU_FAMILIES: tuple[_GpuFamily, ...] = (
         "pcie_replay_total",
         "PCIe replays (retransmitted packets) the GPU counted, since the driver was loaded.",
     ),
+    _plain(
+        "gpuwarden_gpu_memory_utilization_ratio",
+        "memory_utilization_ratio",
+        "Share of the last sample period during which device memory was read or written (ratio, 0 to 1).",
+    ),
+    # NVML's GPU Performance Monitoring (Hopper and later), averaged over the report interval.
+    _plain(
+        "gpuwarden_gpu_graphics_engine_active_ratio",
+        "gr_engine_active_ratio",
+        "Share of the last interval during which the graphics or compute engine was active "
+        "(ratio, 0 to 1; NVML GPM graphics utilization).",
+    ),
+    _plain(
+        "gpuwarden_gpu_sm_active_ratio",
+        "sm_active_ratio",
+        "Share of the last interval during which at least one warp was active on an SM, averaged "
+        "over all SMs (ratio, 0 to 1; NVML GPM SM utilization).",
+    ),
+    _plain(
+        "gpuwarden_gpu_sm_occupancy_ratio",
+        "sm_occupancy_ratio",
+        "Warps resident on the SMs over the most they can hold, averaged over the last interval "
+        "(ratio, 0 to 1; NVML GPM SM occupancy).",
+    ),
+    _plain(
+        "gpuwarden_gpu_tensor_active_ratio",
+        "tensor_active_ratio",
+        "Share of the last interval during which any tensor core pipe was active (ratio, 0 to 1; "
+        "NVML GPM any-tensor utilization).",
+    ),
+    _plain(
+        "gpuwarden_gpu_dram_active_ratio",
+        "dram_active_ratio",
+        "DRAM bandwidth used over the peak, averaged over the last interval (ratio, 0 to 1; NVML "
+        "GPM DRAM bandwidth utilization).",
+    ),
+    _GpuFamily(
+        "gpuwarden_gpu_pcie_throughput_bytes_per_second",
+        "PCIe traffic of the GPU over the last interval, headers included, in bytes per second; "
+        "direction transmit: from the GPU, receive: to it.",
+        (("pcie_tx_bytes_per_second", ("transmit",)), ("pcie_rx_bytes_per_second", ("receive",))),
+        ("direction",),
+    ),
+    _GpuFamily(
+        "gpuwarden_gpu_nvlink_throughput_bytes_per_second",
+        "NVLink traffic of the GPU over the last interval, all links together, in bytes per second; "
+        "direction transmit: from the GPU, receive: to it.",
+        (("nvlink_tx_bytes_per_second", ("transmit",)), ("nvlink_rx_bytes_per_second", ("receive",))),
+        ("direction",),
+    ),
 )
 
 _NVLINK_ERRORS: tuple[tuple[str, str], ...] = (
@@ -392,10 +505,12 @@ def _family(
     return GaugeMetricFamily(name, help_, labels=list(labels))
 
 
-def _gpu_families(gpus: Iterable[Gpu]) -> list[Metric]:
+def _gpu_families(gpus: Iterable[Gpu], node: str) -> list[Metric]:
     info = InfoMetricFamily(
         "gpuwarden_gpu",
-        "A GPU of this node, value always 1: join on gpu and uuid for its model and PCI address.",
+        "A GPU of this node, value always 1: join on gpu and uuid for its model, PCI address and "
+        "driver version. node_name is the agent's own node name (--node), for joins that need it "
+        "where the scrape adds no node label.",
         labels=_GPU_LABELS,
     )
     families = [
@@ -432,7 +547,15 @@ def _gpu_families(gpus: Iterable[Gpu]) -> list[Metric]:
             continue
         seen.add(gpu.index)
         ids = [str(gpu.index), gpu.uuid]
-        info.add_metric(ids, {"model": gpu.model or "", "pci_bus_id": gpu.pci_bus_id or ""})
+        info.add_metric(
+            ids,
+            {
+                "model": gpu.model or "",
+                "pci_bus_id": gpu.pci_bus_id or "",
+                "driver_version": gpu.driver_version or "",
+                "node_name": node,
+            },
+        )
         for spec, fam in families:
             for attr, extra in spec.fields:
                 value = getattr(gpu, attr)
@@ -485,12 +608,10 @@ def _nic_families(nics: Iterable[Nic]) -> list[Metric]:
         key: CounterMetricFamily(name, help_, labels=_NIC_LABELS)
         for key, (name, help_) in INFINIBAND_COUNTERS.items()
     }
-    stats = CounterMetricFamily(
-        "gpuwarden_nic_stat_total",
-        "Any other counter of the port (count), named by its sysfs file: an RDMA port's counters/ "
-        "and hw_counters/, a netdev's statistics/ and carrier_changes.",
-        labels=(*_NIC_LABELS, "stat"),
-    )
+    stats = {
+        unit: CounterMetricFamily(name, help_, labels=(*_NIC_LABELS, "stat"))
+        for unit, (name, help_) in NIC_STAT_FAMILIES.items()
+    }
 
     seen: set[tuple[str, str]] = set()
     for nic in nics:
@@ -521,9 +642,13 @@ def _nic_families(nics: Iterable[Nic]) -> list[Metric]:
             ib = infiniband.get(name) if rdma else None
             if ib is not None:
                 ib.add_metric(ids, float(value))
-            else:
-                stats.add_metric([*ids, name], float(value))
-    return [info, up, phys_up, speed, *(fam for _, fam in traffic), *infiniband.values(), stats]
+                continue
+            known = NIC_COUNTER_CATALOGUE.get(name)
+            unit = known.unit if known is not None else None
+            # 4-byte words are exported as bytes, so that every _bytes_total is in bytes.
+            scale = 4.0 if unit == "words" else 1.0
+            stats["bytes" if unit == "words" else unit].add_metric([*ids, name], value * scale)
+    return [info, up, phys_up, speed, *(fam for _, fam in traffic), *infiniband.values(), *stats.values()]
 
 
 def _cycle_families(cycle: CycleResult) -> list[Metric]:
@@ -552,7 +677,7 @@ def _cycle_families(cycle: CycleResult) -> list[Metric]:
         success,
         duration,
         supported,
-        *_gpu_families(report.gpus),
+        *_gpu_families(report.gpus, report.node),
         *_nic_families(report.nics),
     ]
     return [fam for fam in families if fam.samples]
@@ -782,7 +907,13 @@ class AgentMetrics(Collector):
         self._snapshot = snapshot
         self._lock = threading.Lock()
         self._last_seq = -1
+        # (gpu, code) -> XIDs counted; the exposition shows exactly these. Events of a series no
+        # scrape has shown yet wait in _xid_pending (see the module docstring).
         self._xid_counts: dict[tuple[int | None, int], int] = {}
+        self._xid_shown: set[tuple[int | None, int]] = set()
+        self._xid_pending: dict[tuple[int | None, int], int] = {}
+        self._last_xid: dict[int, int] = {}  # GPU index -> code of its latest XID
+        self._gpu_uuids: dict[int, str] = {}  # GPU index -> UUID, of the latest report
         self._event_counts: dict[str, int] = dict.fromkeys(_EVENT_KINDS, 0)
         self._cycle: CycleResult | None = None
         self._cycle_families: list[Metric] = []
@@ -802,14 +933,38 @@ class AgentMetrics(Collector):
             return
         self._last_seq = report.seq
         self._count_probes(report)
+        uuids = {gpu.index: gpu.uuid for gpu in report.gpus}
+        for index in uuids.keys() - self._gpu_uuids.keys():
+            for code in XID_CODES_PREDECLARED:
+                self._xid_counts.setdefault((index, code), 0)
+        if uuids != self._gpu_uuids:
+            self._gpu_uuids = uuids
+            self._event_families = None
         if not report.events:
             return
         for event in report.events:
             self._event_counts[event.kind] = self._event_counts.get(event.kind, 0) + 1
             if event.kind == "xid" and event.code is not None:
                 key = (event.gpu, event.code)
-                self._xid_counts[key] = self._xid_counts.get(key, 0) + 1
+                if key in self._xid_shown:
+                    self._xid_counts[key] += 1
+                else:
+                    self._xid_counts.setdefault(key, 0)
+                    self._xid_pending[key] = self._xid_pending.get(key, 0) + 1
+                if event.gpu is not None:
+                    self._last_xid[event.gpu] = event.code
         self._event_families = None
+
+    def _xid_scraped(self) -> None:
+        """The exposition just built showed every series of ``_xid_counts``: the events that
+        waited for their series' zero to be seen count from the next scrape on."""
+        if len(self._xid_shown) != len(self._xid_counts):
+            self._xid_shown.update(self._xid_counts)
+        if self._xid_pending:
+            for key, count in self._xid_pending.items():
+                self._xid_counts[key] += count
+            self._xid_pending.clear()
+            self._event_families = None
 
     def _count_probes(self, report: Report) -> None:
         # The report's own time is "now": forgetting follows the agent's (injectable) clock.
@@ -842,6 +997,16 @@ class AgentMetrics(Collector):
             ):
                 xid.add_metric(["" if gpu is None else str(gpu), str(code)], float(count))
             families.append(xid)
+        last = GaugeMetricFamily(
+            "gpuwarden_gpu_last_xid_code",
+            "Code of the latest XID this agent process saw on the GPU, 0 before any (dcgm-exporter's "
+            "DCGM_FI_DEV_XID_ERRORS); gpuwarden_gpu_xid_events_total counts them.",
+            labels=_GPU_LABELS,
+        )
+        for index, uuid in sorted(self._gpu_uuids.items()):
+            last.add_metric([str(index), uuid], float(self._last_xid.get(index, 0)))
+        if last.samples:
+            families.append(last)
         return families
 
     def collect(self) -> Iterator[Metric]:
@@ -858,6 +1023,7 @@ class AgentMetrics(Collector):
             if self._event_families is None:
                 self._event_families = self._build_event_families()
             event_families = self._event_families
+            self._xid_scraped()
             if self._probe_families is None:
                 self._probe_families = _probe_families(self._probes.last(), self._probes.runs())
             probe_families = self._probe_families

@@ -44,6 +44,7 @@ Count = Annotated[int, _U64]
 NodeName = Annotated[str, Meta(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")]
 
 
+Ratio = Annotated[float, Meta(ge=0, le=1)]
 Str32 = Annotated[str, Meta(max_length=32)]
 Str64 = Annotated[str, Meta(max_length=64)]
 Str96 = Annotated[str, Meta(max_length=96)]
@@ -104,6 +105,19 @@ class Gpu(_Base, frozen=True):
     pcie_link_width: Count | None = None
     pcie_link_width_max: Count | None = None
     pcie_replay_total: Count | None = None
+    # Added within v1 (null from older agents): the driver, and NVML's GPU Performance Monitoring
+    # (GPM, Hopper and later) over the last interval; null where the GPU has no GPM.
+    driver_version: Str32 | None = None
+    memory_utilization_ratio: Ratio | None = None
+    gr_engine_active_ratio: Ratio | None = None
+    sm_active_ratio: Ratio | None = None
+    sm_occupancy_ratio: Ratio | None = None
+    tensor_active_ratio: Ratio | None = None
+    dram_active_ratio: Ratio | None = None
+    pcie_tx_bytes_per_second: float | None = None
+    pcie_rx_bytes_per_second: float | None = None
+    nvlink_tx_bytes_per_second: float | None = None
+    nvlink_rx_bytes_per_second: float | None = None
     # Optional but never null in the schema (like the report's optional top-level fields).
     nvlink: Annotated[list[NvLink], Meta(max_length=32)] | UnsetType = UNSET
 
@@ -256,6 +270,18 @@ GPU_CATALOGUE: Final[Mapping[str, FieldInfo]] = types.MappingProxyType(
         "pcie_link_width": _gauge("lanes"),
         "pcie_link_width_max": _gauge("lanes"),
         "pcie_replay_total": _counter("replays"),
+        "driver_version": _LABEL,
+        "memory_utilization_ratio": _gauge("ratio", (0.0, 1.0)),
+        # GPM, averaged over the interval between two samples (the agent's report interval).
+        "gr_engine_active_ratio": _gauge("ratio", (0.0, 1.0)),
+        "sm_active_ratio": _gauge("ratio", (0.0, 1.0)),
+        "sm_occupancy_ratio": _gauge("ratio", (0.0, 1.0)),
+        "tensor_active_ratio": _gauge("ratio", (0.0, 1.0)),
+        "dram_active_ratio": _gauge("ratio", (0.0, 1.0)),
+        "pcie_tx_bytes_per_second": _gauge("bytes_per_second", (0.0, _RATE_MAX)),
+        "pcie_rx_bytes_per_second": _gauge("bytes_per_second", (0.0, _RATE_MAX)),
+        "nvlink_tx_bytes_per_second": _gauge("bytes_per_second", (0.0, _RATE_MAX)),
+        "nvlink_rx_bytes_per_second": _gauge("bytes_per_second", (0.0, _RATE_MAX)),
     }
 )
 NVLINK_CATALOGUE: Final[Mapping[str, FieldInfo]] = types.MappingProxyType(
@@ -389,20 +415,33 @@ CLOCK_EVENT_BITS: Final[Mapping[str, int]] = types.MappingProxyType(
 # and up). ``bits``: the width of an IBTA PortCounters error counter, which stops at its maximum
 # (2**bits - 1) rather than wrapping, until someone clears it; None: 64 bits or driver-defined.
 NicCounterKind = Literal["error", "traffic", "congestion", "link"]
+# What one increment of the counter is: traffic counts bytes, 4-byte words (IBTA's PortXmitData and
+# PortRcvData are octets divided by 4) or packets; the other kinds count errors or events.
+NicCounterUnit = Literal["bytes", "words", "packets", "errors", "events"]
+_KIND_UNITS: Final[Mapping[str, NicCounterUnit]] = types.MappingProxyType(
+    {"error": "errors", "traffic": "packets", "congestion": "events", "link": "events"}
+)
 
 
 @dataclass(frozen=True, slots=True)
 class NicCounter:
     kind: NicCounterKind
     bits: int | None = None
+    counts: NicCounterUnit | None = None  # None: what its kind counts (_KIND_UNITS)
 
     @property
     def saturates_at(self) -> int | None:
         return None if self.bits is None else 2**self.bits - 1
 
+    @property
+    def unit(self) -> NicCounterUnit:
+        return self.counts if self.counts is not None else _KIND_UNITS[self.kind]
+
 
 _ERR: Final = NicCounter("error")
 _TRAFFIC: Final = NicCounter("traffic")
+_TRAFFIC_BYTES: Final = NicCounter("traffic", counts="bytes")
+_TRAFFIC_WORDS: Final = NicCounter("traffic", counts="words")
 _CONGESTION: Final = NicCounter("congestion")
 _LINK: Final = NicCounter("link")
 
@@ -423,12 +462,12 @@ IBTA_COUNTERS: Final[Mapping[str, NicCounter]] = types.MappingProxyType(
         "VL15_dropped": NicCounter("error", 16),
         "port_xmit_wait": _CONGESTION,
         "port_rcv_discards": _ERR,
-        "port_xmit_data": _TRAFFIC,
-        "port_rcv_data": _TRAFFIC,
+        "port_xmit_data": _TRAFFIC_WORDS,
+        "port_rcv_data": _TRAFFIC_WORDS,
         "port_xmit_packets": _TRAFFIC,
         "port_rcv_packets": _TRAFFIC,
-        "port_xmit_data_64": _TRAFFIC,
-        "port_rcv_data_64": _TRAFFIC,
+        "port_xmit_data_64": _TRAFFIC_WORDS,
+        "port_rcv_data_64": _TRAFFIC_WORDS,
         "port_xmit_packets_64": _TRAFFIC,
         "port_rcv_packets_64": _TRAFFIC,
         "port_unicast_xmit_packets": _TRAFFIC,
@@ -479,8 +518,8 @@ MLX5_COUNTERS: Final[Mapping[str, NicCounter]] = types.MappingProxyType(
 # The kernel's netdev statistics/ and carrier counts (/sys/class/net/*/).
 NETDEV_COUNTERS: Final[Mapping[str, NicCounter]] = types.MappingProxyType(
     {
-        "rx_bytes": _TRAFFIC,
-        "tx_bytes": _TRAFFIC,
+        "rx_bytes": _TRAFFIC_BYTES,
+        "tx_bytes": _TRAFFIC_BYTES,
         "rx_packets": _TRAFFIC,
         "tx_packets": _TRAFFIC,
         "rx_errors": _ERR,

@@ -187,19 +187,8 @@ class HealthMachine:
             if now - h.since >= cfg.probation_seconds:
                 if alerting:
                     return self._move(h, "suspect", now, reasons(alerting))
-                return self._move(
-                    h,
-                    "healthy",
-                    now,
-                    [
-                        Reason(
-                            detector="rule",
-                            severity="info",
-                            summary=(
-                                f"no quarantine evidence for {now - h.since:.0f} s of probation: released"
-                            ),
-                        )
-                    ],
+                return self._release(
+                    h, now, f"no quarantine evidence for {now - h.since:.0f} s of probation: released"
                 )
             return None
         # healthy or suspect
@@ -216,19 +205,12 @@ class HealthMachine:
             if h.clear_since is None:
                 h.clear_since = now
             if now - h.clear_since >= cfg.clear_for_seconds:
-                return self._move(
-                    h,
-                    "healthy",
-                    now,
-                    [
-                        Reason(
-                            detector="rule",
-                            severity="info",
-                            summary=f"no evidence for {now - h.clear_since:.0f} s: healthy",
-                        )
-                    ],
-                )
+                return self._release(h, now, f"no evidence for {now - h.clear_since:.0f} s: healthy")
         return None
+
+    def _release(self, h: NodeHealth, now: float, summary: str) -> Decision:
+        """Back to healthy after a quiet spell; ``summary`` says how long it was quiet."""
+        return self._move(h, "healthy", now, [Reason(detector="rule", severity="info", summary=summary)])
 
     def _quarantine(self, h: NodeHealth, now: float, why: list[Reason]) -> Decision:
         cfg = self.config

@@ -5,7 +5,8 @@ Endpoints:
 - ``POST /v1/reports``: one report (``Content-Type: application/json``, optionally
   ``Content-Encoding: gzip``) with ``Authorization: Bearer <token>``. 200 ``{"status":
   "accepted"}`` or ``{"status": "duplicate"}`` (same node, boot_id and seq seen before: nothing is
-  processed twice, so an agent's retry is harmless).
+  processed twice, so an agent's retry is harmless). A report that caused decisions is answered
+  once they are fsync'd (``aggregator.decisions``): a 200 survives a power loss.
 - ``GET /healthz`` (the process answers), ``GET /readyz`` (rules loaded, decision log writable:
   whatever the readiness callable says), ``GET /metrics`` (Prometheus text).
 - ``GET /api/v1/nodes``, ``GET /api/v1/nodes/{node}``, ``GET /api/v1/decisions?since=&limit=``.
@@ -70,6 +71,7 @@ from aggregator.auth import (
     bearer_token,
 )
 from aggregator.config import Config
+from aggregator.decisions import DecisionLog
 from aggregator.metrics import Metrics
 from aggregator.model import IngestOutcome
 
@@ -334,6 +336,9 @@ class _Ingest:
         self._clock = clock
         self._metrics = metrics
         self._reject_log = _RejectLog(clock)
+        # A 200 is a promise that the report's decisions survive a power loss: wait for their fsync.
+        decisions = getattr(pipeline, "decisions", None)
+        self._decisions = decisions if isinstance(decisions, DecisionLog) else None
 
     async def handle(self, request: web.Request) -> web.Response:
         node: str | None = None
@@ -358,6 +363,7 @@ class _Ingest:
             if problems:
                 raise _Reject(422, "implausible_value", "; ".join(problems)[:_MESSAGE_MAX_CHARS])
             try:
+                before = self._decisions.appended if self._decisions is not None else 0
                 outcome = self._pipeline.ingest(report, self._clock.time())
             except Exception:
                 self._metrics.rejected("internal_error")
@@ -371,6 +377,8 @@ class _Ingest:
         except _Reject as rej:
             return self._refuse(request, rej, node, subject)
         self._metrics.ingest_seconds(time.perf_counter() - started)
+        if self._decisions is not None and self._decisions.appended != before:
+            await self._decisions.synced(self._decisions.appended)
         if outcome is IngestOutcome.DUPLICATE:
             self._metrics.duplicate()
             body_out = _DUPLICATE_BODY

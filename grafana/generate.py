@@ -114,6 +114,13 @@ def _aggregator_url_var() -> Json:
 # --- panels ---------------------------------------------------------------------------------------
 
 
+def _port(expr: str) -> str:
+    """``expr`` with a ``nic`` label for legends: "mlx5_0/1" for an RDMA port, "eth0" for a netdev
+    (whose ``port`` is empty: "{{device}}/{{port}}" would read "eth0/")."""
+    joined = f'label_join({expr}, "nic", "/", "device", "port")'
+    return f'label_replace({joined}, "nic", "$1", "nic", "(.*)/")'
+
+
 def _target(expr: str, legend: str = "", *, instant: bool = False, fmt: str = "time_series") -> Json:
     return {
         "datasource": _DS,
@@ -894,6 +901,35 @@ def node_drilldown() -> Json:
             minimum=0,
             maximum=1,
         ),
+        _row("Activity (GPM: Hopper and later)"),
+        _timeseries(
+            "SM and tensor core activity",
+            [
+                _target(f"gpuwarden_gpu_sm_active_ratio{{{_NODE}}}", "GPU {{gpu}} SM"),
+                _target(f"gpuwarden_gpu_tensor_active_ratio{{{_NODE}}}", "GPU {{gpu}} tensor"),
+            ],
+            unit="percentunit",
+            description="NVML GPU Performance Monitoring over the agent's interval: SMs with a warp "
+            "active, tensor pipes active. Empty on GPUs without GPM (Ampere and older).",
+            minimum=0,
+            maximum=1,
+        ),
+        _timeseries(
+            "PCIe and NVLink throughput",
+            [
+                _target(
+                    f"gpuwarden_gpu_pcie_throughput_bytes_per_second{{{_NODE}}}",
+                    "GPU {{gpu}} PCIe {{direction}}",
+                ),
+                _target(
+                    f"gpuwarden_gpu_nvlink_throughput_bytes_per_second{{{_NODE}}}",
+                    "GPU {{gpu}} NVLink {{direction}}",
+                ),
+            ],
+            unit="Bps",
+            description="Bytes per second over the agent's interval, headers included (GPM).",
+            minimum=0,
+        ),
         _row("Memory errors"),
         _timeseries(
             "ECC errors (volatile) per second",
@@ -957,8 +993,8 @@ def node_drilldown() -> Json:
             "InfiniBand errors per second, per port",
             [
                 _target(
-                    f"port:gpuwarden_infiniband_errors:rate5m{{{_NODE}}}",
-                    "{{device}}/{{port}} {{error}}",
+                    _port(f"port:gpuwarden_infiniband_errors:rate5m{{{_NODE}}}"),
+                    "{{nic}} {{error}}",
                 )
             ],
             minimum=0,
@@ -966,8 +1002,8 @@ def node_drilldown() -> Json:
         _timeseries(
             "NIC link state",
             [
-                _target(f"gpuwarden_nic_up{{{_NODE}}}", "{{device}}/{{port}} up"),
-                _target(f"gpuwarden_nic_physical_link_up{{{_NODE}}}", "{{device}}/{{port}} physical"),
+                _target(_port(f"gpuwarden_nic_up{{{_NODE}}}"), "{{nic}} up"),
+                _target(_port(f"gpuwarden_nic_physical_link_up{{{_NODE}}}"), "{{nic}} physical"),
             ],
             minimum=0,
             maximum=1,
@@ -1026,8 +1062,8 @@ def network() -> Json:
             "InfiniBand errors per second, per port",
             [
                 _target(
-                    f"port:gpuwarden_infiniband_errors:rate5m{{{_NODES}}}",
-                    "{{node}} {{device}}/{{port}} {{error}}",
+                    _port(f"port:gpuwarden_infiniband_errors:rate5m{{{_NODES}}}"),
+                    "{{node}} {{nic}} {{error}}",
                 )
             ],
             description="Link error counters only (symbol errors, link downed and recovery, receive "
@@ -1049,13 +1085,13 @@ def network() -> Json:
         ),
         _timeseries(
             "NIC link state",
-            [_target(f"gpuwarden_nic_up{{{_NODES}}}", "{{node}} {{device}}/{{port}}")],
+            [_target(_port(f"gpuwarden_nic_up{{{_NODES}}}"), "{{node}} {{nic}}")],
             minimum=0,
             maximum=1,
         ),
         _timeseries(
             "Link speed",
-            [_target(f"gpuwarden_nic_link_speed_bytes{{{_NODES}}}", "{{node}} {{device}}/{{port}}")],
+            [_target(_port(f"gpuwarden_nic_link_speed_bytes{{{_NODES}}}"), "{{node}} {{nic}}")],
             unit="Bps",
             description="A port that trained at a lower speed than its peers is degraded.",
             minimum=0,
@@ -1077,8 +1113,8 @@ def network() -> Json:
             "Transmit wait (congestion) per second",
             [
                 _target(
-                    f"rate(gpuwarden_infiniband_port_transmit_wait_total{{{_NODES}}}[{_RI}])",
-                    "{{node}} {{device}}/{{port}}",
+                    _port(f"rate(gpuwarden_infiniband_port_transmit_wait_total{{{_NODES}}}[{_RI}])"),
+                    "{{node}} {{nic}}",
                 )
             ],
             description="Ticks data waited for flow-control credits: congestion, not a broken link.",
@@ -1161,7 +1197,9 @@ def variable_queries(dashboard: Json) -> list[tuple[str, str]]:
     ]
 
 
-_VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
+# A variable name starts with a letter or _: "$1" is label_replace's capture group, which Grafana
+# leaves alone as well (it has no variable of that name).
+_VARIABLE = re.compile(r"\$\{([A-Za-z_]\w*)(?::\w+)?\}|\$([A-Za-z_]\w*)")
 
 
 def expand(expr: str, values: Mapping[str, str]) -> str:

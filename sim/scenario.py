@@ -7,7 +7,7 @@ The format is documented in docs/simulator.md; ``load(path)`` and ``parse(data)`
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
@@ -381,15 +381,20 @@ def parse(data: Any) -> Scenario:
     return scenario
 
 
+def read_document(path: Path, decode: Callable[[str], Any], invalid: type[Exception], language: str) -> Any:
+    """A file's text, decoded; a ``ConfigError`` names the file and why it cannot be read."""
+    try:
+        return decode(path.read_text("utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except invalid as exc:
+        raise ConfigError(f"{path}: not valid {language}: {exc}") from exc
+
+
 def load(path: Path | str) -> Scenario:
     """Read and validate a scenario file."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text("utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    data = read_document(path, yaml.safe_load, yaml.YAMLError, "YAML")
     try:
         return parse(data)
     except ConfigError as exc:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from agent.errors import ConfigError
-from sim.scenario import Scenario, silenced_nodes
+from sim.scenario import Scenario, read_document, silenced_nodes
 
 TRUTH_VERSION: Final = 1
 CLASSES: Final = ("hard", "soft", "link", "silent", "lookalike")
@@ -168,12 +168,7 @@ def _fault(raw: Any, where: str) -> TruthFault:
 def load(path: Path | str) -> Truth:
     """Read a truth file; a ``ConfigError`` names the file and the field that is wrong."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text("utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not valid JSON: {exc}") from exc
+    data = read_document(path, json.loads, json.JSONDecodeError, "JSON")
     if not isinstance(data, Mapping) or not isinstance(data.get("faults"), list):
         raise ConfigError(f"{path}: expected an object with a faults list")
     nodes = data.get("nodes", [])

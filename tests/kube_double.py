@@ -70,6 +70,25 @@ Not reproduced (we do not rely on it): server-side apply, managedFields, field s
 over HTTP, admission, defaulting, pagination. A strategic merge element without its merge key is 400
 here; the double does not claim the real server's code for that malformed patch.
 
+A busy control plane (all off by default):
+
+* ``set_latency(verb, seconds)``: requests of a verb (``get``, ``list``, ``watch``, ``create``,
+  ``update``, ``patch``, as the API server's request info names them) are answered late, after a
+  fixed time or one drawn uniformly from a range (the issue's case: Node LISTs after 3 s, anywhere
+  in 0-30 s; the upstream SLO allows cluster-scoped LISTs 30 s at p99). The work is done when the
+  request arrives and only the answer waits, as when a large LIST is served and then serialized and
+  sent: a LIST shows the cluster as of its start (its resourceVersion too, so a watch from it sees
+  what changed meanwhile), and a write is applied even if the client stops waiting.
+  A watch's latency delays the start of its stream.
+* ``throttle(share=, burst=, retry_after=)``: 429 TooManyRequests with ``Retry-After`` and
+  ``details.retryAfterSeconds``, "Too many requests, please try again later.", as API Priority
+  and Fairness rejects a request its queues cannot hold (apiserver/pkg/server/filters/
+  priority-and-fairness.go, ``tooManyRequests``); for the next ``burst`` matching requests, then
+  for a random ``share`` of them. Rejected after authentication, before any work, like APF.
+* ``restart_watches(expire=True)``: ends every open watch stream at once, as an API server
+  restart or a watch cache re-initialising does; with ``expire`` the history is compacted too, so
+  resuming from a resourceVersion before now is 410 Expired and the client must list again.
+
 Test-only controls: ``add_node``/``update_node``/``delete_node`` play the kubelet or another
 controller writing directly, ``fail_next`` injects faults (429, 5xx, 409...) before the handler,
 ``compact`` moves the compaction point, ``issue_token``/``revoke_token`` play the TokenRequest API
@@ -84,6 +103,7 @@ import asyncio
 import copy
 import json
 import logging
+import random
 import re
 import secrets
 import ssl
@@ -154,12 +174,19 @@ class ApiError(Exception):
     """An answer the double gives as a ``Status`` object."""
 
     def __init__(
-        self, code: int, message: str, *, reason: str | None = None, details: dict[str, str] | None = None
+        self,
+        code: int,
+        message: str,
+        *,
+        reason: str | None = None,
+        details: dict[str, Json] | None = None,
+        retry_after: int = 1,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.reason = reason or _REASONS.get(code, "Unknown")
         self.details = details or {}
+        self.retry_after = retry_after
 
     def status(self) -> dict[str, Json]:
         body: dict[str, Json] = {
@@ -176,7 +203,7 @@ class ApiError(Exception):
         return body
 
     def response(self) -> web.Response:
-        headers = {"Retry-After": "1"} if self.code == 429 else None
+        headers = {"Retry-After": str(self.retry_after)} if self.code == 429 else None
         return web.json_response(self.status(), status=self.code, headers=headers)
 
 
@@ -200,6 +227,35 @@ class _Fault:
     path: re.Pattern[str]
     status: int
     count: int
+
+
+@dataclass
+class _Latency:
+    verb: str
+    path: re.Pattern[str]
+    low: float
+    high: float
+
+
+@dataclass
+class _Throttle:
+    share: float
+    burst: int
+    retry_after: int
+    verbs: frozenset[str]
+    path: re.Pattern[str]
+
+
+def _verb(request: web.Request) -> str:
+    """The API server's name for what a request does (apiserver ``RequestInfo.Verb``)."""
+    method = request.method
+    if method == "GET":
+        if _query_bool(request, "watch"):
+            return "watch"
+        return "get" if "name" in request.match_info else "list"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}.get(
+        method, method.lower()
+    )
 
 
 @dataclass(frozen=True)
@@ -469,7 +525,10 @@ def json_patch(doc: Json, operations: Json) -> Json:
 class KubeApiDouble:
     """The API-server double; ``async with KubeApiDouble() as api:`` starts it on a free port."""
 
-    def __init__(self, *, token: str | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, *, token: str | None = None, ssl_context: ssl.SSLContext | None = None, seed: int = 0
+    ) -> None:
+        """``seed``: of the random draws of ``set_latency`` ranges and ``throttle`` shares."""
         self.token = token or secrets.token_urlsafe(16)
         self.url = ""
         self.port = 0
@@ -488,6 +547,11 @@ class KubeApiDouble:
         self._leases: dict[tuple[str, str], dict[str, Json]] = {}
         self._history: list[_Change] = []
         self._faults: list[_Fault] = []
+        self._latencies: list[_Latency] = []
+        self._throttle: _Throttle | None = None
+        self._rng = random.Random(seed)
+        self._watch_epoch = 0
+        self.throttled = 0  # requests answered 429 by ``throttle``
         self._wakeups: set[asyncio.Event] = set()
         self._closing = False
         self._runner: web.AppRunner | None = None
@@ -495,7 +559,7 @@ class KubeApiDouble:
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        app = web.Application(middlewares=[self._record, self._authenticate, self._inject_faults])
+        app = web.Application(middlewares=[self._record, self._authenticate, self._inject_faults, self._busy])
         app.router.add_get("/api/v1/nodes", self._list_or_watch_nodes)
         app.router.add_get("/api/v1/nodes/{name}", self._get_node)
         app.router.add_patch("/api/v1/nodes/{name}", self._patch_node)
@@ -654,6 +718,43 @@ class KubeApiDouble:
         the old one stays valid until it expires)."""
         self._also_accepted.add(token)
 
+    def set_latency(self, verb: str, seconds: float | tuple[float, float], *, path_regex: str = "") -> None:
+        """Answer requests of ``verb`` (matching ``path_regex`` by ``re.search``) after ``seconds``,
+        or after a time drawn uniformly from the range ``(low, high)``; 0 turns it off."""
+        low, high = (seconds, seconds) if isinstance(seconds, int | float) else seconds
+        path = re.compile(path_regex)
+        self._latencies = [x for x in self._latencies if (x.verb, x.path.pattern) != (verb, path.pattern)]
+        if high > 0:
+            self._latencies.append(_Latency(verb, path, float(low), float(high)))
+
+    def throttle(
+        self,
+        *,
+        share: float = 0.0,
+        burst: int = 0,
+        retry_after: int = 1,
+        verbs: Sequence[str] = (),
+        path_regex: str = "",
+    ) -> None:
+        """429 the next ``burst`` requests, then a random ``share`` of them, of ``verbs`` (all if
+        empty) on paths matching ``path_regex``; ``throttle()`` turns it off."""
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"share must be within [0, 1], got {share}")
+        self._throttle = (
+            _Throttle(share, burst, retry_after, frozenset(verbs), re.compile(path_regex))
+            if share > 0 or burst > 0
+            else None
+        )
+
+    def restart_watches(self, *, expire: bool = True) -> int:
+        """End every open watch stream now (and, with ``expire``, compact: resuming from before
+        now is 410 Expired); how many streams were open."""
+        self._watch_epoch += 1
+        if expire:
+            self.compact()
+        self._wake()
+        return len(self._wakeups)
+
     def compact(self) -> None:
         """Forgets history: watches from any resourceVersion before now get 410 Expired."""
         self._compacted = self._rv
@@ -691,6 +792,41 @@ class KubeApiDouble:
                     fault.status, f"injected fault {fault.status} for {request.method} {request.path}"
                 )
         return await handler(request)
+
+    @web.middleware
+    async def _busy(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        verb = _verb(request)
+        throttle = self._throttle
+        if (
+            throttle is not None
+            and (not throttle.verbs or verb in throttle.verbs)
+            and throttle.path.search(request.path)
+        ):
+            if throttle.burst > 0:
+                throttle.burst -= 1
+                shed = True
+            else:
+                shed = self._rng.random() < throttle.share
+            if shed:
+                self.throttled += 1
+                raise ApiError(
+                    429,
+                    "Too many requests, please try again later.",
+                    details={"retryAfterSeconds": throttle.retry_after},
+                    retry_after=throttle.retry_after,
+                )
+        delay = 0.0
+        for latency in self._latencies:
+            if latency.verb == verb and latency.path.search(request.path):
+                delay = self._rng.uniform(latency.low, latency.high)
+        if delay <= 0:
+            return await handler(request)
+        if verb == "watch":
+            await asyncio.sleep(delay)  # the stream starts late
+            return await handler(request)
+        response = await handler(request)  # done now, answered late
+        await asyncio.sleep(delay)
+        return response
 
     async def _unknown(self, request: web.Request) -> web.StreamResponse:
         raise ApiError(
@@ -902,7 +1038,11 @@ class KubeApiDouble:
                 await response.write_eof()
                 return
         deadline = asyncio.get_running_loop().time() + timeout
+        epoch = self._watch_epoch
         while not self._closing:
+            if self._watch_epoch != epoch:
+                await response.write_eof()  # ended by restart_watches: no bookmark, just the end
+                return
             wakeup.clear()
             for change in [c for c in self._history if c.resource_version > cursor]:
                 cursor = change.resource_version

@@ -255,15 +255,22 @@ class World:
                 await task
 
 
-@pytest.fixture
-async def world(tmp_path: Path) -> AsyncIterator[World]:
+@asynccontextmanager
+async def make_world(tmp_path: Path, start: float) -> AsyncIterator[World]:
+    """The API-server double, the real client against it (recording its calls), a fake clock."""
     async with KubeApiDouble() as api:
         client = await KubeClient.from_kubeconfig(api.write_kubeconfig(tmp_path / "kubeconfig"))
-        clock = FakeClock(start=T0)
+        clock = FakeClock(start=start)
         try:
             yield World(api, Recording(client, clock), clock)
         finally:
             await client.close()
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    async with make_world(tmp_path, T0) as w:
+        yield w
 
 
 # -- taint, annotations, condition, event ---------------------------------------------------------
@@ -623,6 +630,17 @@ def remove_our_taint(api: KubeApiDouble, name: str) -> None:
     )
 
 
+async def overridden(world: World, name: str) -> Actuator:
+    """``name`` quarantined, then its taint removed by hand and seen: an override stands."""
+    world.api.add_node(name)
+    act = world.actuator()
+    world.intents.by_node[name] = intent(name)
+    await act.reconcile(name)
+    remove_our_taint(world.api, name)
+    await act.reconcile(name)
+    return act
+
+
 async def test_human_removal_is_respected_for_the_cooldown_and_survives_restart(world: World) -> None:
     api = world.api
     api.add_node("n1", taints=[OTHER_TAINT])
@@ -661,12 +679,7 @@ async def test_human_removal_is_respected_for_the_cooldown_and_survives_restart(
 
 async def test_new_evidence_after_an_override_taints_again(world: World) -> None:
     api = world.api
-    api.add_node("n1")
-    act = world.actuator()
-    world.intents.by_node["n1"] = intent("n1")
-    await act.reconcile("n1")
-    remove_our_taint(api, "n1")
-    await act.reconcile("n1")
+    act = await overridden(world, "n1")
     assert ours(api, "n1") == []
 
     world.intents.by_node["n1"] = intent("n1", evidence_key="dbe:gpu3", reason_code="dbe")
@@ -678,12 +691,7 @@ async def test_new_evidence_after_an_override_taints_again(world: World) -> None
 
 async def test_healthy_drops_the_override(world: World) -> None:
     api = world.api
-    api.add_node("n1")
-    act = world.actuator()
-    world.intents.by_node["n1"] = intent("n1")
-    await act.reconcile("n1")
-    remove_our_taint(api, "n1")
-    await act.reconcile("n1")
+    act = await overridden(world, "n1")
     assert OVERRIDE in node_annotations(api, "n1")
     world.intents.by_node["n1"] = healthy("n1", since=T0 + 600)
     await act.reconcile("n1")

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import gzip
-import os
-import shutil
 import socket
 import ssl
-import subprocess
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +33,7 @@ from aggregator.metrics import Metrics
 from aggregator.service import REPORTS_PATH, SERVER_KWARGS, create_app
 from tests.kube_double import KubeApiDouble
 from tests.test_service import NOW, FakePipeline, make_report
+from tests.tls import self_signed
 
 # -- static tokens --------------------------------------------------------------------------------
 
@@ -370,21 +368,10 @@ async def test_bad_tokenreview_settings_are_config_errors(
 @pytest.fixture
 def in_cluster_dir(tmp_path: Path) -> tuple[Path, ssl.SSLContext]:
     """A service-account directory (token, ca.crt) and the API server's TLS context."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        if os.environ.get("CI", "").lower() in ("true", "1"):
-            pytest.fail("openssl not installed: scripts/setup installs it")  # CI must test TLS
-        pytest.skip("openssl not installed")
     sa_dir = tmp_path / "serviceaccount"
     sa_dir.mkdir()
     cert, key = sa_dir / "ca.crt", tmp_path / "key.pem"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
+    self_signed(cert, key)
     write(sa_dir / "token", AGGREGATOR_SA_TOKEN)
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(cert, key)

@@ -20,17 +20,55 @@ from agent.report import json_schema
 from tests.conftest import FIXTURES, RECORDED_SYSFS, REPO
 
 GPWD = [sys.executable, "-m", "gpuwarden"]
+NODE_TOKEN = "3b8f0c2e9d7a4f61a5c0e2d4"
+H100_SYS = str(FIXTURES / "sysfs" / "h100" / "sys")
+
+
+def write_node_token(tmp_path: Path) -> None:
+    """The aggregator's token file naming node-1, and node-1's own token file, in ``tmp_path``."""
+    (tmp_path / "tokens").write_text(f"node-1 {NODE_TOKEN}\n")
+    (tmp_path / "node-1.token").write_text(f"{NODE_TOKEN}\n")
+
+
+def aggregator_args(port: int, tmp_path: Path) -> list[str]:
+    """``aggregator`` on ``port`` with the token file and decision log in ``tmp_path``."""
+    return [
+        "aggregator",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--token-file",
+        str(tmp_path / "tokens"),
+        "--decisions",
+        str(tmp_path / "decisions.jsonl"),
+    ]
+
+
+def agent_to(aggregator: str, gpu_backend: str, token_file: Path) -> list[str]:
+    """``agent --once`` for node-1 on the H100 tree, shipping to ``aggregator``."""
+    return [
+        "agent",
+        "--once",
+        "--node",
+        "node-1",
+        "--gpu-backend",
+        gpu_backend,
+        "--sysfs-root",
+        H100_SYS,
+        "--aggregator",
+        aggregator,
+        "--token-file",
+        str(token_file),
+    ]
+
+
+def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*GPWD, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False
+    )
 
 
 def _agent(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*GPWD, "agent", "--once", "--print", "--node", "node-1", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-        check=False,
-    )
+    return _run("agent", "--once", "--print", "--node", "node-1", *args)
 
 
 def _report(out: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -77,7 +115,7 @@ def test_fake_gpus_fill_every_gpu_field() -> None:
             "--gpu-backend",
             f"fake:{FIXTURES / 'gpus' / 'h100x8.json'}",
             "--sysfs-root",
-            str(FIXTURES / "sysfs" / "h100" / "sys"),
+            H100_SYS,
         )
     )
     assert [g["index"] for g in report["gpus"]] == list(range(8))
@@ -90,9 +128,7 @@ def test_fake_gpus_fill_every_gpu_field() -> None:
 
 
 def test_nvml_missing_is_an_error_in_the_report_and_nics_still_go_out() -> None:
-    report = _report(
-        _agent("--gpu-backend", "nvml", "--sysfs-root", str(FIXTURES / "sysfs" / "h100" / "sys"))
-    )
+    report = _report(_agent("--gpu-backend", "nvml", "--sysfs-root", H100_SYS))
     assert report["gpus"] == []
     assert any(e["collector"] == "nvml" for e in report["errors"])
     assert len(report["nics"]) >= 8
@@ -114,20 +150,10 @@ def _free_port() -> int:
 
 def test_agent_to_aggregator_over_http_quarantines_a_lost_gpu(tmp_path: Path) -> None:
     port = _free_port()
-    (tmp_path / "tokens").write_text("node-1 3b8f0c2e9d7a4f61a5c0e2d4\n")
-    (tmp_path / "node-1.token").write_text("3b8f0c2e9d7a4f61a5c0e2d4\n")
+    write_node_token(tmp_path)
     decisions = tmp_path / "decisions.jsonl"
     server = subprocess.Popen(
-        [
-            *GPWD,
-            "aggregator",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--token-file",
-            str(tmp_path / "tokens"),
-            "--decisions",
-            str(decisions),
-        ],
+        [*GPWD, *aggregator_args(port, tmp_path)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -151,28 +177,7 @@ def test_agent_to_aggregator_over_http_quarantines_a_lost_gpu(tmp_path: Path) ->
         # with the aggregator's own reason (the spool would otherwise wait out its 30 s flush).
         (tmp_path / "wrong.token").write_text("0000000000000000000000000\n")
         started = time.monotonic()
-        refused = subprocess.run(
-            [
-                *GPWD,
-                "agent",
-                "--once",
-                "--node",
-                "node-1",
-                "--gpu-backend",
-                "none",
-                "--sysfs-root",
-                str(FIXTURES / "sysfs" / "h100" / "sys"),
-                "--aggregator",
-                f"http://127.0.0.1:{port}",
-                "--token-file",
-                str(tmp_path / "wrong.token"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=REPO,
-            check=False,
-        )
+        refused = _run(*agent_to(f"http://127.0.0.1:{port}", "none", tmp_path / "wrong.token"))
         assert time.monotonic() - started < 20.0
         assert refused.returncode == 2, refused.stderr
         assert refused.stderr.splitlines()[-1] == (
@@ -180,27 +185,12 @@ def test_agent_to_aggregator_over_http_quarantines_a_lost_gpu(tmp_path: Path) ->
             "HTTP 401: unknown bearer token (bad_token)"
         )
 
-        out = subprocess.run(
-            [
-                *GPWD,
-                "agent",
-                "--once",
-                "--node",
-                "node-1",
-                "--gpu-backend",
-                f"fake:{FIXTURES / 'gpus' / 'gpu_lost.json'}",
-                "--sysfs-root",
-                str(FIXTURES / "sysfs" / "h100" / "sys"),
-                "--aggregator",
+        out = _run(
+            *agent_to(
                 f"http://127.0.0.1:{port}",
-                "--token-file",
-                str(tmp_path / "node-1.token"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=REPO,
-            check=False,
+                f"fake:{FIXTURES / 'gpus' / 'gpu_lost.json'}",
+                tmp_path / "node-1.token",
+            )
         )
         assert out.returncode == 0, out.stderr
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/nodes/node-1", timeout=5) as r:
@@ -225,40 +215,19 @@ def test_an_interval_that_is_not_a_positive_number_is_refused() -> None:
 
 
 def test_aggregator_on_a_taken_port_is_a_clear_error(tmp_path: Path) -> None:
-    (tmp_path / "tokens").write_text("node-1 3b8f0c2e9d7a4f61a5c0e2d4\n")
+    write_node_token(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        out = subprocess.run(
-            [
-                *GPWD,
-                "aggregator",
-                "--listen",
-                f"127.0.0.1:{port}",
-                "--token-file",
-                str(tmp_path / "tokens"),
-                "--decisions",
-                str(tmp_path / "d.jsonl"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=REPO,
-            check=False,
-        )
+        out = _run(*aggregator_args(port, tmp_path))
     assert out.returncode == 2, out.stderr
     assert "cannot serve on" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_the_simulated_fleet_demo_runs_and_scores_itself() -> None:
-    out = subprocess.run(
-        [*GPWD, "--log-level", "ERROR", "demo-sim", "--nodes", "64", "--minutes", "4", "--speed", "400"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        check=False,
+    out = _run(
+        "--log-level", "ERROR", "demo-sim", "--nodes", "64", "--minutes", "4", "--speed", "400", timeout=120
     )
     assert out.returncode == 0, out.stderr
     assert "healthy -> quarantined (taint)" in out.stdout  # the XID 79 two minutes in

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -15,10 +14,8 @@ from typing import Any
 
 from tests.conftest import FIXTURES, REPO
 from tests.kube_double import KubeApiDouble
-from tests.test_cli_end_to_end import _free_port
+from tests.test_cli_end_to_end import GPWD, _free_port, agent_to, aggregator_args, write_node_token
 
-GPWD = [sys.executable, "-m", "gpuwarden"]
-TOKEN = "3b8f0c2e9d7a4f61a5c0e2d4"
 ADMIN = "admin-token-0123456789abcdef"
 
 
@@ -61,21 +58,14 @@ async def test_the_aggregator_taints_through_the_real_client_and_the_breaker_cli
             "node-2", labels={"gpuwarden.io/pool": "h100"}, taints=[{"key": "other", "effect": "NoSchedule"}]
         )
         kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
-        (tmp_path / "tokens").write_text(f"node-1 {TOKEN}\n")
-        (tmp_path / "node-1.token").write_text(f"{TOKEN}\n")
+        write_node_token(tmp_path)
         (tmp_path / "admins").write_text(f"# on-call\n{ADMIN}\n")
         (tmp_path / "admin.token").write_text(f"{ADMIN}\n")
         port = _free_port()
         base = f"http://127.0.0.1:{port}"
         server = await asyncio.create_subprocess_exec(
             *GPWD,
-            "aggregator",
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--token-file",
-            str(tmp_path / "tokens"),
-            "--decisions",
-            str(tmp_path / "decisions.jsonl"),
+            *aggregator_args(port, tmp_path),
             "--remediation",
             "enforce",
             "--kubeconfig",
@@ -99,18 +89,7 @@ async def test_the_aggregator_taints_through_the_real_client_and_the_breaker_cli
             assert lease is not None and lease["spec"]["holderIdentity"] == "agg-test"
 
             code, _out, err = await _run(
-                "agent",
-                "--once",
-                "--node",
-                "node-1",
-                "--gpu-backend",
-                f"fake:{FIXTURES / 'gpus' / 'gpu_lost.json'}",
-                "--sysfs-root",
-                str(FIXTURES / "sysfs" / "h100" / "sys"),
-                "--aggregator",
-                base,
-                "--token-file",
-                str(tmp_path / "node-1.token"),
+                *agent_to(base, f"fake:{FIXTURES / 'gpus' / 'gpu_lost.json'}", tmp_path / "node-1.token")
             )
             assert code == 0, err
 
@@ -130,29 +109,20 @@ async def test_the_aggregator_taints_through_the_real_client_and_the_breaker_cli
             status = json.loads(out)
             assert status["mode"] == "enforce" and status["breaker"]["open"] is False
 
-            code, out, err = await _run(
-                "breaker",
-                "reset",
-                "--aggregator",
-                base,
-                "--token-file",
-                str(tmp_path / "node-1.token"),
-                "--by",
-                "eve",
-            )
+            def reset(token_file: str, *by: str) -> list[str]:
+                return [
+                    "breaker",
+                    "reset",
+                    "--aggregator",
+                    base,
+                    "--token-file",
+                    str(tmp_path / token_file),
+                    *by,
+                ]
+
+            code, out, err = await _run(*reset("node-1.token", "--by", "eve"))
             assert code == 2 and "HTTP 401" in err  # an agent's token is not an admin's
-            code, out, err = await _run(
-                "breaker",
-                "reset",
-                "--aggregator",
-                base,
-                "--token-file",
-                str(tmp_path / "admin.token"),
-                "--by",
-                "alice",
-                "--reason",
-                "drill",
-            )
+            code, out, err = await _run(*reset("admin.token", "--by", "alice", "--reason", "drill"))
             assert code == 0, err
             assert json.loads(out)["reset"]["reset_by"] == "alice"
         finally:

@@ -7,7 +7,10 @@ receiver in this process. One node starts with a lost GPU (a hard fault): it mus
 at once, alerted in Alertmanager and at the receiver with its labels and runbook, and, once
 "repaired" (its agent restarted with healthy GPUs after a reboot, i.e. a new boot_id), released
 through probation with the alert resolved. Then every Grafana panel's query must return data from
-that Prometheus, and the dcgm-exporter compatibility series must carry dcgm-exporter's units.
+that Prometheus, and the dcgm-exporter compatibility series must carry dcgm-exporter's units:
+every panel of NVIDIA's own dcgm-exporter dashboard (Grafana 12239, tests/fixtures/grafana/) must
+show data for the H100 node, its queries unchanged. One node runs a training job (GPM activity)
+and had an XID at start: ``increase()`` must count that first XID.
 
 The aggregator runs as it does in a cluster: remediation on (dry-run, against the in-process
 Kubernetes API-server double of tests/kube_double.py, served from a thread) and the probe
@@ -52,13 +55,19 @@ GPWD = [sys.executable, "-m", "gpuwarden"]
 RULE_FILES = sorted((REPO / "rules" / "prometheus").glob("*.yml"))
 SYSFS = FIXTURES / "sysfs" / "h100" / "sys"
 HEALTHY = FIXTURES / "gpus" / "h100x8.json"
+# Eight busy H100s (GPM values of a training job) and one application XID (13, recorded only).
+TRAINING = FIXTURES / "gpus" / "h100x8_training.json"
+TRAINING_XID = ("2", "13")  # (gpu, code)
 GPU_LOST = FIXTURES / "gpus" / "gpu_lost.json"
 # Two A10s: page retirement where H100s remap rows, so the panels of both kinds have a node to show.
 A10 = FIXTURES / "gpus" / "old_driver_pcie_card.json"
 KMSG_STAT = FIXTURES / "kmsg" / "proc" / "stat"
 
 BROKEN = "gpu-b"  # starts with GPU 5 of 8 lost to NVML
-GPUS = {"gpu-a": HEALTHY, BROKEN: GPU_LOST, "gpu-c": A10}  # a mixed fleet, as real ones are
+GPUS = {"gpu-a": TRAINING, BROKEN: GPU_LOST, "gpu-c": A10}  # a mixed fleet, as real ones are
+H100_GPU_COUNT = 8 + 8  # the GPUs with GPM (Hopper): the A10s have none
+# NVIDIA's dcgm-exporter dashboard (Grafana 12239), as published (tests/fixtures/grafana/README.md).
+DCGM_DASHBOARD = FIXTURES / "grafana" / "dcgm-exporter-dashboard.json"
 GPU_COUNT = 8 + 8 + 2  # once gpu-b is repaired
 NODES = tuple(GPUS)
 POOL = "pool-e2e"
@@ -81,16 +90,14 @@ PROBES = {
 # Panels whose series only appear after events this test does not cause; every other panel query
 # must return data. (dashboard, panel title): why.
 NO_DATA_EXPECTED: dict[tuple[str, str], str] = {
-    ("node.json", "XID events"): "gpuwarden_gpu_xid_events_total{gpu,code} is created by the first XID",
-    ("node.json", "XIDs in the last hour"): "recorded from gpuwarden_gpu_xid_events_total: no XID here",
     # Three nodes give each node two partners, under links.min_partners: no link verdict here.
     ("network.json", "Link decisions (last 15 minutes)"): "the link detector needs more partners",
 }
 # The metrics those panels need, exported only after their event: a panel may lack data only for
 # these, never for a metric name that nothing exports.
-EVENT_SERIES = {"gpuwarden_gpu_xid_events_total", "node_code:gpuwarden_gpu_xid_events:increase1h"}
+EVENT_SERIES: set[str] = set()
 # Recording rules allowed to record nothing here, with the same reason.
-RECORDING_WITHOUT_DATA = {"node_code:gpuwarden_gpu_xid_events:increase1h": "no XID here"}
+RECORDING_WITHOUT_DATA: dict[str, str] = {}
 
 T = TypeVar("T")
 
@@ -629,6 +636,12 @@ def test_hard_fault_is_quarantined_alerted_released_and_every_panel_has_data(
     # ... the dcgm-exporter names are in dcgm-exporter's units and labels, ...
     _check_dcgm_compat(stack)
 
+    # ... the first XID of a series counts (its counter was seen at 0 before it), ...
+    _check_first_xid_counted(stack)
+
+    # ... every panel of NVIDIA's own dcgm-exporter dashboard has data, unchanged, ...
+    _check_dcgm_exporter_dashboard(stack)
+
     # ... remediation ran as the one leader and computed the quarantine's taint (dry-run: counted,
     # not sent; so the node never has a taint to remove), and the probe scheduler covers the
     # agents' pool, ...
@@ -703,6 +716,7 @@ def _check_dcgm_compat(stack: Stack) -> None:
         "DCGM_FI_DEV_FB_USED": ("gpuwarden_gpu_memory_used_bytes", 1 / 2**20),  # MiB
         "DCGM_FI_DEV_FB_TOTAL": ("gpuwarden_gpu_memory_total_bytes", 1 / 2**20),  # MiB
         "DCGM_FI_DEV_GPU_UTIL": ("gpuwarden_gpu_utilization_ratio", 100.0),  # %
+        "DCGM_FI_DEV_MEM_COPY_UTIL": ("gpuwarden_gpu_memory_utilization_ratio", 100.0),  # %
         "DCGM_FI_DEV_GPU_TEMP": ("gpuwarden_gpu_temperature_celsius", 1.0),  # C
     }
     for dcgm, (ours, factor) in pairs.items():
@@ -716,12 +730,107 @@ def _check_dcgm_compat(stack: Stack) -> None:
     sm = _by_gpu(stack, "DCGM_FI_DEV_MAX_SM_CLOCK")
     assert all(500 < v < 3000 for v in sm.values()), sm
 
+    # The profiling fields (GPM), on the GPUs that have it (the H100s; the A10s have none): ratios
+    # and bytes per second, as dcgm-exporter has them; gpu-a runs a training job.
+    gpm = {
+        "DCGM_FI_PROF_GR_ENGINE_ACTIVE": ("gpuwarden_gpu_graphics_engine_active_ratio", ""),
+        "DCGM_FI_PROF_SM_ACTIVE": ("gpuwarden_gpu_sm_active_ratio", ""),
+        "DCGM_FI_PROF_SM_OCCUPANCY": ("gpuwarden_gpu_sm_occupancy_ratio", ""),
+        "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": ("gpuwarden_gpu_tensor_active_ratio", ""),
+        "DCGM_FI_PROF_DRAM_ACTIVE": ("gpuwarden_gpu_dram_active_ratio", ""),
+        "DCGM_FI_PROF_PCIE_TX_BYTES": ("gpuwarden_gpu_pcie_throughput_bytes_per_second", "transmit"),
+        "DCGM_FI_PROF_PCIE_RX_BYTES": ("gpuwarden_gpu_pcie_throughput_bytes_per_second", "receive"),
+        "DCGM_FI_PROF_NVLINK_TX_BYTES": ("gpuwarden_gpu_nvlink_throughput_bytes_per_second", "transmit"),
+        "DCGM_FI_PROF_NVLINK_RX_BYTES": ("gpuwarden_gpu_nvlink_throughput_bytes_per_second", "receive"),
+    }
+
+    def on_every_h100(selector: str) -> Callable[[], dict[tuple[str, str], float] | None]:
+        def probe() -> dict[tuple[str, str], float] | None:
+            found = _by_gpu(stack, selector)
+            return found if len(found) == H100_GPU_COUNT else None
+
+        return probe
+
+    for dcgm, (ours, direction) in gpm.items():
+        selector = f'{ours}{{direction="{direction}"}}' if direction else ours
+        want = _until(f"{ours} on every H100 (GPM needs two samples)", on_every_h100(selector), stack.procs)
+        got = _by_gpu(stack, dcgm)
+        assert got.keys() == want.keys(), dcgm
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-9), (dcgm, key, got[key], value)
+    tensor = _by_gpu(stack, 'DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{Hostname="gpu-a"}')
+    assert len(tensor) == 8 and all(v == pytest.approx(0.63) for v in tensor.values()), tensor
+    pcie = _by_gpu(stack, 'DCGM_FI_PROF_PCIE_RX_BYTES{Hostname="gpu-a"}')
+    assert set(pcie.values()) == {2600 * 2**20}, pcie  # NVML's MiB/s, in B/s
+
     [sample] = stack.query('DCGM_FI_DEV_GPU_TEMP{Hostname="gpu-a", gpu="0"}')["data"]["result"]
     labels = sample["metric"]
     assert labels["device"] == "nvidia0" and labels["job"] == "gpuwarden-agent", labels
     assert labels["UUID"].startswith("GPU-") and labels["modelName"], labels
+    # hostname beside Hostname (dcgm-exporter is renaming it), and the driver as a label.
+    assert labels["hostname"] == labels["Hostname"] == "gpu-a", labels
+    assert re.fullmatch(r"\d+\.\d+(\.\d+)?", labels["DCGM_FI_DRIVER_VERSION"]), labels
     assert re.fullmatch(r"[0-9A-Fa-f]{8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]", labels["pci_bus_id"]), labels
     assert "uuid" not in labels  # dcgm-exporter's name is UUID
+
+
+def _check_first_xid_counted(stack: Stack) -> None:
+    gpu, code = TRAINING_XID
+    # The agent on gpu-a saw the XID in its first cycles; the series was at 0 in a scrape first.
+    recorded = f'node_code:gpuwarden_gpu_xid_events:increase1h{{node="gpu-a", code="{code}"}}'
+    counted = _until("the first XID counted by increase()", lambda: _value(stack, recorded), stack.procs)
+    # increase() extrapolates to the window's edges, so a little over 1 for one XID.
+    assert 0.9 <= counted < 2.5, counted
+    raw = _value(stack, f'gpuwarden_gpu_xid_events_total{{node="gpu-a", gpu="{gpu}", code="{code}"}}')
+    assert raw == 1.0, raw
+    last = _by_gpu(stack, 'DCGM_FI_DEV_XID_ERRORS{Hostname="gpu-a"}')
+    assert {g: v for (_, g), v in last.items() if v} == {gpu: float(code)}, last
+    assert len(last) == 8, last  # every GPU, 0 where no XID happened
+
+
+def _grafana_regex(values: set[str]) -> str:
+    """What Grafana puts in a query for a multi-value variable set to All: (v1|v2|...), each value
+    regex-escaped, and the backslashes escaped again for a PromQL string."""
+    escaped = (re.escape(v).replace("\\", "\\\\") for v in sorted(values))
+    return "(" + "|".join(escaped) + ")"
+
+
+def _check_dcgm_exporter_dashboard(stack: Stack) -> None:
+    """Every panel of dashboard 12239, its queries as published, for the H100 node gpu-a.
+
+    The dashboard's variables: instance and gpu, both label_values of DCGM_FI_DEV_GPU_TEMP. With
+    instance the agent of gpu-a (H100s: every field the dashboard reads exists there) and gpu All,
+    each panel must return a series per GPU, or one value for the single-stat panels (sum, avg).
+    """
+    dashboard = json.loads(DCGM_DASHBOARD.read_text(encoding="utf-8"))
+    assert dashboard["gnetId"] == 12239
+    variables: dict[str, set[str]] = {}
+    for var in dashboard["templating"]["list"]:
+        if var["type"] != "query":
+            continue
+        match = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", var["query"])
+        assert match, var
+        metric, label = match.groups()
+        url = f"{stack.prometheus}/api/v1/series?" + urllib.parse.urlencode({"match[]": metric})
+        variables[var["name"]] = {str(series[label]) for series in _get_json(url)["data"]}
+    assert len(variables["gpu"]) == 8 and len(variables["instance"]) == len(NODES), variables
+    instance = f"127.0.0.1:{stack.agent_ports['gpu-a']}"
+    assert instance in variables["instance"]
+    values = {"instance": _grafana_regex({instance}), "gpu": _grafana_regex(variables["gpu"])}
+
+    panels = [p for p in dashboard["panels"] if p.get("targets")]
+    assert len(panels) == 8, [p.get("title") for p in dashboard["panels"]]
+    problems = []
+    for panel in panels:
+        for target in panel["targets"]:
+            expr = re.sub(r"\$(\w+)", lambda m: values[m.group(1)], target["expr"])
+            body = stack.query(expr)
+            result = body.get("data", {}).get("result", [])
+            aggregated = not target.get("legendFormat")  # the gauges: avg(...) and sum(...)
+            want = 1 if aggregated else 8
+            if body["status"] != "success" or len(result) != want:
+                problems.append(f"{panel['title']!r}: {expr} gave {len(result)} series, not {want}: {body}")
+    assert not problems, "\n".join(problems)
 
 
 def _check_dashboards(stack: Stack, recorded: set[str]) -> None:

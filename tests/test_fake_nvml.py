@@ -13,7 +13,7 @@ import pytest
 from agent.clock import FakeClock
 from agent.errors import ConfigError
 from agent.gpu import open_backend
-from agent.gpu.api import API_FUNCTIONS, FieldValue, field_value, handle_key
+from agent.gpu.api import API_FUNCTIONS, FieldValue, field_value, gpm_metrics_request, handle_key
 from agent.gpu.fake import FakeError, FakeNvml
 from agent.gpu.session import NvmlSession
 
@@ -406,3 +406,33 @@ def test_open_backend_specs(tmp_path: Path) -> None:
             open_backend(bad, clock)
     with pytest.raises(ConfigError, match="fake GPU file"):
         open_backend(f"fake:{tmp_path / 'absent.json'}", clock)
+
+
+# ---- GPU Performance Monitoring -----------------------------------------------------------------
+
+
+def test_gpm_samples_behave_as_nvml_s() -> None:
+    fake = FakeNvml.from_dict({"count": 2, "gpus": {"1": {"gpm_supported": False}}})
+    fake.nvmlInit()
+    h0, h1 = fake.nvmlDeviceGetHandleByIndex(0), fake.nvmlDeviceGetHandleByIndex(1)
+    assert fake.nvmlGpmQueryDeviceSupport(h0).isSupportedDevice == 1
+    assert fake.nvmlGpmQueryDeviceSupport(h1).isSupportedDevice == 0  # pre-Hopper
+    a, b, c = fake.nvmlGpmSampleAlloc(), fake.nvmlGpmSampleAlloc(), fake.nvmlGpmSampleAlloc()
+    assert isinstance(a, pynvml.c_nvmlGpmSample_t) and fake.open_gpm_samples == 3
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        fake.nvmlGpmSampleGet(h1, c)
+    fake.nvmlGpmSampleGet(h0, a)
+    fake.update(0, {"gpm_tensor_active": 40})
+    fake.nvmlGpmSampleGet(h0, b)
+    ids = [pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL, pynvml.NVML_GPM_METRIC_FP64_UTIL]
+    got = fake.nvmlGpmMetricsGet(gpm_metrics_request(a, b, ids))
+    assert (got.metrics[0].nvmlReturn, got.metrics[0].value) == (pynvml.NVML_SUCCESS, 40.0)
+    assert got.metrics[1].nvmlReturn == pynvml.NVML_ERROR_NOT_SUPPORTED  # a metric it has no field for
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):  # the second sample was never filled
+        fake.nvmlGpmMetricsGet(gpm_metrics_request(a, c, ids))
+    for sample in (a, b, c):
+        fake.nvmlGpmSampleFree(sample)
+    assert fake.open_gpm_samples == 0
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):  # freed twice
+        fake.nvmlGpmSampleFree(a)
+    assert fake.nvmlSystemGetDriverVersion() == "550.90.07"

@@ -356,7 +356,7 @@ def test_field_lists_cover_every_numeric_gpu_field() -> None:
     numeric = {
         f.name
         for f in msgspec.structs.fields(Gpu)
-        if f.name not in {"index", "uuid", "model", "pci_bus_id", "nvlink"}
+        if f.name not in {"index", "uuid", "model", "pci_bus_id", "driver_version", "nvlink"}
     }
     assert numeric == GPU_COUNTER_FIELDS | GPU_GAUGE_FIELDS | GPU_FLAG_FIELDS
     assert not (GPU_COUNTER_FIELDS & GPU_GAUGE_FIELDS)

@@ -499,3 +499,58 @@ def test_datasource_provisioning_is_a_prometheus() -> None:
     (source,) = config["datasources"]
     assert source["type"] == "prometheus"
     assert source["url"].startswith("http")
+
+
+def _promtool() -> str:
+    configured = os.environ.get("PROMTOOL")
+    promtool = shutil.which(configured or "promtool")
+    if promtool is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("promtool is not installed")
+        pytest.skip("promtool is not installed")
+    return promtool
+
+
+def test_nic_legends_name_a_netdev_without_a_trailing_slash(tmp_path: Path) -> None:
+    # "{{device}}/{{port}}" rendered "eth0/" for a netdev (port ""): the panels name ports by nic.
+    legends = [
+        str(target.get("legendFormat", ""))
+        for dashboard in generate.dashboards().values()
+        for panel in generate._panels(dashboard.get("panels", ()))
+        for target in panel.get("targets", ())
+    ]
+    assert not [legend for legend in legends if "{{port}}" in legend], legends
+    assert any("{{nic}}" in legend for legend in legends)
+    # What the nic label is, on a real PromQL engine.
+    test = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {"series": 'gpuwarden_nic_up{device="eth0", port=""}', "values": "1x2"},
+                    {"series": 'gpuwarden_nic_up{device="mlx5_0", port="1"}', "values": "1x2"},
+                ],
+                "promql_expr_test": [
+                    {
+                        "expr": generate._port("gpuwarden_nic_up"),
+                        "eval_time": "1m",
+                        "exp_samples": [
+                            {"labels": 'gpuwarden_nic_up{device="eth0", nic="eth0"}', "value": 1},
+                            {
+                                "labels": 'gpuwarden_nic_up{device="mlx5_0", port="1", nic="mlx5_0/1"}',
+                                "value": 1,
+                            },
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "nic.test.yml"
+    path.write_text(yaml.safe_dump(test))
+    out = subprocess.run(
+        [_promtool(), "test", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from aggregator.config import HealthConfig
 from aggregator.health import HealthMachine
 from aggregator.model import Finding
@@ -15,43 +17,39 @@ CFG = HealthConfig(
 )
 
 
-def hard(key: str = "xid-79:gpu3") -> Finding:
+def finding(key: str, rule: str, severity: str, action: str, summary: str, **more: Any) -> Finding:
+    """A rule's finding, first seen at time 0."""
     return Finding(
         detector="rule",
         key=key,
-        rule="xid-79",
-        severity="critical",
-        action="quarantine",
+        rule=rule,
+        severity=severity,
+        action=action,
+        summary=summary,
+        since=0.0,
+        **more,
+    )
+
+
+def hard(key: str = "xid-79:gpu3") -> Finding:
+    return finding(
+        key,
+        "xid-79",
+        "critical",
+        "quarantine",
+        "GPU 3 fell off the bus (XID 79)",
         hard=True,
         clears="reboot",
-        summary="GPU 3 fell off the bus (XID 79)",
-        since=0.0,
         evidence={"gpu": 3, "xid": 79},
     )
 
 
 def soft(key: str = "pcie-width:gpu1") -> Finding:
-    return Finding(
-        detector="rule",
-        key=key,
-        rule="pcie-width",
-        severity="warning",
-        action="quarantine",
-        summary="GPU 1 PCIe x8 of x16",
-        since=0.0,
-    )
+    return finding(key, "pcie-width", "warning", "quarantine", "GPU 1 PCIe x8 of x16")
 
 
 def alert(key: str = "remap-pending:gpu0") -> Finding:
-    return Finding(
-        detector="rule",
-        key=key,
-        rule="remap-pending",
-        severity="warning",
-        action="alert",
-        summary="GPU 0 row remap pending",
-        since=0.0,
-    )
+    return finding(key, "remap-pending", "warning", "alert", "GPU 0 row remap pending")
 
 
 def test_hard_fault_quarantines_at_once_with_its_reason() -> None:

@@ -12,52 +12,33 @@ should be" by making one.
 from __future__ import annotations
 
 import errno
-import importlib.util
 import logging
 import os
 import resource
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-import jsonschema
 import msgspec
 import pytest
 
-from agent import report as report_mod
 from agent import sysfs
 from agent.collectors.base import CollectorContext, Paths
 from agent.collectors.infiniband import InfinibandCollector, parse_rate, parse_state
 from agent.errors import CollectorFailure
-from agent.report import Nic, Report
-
-TREES = Path(__file__).resolve().parent / "fixtures" / "sysfs"
-MAX_U64 = 2**64 - 1
-
-
-def load_tree_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_h100_tree", TREES / "make_h100_tree.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TREE_SCRIPT = load_tree_script()
-
+from agent.report import Nic
+from tests.sysfs_trees import (
+    TREE_SCRIPT,
+    TREES,
+    assert_open_file_budget,
+    assert_steady_cycle_lists_one_directory,
+    count,
+    open_files,
+    text,
+    validate,
+)
 
 # ---------------------------------------------------------------- independent readers of the files
-
-
-def _text(path: Path) -> str:
-    return path.read_text().strip()
-
-
-def _count(path: Path) -> int | None:
-    text = _text(path)
-    return int(text) if text.isdigit() and int(text) <= MAX_U64 else None
 
 
 def expected_counters(port_dir: Path) -> dict[str, int]:
@@ -71,7 +52,7 @@ def expected_counters(port_dir: Path) -> dict[str, int]:
             if path.name == "lifespan":
                 continue
             values.pop(path.name, None)
-            value = _count(path)
+            value = count(path)
             if value is not None:
                 values[path.name] = value
     return values
@@ -97,14 +78,14 @@ def expected_port(port_dir: Path) -> dict[str, Any]:
                 return values[unicast] + values[multicast]
         return None
 
-    rate_text = _text(port_dir / "rate")
-    link_layer = _text(port_dir / "link_layer")
+    rate_text = text(port_dir / "rate")
+    link_layer = text(port_dir / "link_layer")
     return {
         "device": port_dir.parent.parent.name,
         "port": int(port_dir.name),
         "link_layer": "Ethernet" if link_layer == "Ethernet" else "InfiniBand",
-        "state": _text(port_dir / "state").split(":", 1)[1].strip(),
-        "phys_state": _text(port_dir / "phys_state").split(":", 1)[1].strip(),
+        "state": text(port_dir / "state").split(":", 1)[1].strip(),
+        "phys_state": text(port_dir / "phys_state").split(":", 1)[1].strip(),
         "rate_bytes_per_second": float(rate_text.split()[0]) * 1e9 / 8 if "Gb/sec" in rate_text else None,
         "rx_bytes_total": data("rcv"),
         "tx_bytes_total": data("xmit"),
@@ -133,22 +114,6 @@ def nics_by_port(nics: tuple[Nic, ...]) -> dict[tuple[str, int | None], Nic]:
 def copy_devices(tmp_path: Path, *names: str, tree: str = "h100") -> Path:
     """A changeable copy of some RDMA devices of one of this project's trees."""
     return TREE_SCRIPT.copy_entries(TREES / tree / "sys", tmp_path / "sys", "infiniband", names)
-
-
-def validate(nics: list[Nic]) -> None:
-    """The report the runner would build around these NICs passes the published JSON Schema."""
-    report = Report(
-        schema=report_mod.SCHEMA_ID,
-        node="gpu-0001",
-        time=1_764_441_600.0,
-        seq=1,
-        boot_id="5c2e1f4a-boot",
-        gpus=[],
-        nics=nics,
-    )
-    data = report_mod.encode(report)
-    jsonschema.validate(msgspec.json.decode(data), report_mod.json_schema())
-    assert report_mod.decode(data) == report
 
 
 # ---------------------------------------------------------------- recorded trees
@@ -348,7 +313,7 @@ def test_edge_values(edge: Path, caplog: pytest.LogCaptureFixture) -> None:
     roce = nics[("mlx5_2", 1)]
     assert (roce.link_layer, roce.netdev, roce.rate_bytes_per_second) == ("Ethernet", "ens1f0np0", 2.5e10)
     assert roce.counters
-    assert roce.counters["np_cnp_sent"] == _count(
+    assert roce.counters["np_cnp_sent"] == count(
         edge / "class/infiniband/mlx5_2/ports/1/hw_counters/np_cnp_sent"
     )
 
@@ -517,44 +482,13 @@ def test_new_counter_files_appear_after_rescan(tmp_path: Path) -> None:
     assert seen == [False, False, True]
 
 
-@pytest.fixture
-def syscalls(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
-    """Counts directory listings and file opens while the test runs."""
-    counts = {"listdir": 0, "scandir": 0, "open": 0}
-
-    def counting(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return real(*args, **kwargs)
-
-        return wrapper
-
-    for name in counts:
-        monkeypatch.setattr(os, name, counting(name, getattr(os, name)))
-    yield counts
-
-
-def test_a_steady_cycle_lists_one_directory_and_opens_no_file(syscalls: dict[str, int]) -> None:
+def test_a_steady_cycle_lists_one_directory_and_opens_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
     c = collector(TREES / "h100" / "sys")
-    first = c.collect()
-    for name in syscalls:
-        syscalls[name] = 0
-
-    assert c.collect() == first
-
-    assert syscalls == {"listdir": 1, "scandir": 0, "open": 0}
+    assert_steady_cycle_lists_one_directory(c.collect, monkeypatch)
 
 
 def test_over_the_open_file_budget_files_are_read_by_path() -> None:
-    limited = collector(TREES / "h100" / "sys", max_open_files=100)
-    unlimited = collector(TREES / "h100" / "sys")
-    before = len(os.listdir("/proc/self/fd"))
-
-    assert limited.collect() == unlimited.collect()
-    unlimited.close()
-
-    assert len(os.listdir("/proc/self/fd")) - before == 100
-    limited.close()
+    assert_open_file_budget(collector, 100)
 
 
 def test_default_open_file_budget_is_a_share_of_the_soft_limit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -565,18 +499,18 @@ def test_default_open_file_budget_is_a_share_of_the_soft_limit(monkeypatch: pyte
 
     monkeypatch.setattr(resource, "getrlimit", lambda _: (80, 80))
     c = collector(TREES / "h100" / "sys")
-    before = len(os.listdir("/proc/self/fd"))
+    before = open_files()
     c.collect()
-    assert len(os.listdir("/proc/self/fd")) - before == 10
+    assert open_files() - before == 10
     c.close()
 
 
 def test_close_releases_files_and_collect_starts_over() -> None:
     c = collector(TREES / "h100" / "sys")
     first = c.collect()
-    before = len(os.listdir("/proc/self/fd"))
+    before = open_files()
     c.close()
-    assert before - len(os.listdir("/proc/self/fd")) >= 8 * 50
+    assert before - open_files() >= 8 * 50
     assert c.collect() == first
     c.close()
 

@@ -349,6 +349,170 @@ async def test_compacted_resource_version_is_gone(kube: KubeApiDouble, client: K
     assert (event.type, event.node.labels["x"]) == ("MODIFIED", "2")
 
 
+# -- a busy control plane: latency, 429s, watch restarts -------------------------------------------
+
+
+def _label(key: str, value: str) -> Any:
+    return lambda n: n["metadata"].setdefault("labels", {}).update({key: value})
+
+
+async def _timed(call: Any) -> tuple[float, Any]:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    result = await call
+    return loop.time() - started, result
+
+
+async def test_a_slow_list_answers_late_with_the_cluster_as_of_its_start(
+    kube: KubeApiDouble, client: KubeClient
+) -> None:
+    kube.add_node("gpu-1")
+    kube.set_latency("list", 0.6, path_regex=r"^/api/v1/nodes$")
+    listing = asyncio.create_task(_timed(client.list_nodes()))
+    await asyncio.sleep(0.2)
+    kube.add_node("gpu-2")  # while the LIST is on its way
+    elapsed, listed = await listing
+    assert elapsed >= 0.6
+    assert [n.name for n in listed.items] == ["gpu-1"]
+    # Its resourceVersion is the start's: a watch from it sees what changed meanwhile.
+    async with aclosing(client.watch_nodes(resource_version=listed.resource_version, timeout_seconds=5)) as w:
+        event = await anext(w)
+    assert (event.type, event.node.name) == ("ADDED", "gpu-2")
+    # Only LISTs are slow: a GET is answered at once.
+    elapsed, _ = await _timed(client.get_node("gpu-1"))
+    assert elapsed < 0.5
+
+
+async def test_latency_is_per_verb_and_a_range_is_drawn_from(kube: KubeApiDouble, client: KubeClient) -> None:
+    kube.add_node("gpu-1")
+    kube.set_latency("get", (0.05, 0.3))
+    kube.set_latency("watch", 0.4)
+    times = [(await _timed(client.get_node("gpu-1")))[0] for _ in range(6)]
+    assert all(0.05 <= t < 0.6 for t in times)
+    assert max(times) - min(times) > 0.02  # drawn, not fixed
+    elapsed, listed = await _timed(client.list_nodes())
+    assert elapsed < 0.3
+    kube.update_node("gpu-1", _label("x", "1"))
+    async with aclosing(client.watch_nodes(resource_version=listed.resource_version, timeout_seconds=5)) as w:
+        elapsed, event = await _timed(anext(w))
+    assert elapsed >= 0.4 and event.type == "MODIFIED"
+    kube.set_latency("get", 0)
+    assert (await _timed(client.get_node("gpu-1")))[0] < 0.3
+
+
+async def test_a_list_slower_than_the_request_timeout_still_succeeds(
+    kube: KubeApiDouble, tmp_path: Path
+) -> None:
+    # A cluster-wide LIST may take 30 s on a busy control plane: a client that gives it only the
+    # request timeout never lists, and an informer that needs the list never syncs.
+    kube.add_node("gpu-1")
+    quick = await KubeClient.from_kubeconfig(
+        kube.write_kubeconfig(tmp_path / "kubeconfig"), request_timeout=0.3
+    )
+    try:
+        kube.set_latency("list", 0.9)
+        assert [n.name for n in (await quick.list_nodes()).items] == ["gpu-1"]
+        kube.set_latency("get", 0.9)
+        with pytest.raises(KubeUnavailable):
+            await quick.get_node("gpu-1")
+    finally:
+        await quick.close()
+
+
+async def test_throttle_burst_is_429_with_retry_after_as_priority_and_fairness(
+    kube: KubeApiDouble, client: KubeClient
+) -> None:
+    kube.add_node("gpu-1")
+    kube.throttle(burst=2, retry_after=3)
+    headers = {"Authorization": f"Bearer {kube.token}"}
+    async with aiohttp.ClientSession() as session:
+        for _ in range(2):
+            async with session.get(kube.url + "/api/v1/nodes", headers=headers) as response:
+                assert response.status == 429
+                assert response.headers["Retry-After"] == "3"
+                body = await response.json()
+            assert body["reason"] == "TooManyRequests"
+            assert body["details"] == {"retryAfterSeconds": 3}
+            assert body["message"] == "Too many requests, please try again later."
+        async with session.get(kube.url + "/api/v1/nodes", headers=headers) as response:
+            assert response.status == 200
+    kube.throttle(burst=1)
+    with pytest.raises(KubeUnavailable) as caught:
+        await client.patch_node("gpu-1", resource_version="1", annotations={"a": "b"})
+    assert caught.value.status == 429
+    assert "a" not in kube.node("gpu-1")["metadata"].get("annotations", {})  # shed before any work
+    assert kube.throttled == 3
+
+
+async def test_throttle_sheds_a_seeded_share_of_its_verbs_only(
+    kube: KubeApiDouble, client: KubeClient
+) -> None:
+    kube.add_node("gpu-1")
+    kube.throttle(share=0.5, verbs=["list"])
+    shed = 0
+    for _ in range(40):
+        try:
+            await client.list_nodes()
+        except KubeUnavailable as exc:
+            assert exc.status == 429
+            shed += 1
+        assert (await client.get_node("gpu-1")).name == "gpu-1"  # GETs are never shed
+    assert 8 <= shed <= 32
+    assert kube.throttled == shed
+    kube.throttle()
+    await client.list_nodes()
+    assert kube.throttled == shed
+
+
+async def test_restarted_watches_end_and_resuming_from_before_the_restart_is_gone(
+    kube: KubeApiDouble, client: KubeClient
+) -> None:
+    kube.add_node("gpu-1")
+    listed = await client.list_nodes()
+    seen: list[NodeEvent] = []
+
+    async def consume() -> None:
+        async for event in client.watch_nodes(resource_version=listed.resource_version, timeout_seconds=30):
+            seen.append(event)
+
+    watching = asyncio.create_task(consume())
+    kube.update_node("gpu-1", _label("x", "1"))
+    while not seen:
+        await asyncio.sleep(0.01)
+    kube.update_node("gpu-1", _label("x", "2"))
+    assert kube.restart_watches() == 1  # in the same turn: the stream ends before "2" is sent
+    await asyncio.wait_for(watching, 2.0)  # the stream just ends: no error, no bookmark
+    assert [e.node.labels["x"] for e in seen] == ["1"]
+    last = seen[-1].node.resource_version
+    with pytest.raises(KubeGone):
+        async for _ in client.watch_nodes(resource_version=last, timeout_seconds=5):
+            pass
+    # What a reflector does next: list again, watch from there.
+    relisted = await client.list_nodes()
+    assert relisted.items[0].labels["x"] == "2"
+    kube.update_node("gpu-1", _label("x", "3"))
+    async with aclosing(
+        client.watch_nodes(resource_version=relisted.resource_version, timeout_seconds=5)
+    ) as w:
+        event = await anext(w)
+    assert event.node.labels["x"] == "3"
+
+
+async def test_a_restart_without_expiry_lets_a_watch_resume(kube: KubeApiDouble, client: KubeClient) -> None:
+    kube.add_node("gpu-1")
+    rv = (await client.list_nodes()).resource_version
+    watch = client.watch_nodes(resource_version=rv, timeout_seconds=30)
+    ending = asyncio.create_task(anext(watch))
+    await asyncio.sleep(0.2)
+    assert kube.restart_watches(expire=False) == 1
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(ending, 2.0)
+    kube.update_node("gpu-1", _label("x", "1"))
+    async with aclosing(client.watch_nodes(resource_version=rv, timeout_seconds=5)) as w:
+        event = await anext(w)
+    assert event.node.labels["x"] == "1"
+
+
 # -- leases and events ----------------------------------------------------------------------------
 
 

@@ -402,37 +402,29 @@ def _crd_schema(kind: str, spec: Obj) -> Obj:
     }
 
 
+def _monitor_schema(kind: str, endpoints: str) -> Obj:
+    """A ServiceMonitor or PodMonitor: the same spec but for what its endpoint list is called."""
+    return _crd_schema(
+        kind,
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", endpoints],
+            "properties": {
+                "selector": _SELECTOR,
+                "namespaceSelector": _NS_SELECTOR,
+                "jobLabel": {"type": "string"},
+                endpoints: {"type": "array", "minItems": 1, "items": _ENDPOINT},
+            },
+        },
+    )
+
+
 # The fields of the prometheus-operator v1 definitions that gpuwarden's objects may use; an
 # unknown field (a typo the operator would drop silently) fails.
 MONITORING_SCHEMAS: dict[str, Obj] = {
-    "ServiceMonitor": _crd_schema(
-        "ServiceMonitor",
-        {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["selector", "endpoints"],
-            "properties": {
-                "selector": _SELECTOR,
-                "namespaceSelector": _NS_SELECTOR,
-                "jobLabel": {"type": "string"},
-                "endpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
-            },
-        },
-    ),
-    "PodMonitor": _crd_schema(
-        "PodMonitor",
-        {
-            "type": "object",
-            "additionalProperties": False,
-            "required": ["selector", "podMetricsEndpoints"],
-            "properties": {
-                "selector": _SELECTOR,
-                "namespaceSelector": _NS_SELECTOR,
-                "jobLabel": {"type": "string"},
-                "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": _ENDPOINT},
-            },
-        },
-    ),
+    "ServiceMonitor": _monitor_schema("ServiceMonitor", "endpoints"),
+    "PodMonitor": _monitor_schema("PodMonitor", "podMetricsEndpoints"),
     "PrometheusRule": _crd_schema(
         "PrometheusRule",
         {

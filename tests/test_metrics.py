@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,6 +31,7 @@ from agent.metrics import (
 )
 from agent.report import CollectorError, Event, Gpu, Nic, NvLink, Probe, Report
 from agent.state import CollectorStatus, CycleResult, ShipperStats
+from tests.conftest import REPO
 
 GOLDEN = Path(__file__).parent / "fixtures" / "metrics" / "golden.prom"
 T0 = 1_764_441_600.0
@@ -70,6 +72,17 @@ def _gpu(index: int, **overrides: object) -> Gpu:
         "pcie_link_width": 16,
         "pcie_link_width_max": 16,
         "pcie_replay_total": 12,
+        "driver_version": "550.90.07",
+        "memory_utilization_ratio": 0.61,
+        "gr_engine_active_ratio": 0.96,
+        "sm_active_ratio": 0.91,
+        "sm_occupancy_ratio": 0.375,
+        "tensor_active_ratio": 0.625,
+        "dram_active_ratio": 0.5,
+        "pcie_tx_bytes_per_second": 1.25e9,
+        "pcie_rx_bytes_per_second": 2.5e9,
+        "nvlink_tx_bytes_per_second": 1.5e11,
+        "nvlink_rx_bytes_per_second": 1.25e11,
         "nvlink": [
             NvLink(
                 link=0,
@@ -155,6 +168,9 @@ def _snapshot(
                     "rnr_nak_retry_err": 0,
                     "out_of_buffer": 3,
                     "np_cnp_sent": 42,
+                    "port_xmit_data": 1_000,  # 4-byte words
+                    "port_rcv_packets": 77,
+                    "vendor_specific_thing": 5,  # a driver counter the catalogue does not know
                 },
             ),
             Nic(
@@ -294,7 +310,8 @@ def test_a_gpu_with_every_field_null_exports_only_its_identity() -> None:
     cycle = CycleResult(report=report, statuses=())
     text = _exposition(AgentSnapshot(cycle=cycle))
     gpu_series = {name for name, labels in _samples(text) if ("uuid", "GPU-3") in labels}
-    assert gpu_series == {"gpuwarden_gpu_info"}
+    # The info series, and the latest XID code: 0, none seen (dcgm-exporter's XID_ERRORS).
+    assert gpu_series == {"gpuwarden_gpu_info", "gpuwarden_gpu_last_xid_code"}
     assert b"gpuwarden_shipper" not in text  # no shipper, no shipper series
 
 
@@ -332,6 +349,7 @@ def test_scrapes_follow_the_snapshot_as_cycles_change() -> None:
     first_snap = _snapshot(seq=1)
     current = [first_snap]
     registry = make_registry(AgentMetrics(lambda: current[0]), process_metrics=False)
+    generate_latest(registry)  # the first scrape shows the new XID series at 0
     first = generate_latest(registry)
     assert generate_latest(registry) == first
     assert first_snap.cycle is not None
@@ -344,7 +362,7 @@ def test_scrapes_follow_the_snapshot_as_cycles_change() -> None:
     assert not [k for k in samples if ("gpu", "1") in k[1] and k[0] != "gpuwarden_gpu_xid_events_total"]
 
 
-def _xid_counts(metrics: AgentMetrics) -> dict[tuple[str, str], float]:
+def _xid_series(metrics: AgentMetrics) -> dict[tuple[str, str], float]:
     text = generate_latest(make_registry(metrics, process_metrics=False))
     return {
         (dict(labels)["gpu"], dict(labels)["code"]): value
@@ -353,16 +371,78 @@ def _xid_counts(metrics: AgentMetrics) -> dict[tuple[str, str], float]:
     }
 
 
+def _xid_counts(metrics: AgentMetrics) -> dict[tuple[str, str], float]:
+    return {key: value for key, value in _xid_series(metrics).items() if value}
+
+
+def test_an_xid_counter_is_seen_at_zero_before_its_first_event() -> None:
+    # increase() counts nothing for a series whose first sample is already 1, so every XID series
+    # is in one scrape at 0 before its first event counts.
+    no_events = _snapshot(seq=1, events=[])
+    current = [no_events]
+    metrics = AgentMetrics(lambda: current[0])
+    first = _xid_series(metrics)
+    # Each GPU has the codes the rules act on at 0 from its first cycle on.
+    declared = {str(c) for c in agent_metrics.XID_CODES_PREDECLARED}
+    assert {code for gpu, code in first if gpu == "1"} == declared
+    assert set(first.values()) == {0.0}
+
+    # A predeclared code, already shown: counted at once.
+    current[0] = _snapshot(seq=2, events=[Event(kind="xid", time=T0, gpu=1, code=79)])
+    assert _xid_series(metrics)[("1", "79")] == 1.0
+    # A code nobody declared: at 0 in the next scrape, counted from the one after; never lost.
+    current[0] = _snapshot(seq=3, events=[Event(kind="xid", time=T0, gpu=0, code=154)] * 2)
+    assert _xid_series(metrics)[("0", "154")] == 0.0
+    assert _xid_series(metrics)[("0", "154")] == 2.0
+    assert _xid_series(metrics)[("0", "154")] == 2.0
+
+
+def test_the_first_cycle_s_xid_waits_for_its_zero_to_be_scraped() -> None:
+    # The agent's first report may carry an XID already (the fake delivers its file's at once).
+    current = [_snapshot(seq=1, events=[Event(kind="xid", time=T0, gpu=1, code=79)])]
+    metrics = AgentMetrics(lambda: current[0])
+    assert _xid_series(metrics)[("1", "79")] == 0.0
+    assert _xid_series(metrics)[("1", "79")] == 1.0
+
+
+def _last_xid(metrics: AgentMetrics) -> dict[str, float]:
+    text = generate_latest(make_registry(metrics, process_metrics=False))
+    return {
+        dict(labels)["gpu"]: value
+        for (name, labels), value in _samples(text).items()
+        if name == "gpuwarden_gpu_last_xid_code"
+    }
+
+
+def test_the_last_xid_code_per_gpu_is_a_gauge_from_zero() -> None:
+    current = [_snapshot(seq=1, events=[])]
+    metrics = AgentMetrics(lambda: current[0])
+    assert _last_xid(metrics) == {"0": 0.0, "1": 0.0}
+    current[0] = _snapshot(
+        seq=2, events=[Event(kind="xid", time=T0, gpu=1, code=79), Event(kind="xid", time=T0, gpu=1, code=48)]
+    )
+    assert _last_xid(metrics) == {"0": 0.0, "1": 48.0}
+    current[0] = _snapshot(seq=3, events=[])
+    assert _last_xid(metrics) == {"0": 0.0, "1": 48.0}  # the last one seen, until the next
+
+
+def test_the_predeclared_xid_codes_cover_the_codes_the_rules_act_on() -> None:
+    rules = yaml.safe_load((REPO / "rules" / "xid.yaml").read_text())["rules"]
+    codes = {c for rule in rules for c in rule.get("codes", ()) if isinstance(c, int)}
+    assert codes <= set(agent_metrics.XID_CODES_PREDECLARED), sorted(codes)
+
+
 def test_xid_events_are_counted_once_per_cycle() -> None:
     xid79 = Event(kind="xid", time=T0, gpu=1, code=79)
     current = [_snapshot(seq=1, events=[xid79, xid79])]
     metrics = AgentMetrics(lambda: current[0])
+    assert _xid_counts(metrics) == {}  # the first scrape shows the series at 0
     assert _xid_counts(metrics) == {("1", "79"): 2.0}
     # The same cycle scraped again counts nothing more.
     assert _xid_counts(metrics) == {("1", "79"): 2.0}
 
     current[0] = _snapshot(seq=2, events=[xid79, Event(kind="xid", time=T0, gpu=0, code=48)])
-    assert _xid_counts(metrics) == {("0", "48"): 1.0, ("1", "79"): 3.0}
+    assert _xid_counts(metrics) == {("0", "48"): 1.0, ("1", "79"): 3.0}  # shown already: at once
 
     # Cycles handed over by the runner between scrapes are counted, each once, whichever
     # path (record_cycle or a scrape) sees them first; an older cycle counts nothing.
@@ -534,3 +614,19 @@ def test_a_catalogued_field_without_a_metric_is_refused(monkeypatch: pytest.Monk
     monkeypatch.setattr(agent_metrics, "_GPU_FAMILIES", families)
     with pytest.raises(TypeError, match="power_watts"):
         agent_metrics._check_families()
+
+
+def test_nic_counters_are_split_by_unit_and_words_are_bytes() -> None:
+    samples = _samples(_exposition(_snapshot()))
+    by_family: dict[str, dict[str, float]] = {}
+    for (name, labels), value in samples.items():
+        if name.startswith("gpuwarden_nic_stat"):
+            by_family.setdefault(name, {})[dict(labels)["stat"]] = value
+    assert by_family == {
+        # IBTA's port_xmit_data counts 4-byte words: 1,000 words are 4,000 bytes.
+        "gpuwarden_nic_stat_bytes_total": {"port_xmit_data": 4000.0},
+        "gpuwarden_nic_stat_packets_total": {"port_rcv_packets": 77.0},
+        "gpuwarden_nic_stat_errors_total": {"rx_errors": 1.0},
+        "gpuwarden_nic_stat_events_total": {"np_cnp_sent": 42.0, "carrier_changes": 4.0},
+        "gpuwarden_nic_stat_total": {"vendor_specific_thing": 5.0},  # unit unknown
+    }

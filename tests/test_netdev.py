@@ -8,52 +8,45 @@ spot checks. Unreadable files are simulated by patching ``os.open`` (the tests r
 from __future__ import annotations
 
 import errno
-import importlib.util
 import os
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-import jsonschema
 import msgspec
 import pytest
 
-from agent import report as report_mod
 from agent.collectors.base import CollectorContext, Paths
 from agent.collectors.infiniband import InfinibandCollector
 from agent.collectors.netdev import NetdevCollector
 from agent.errors import CollectorFailure
-from agent.report import Nic, Report
+from agent.report import Nic
+from tests.sysfs_trees import (
+    TREE_SCRIPT,
+    TREES,
+    assert_open_file_budget,
+    assert_steady_cycle_lists_one_directory,
+    count,
+    text,
+    validate,
+)
 
-TREES = Path(__file__).resolve().parent / "fixtures" / "sysfs"
-MAX_U64 = 2**64 - 1
 CARRIER = ("carrier_changes", "carrier_up_count", "carrier_down_count")
-
-
-def _text(path: Path) -> str:
-    return path.read_text().strip()
-
-
-def _count(path: Path) -> int | None:
-    text = _text(path)
-    return int(text) if text.isdigit() and int(text) <= MAX_U64 else None
 
 
 def expected_netdev(net_dir: Path) -> dict[str, Any]:
     """An interface as its files describe it: statistics/* and carrier_* raw, speed in Mb/s."""
     files = sorted((net_dir / "statistics").iterdir()) if (net_dir / "statistics").is_dir() else []
     files += [net_dir / name for name in CARRIER if (net_dir / name).exists()]
-    values = {p.name: v for p in files if (v := _count(p)) is not None}
-    speed = int(_text(net_dir / "speed")) if (net_dir / "speed").exists() else -1
-    arp_type = _text(net_dir / "type") if (net_dir / "type").exists() else "1"
+    values = {p.name: v for p in files if (v := count(p)) is not None}
+    speed = int(text(net_dir / "speed")) if (net_dir / "speed").exists() else -1
+    arp_type = text(net_dir / "type") if (net_dir / "type").exists() else "1"
     return {
         "device": net_dir.name,
         "link_layer": "InfiniBand" if arp_type == "32" else "Ethernet",
         "port": None,
         "netdev": net_dir.name,
-        "state": _text(net_dir / "operstate"),
+        "state": text(net_dir / "operstate"),
         "phys_state": None,
         "rate_bytes_per_second": speed * 1e6 / 8 if speed > 0 else None,
         "rx_bytes_total": values.get("rx_bytes"),
@@ -76,36 +69,9 @@ def by_name(nics: tuple[Nic, ...]) -> dict[str, Nic]:
     return {n.device: n for n in nics}
 
 
-def load_tree_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_h100_tree", TREES / "make_h100_tree.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TREE_SCRIPT = load_tree_script()
-
-
 def copy_netdevs(tmp_path: Path, *names: str, tree: str = "h100") -> Path:
     """A changeable copy of some interfaces of one of this project's trees."""
     return TREE_SCRIPT.copy_entries(TREES / tree / "sys", tmp_path / "sys", "net", names)
-
-
-def validate(nics: list[Nic]) -> None:
-    """The report the runner would build around these NICs passes the published JSON Schema."""
-    report = Report(
-        schema=report_mod.SCHEMA_ID,
-        node="gpu-0001",
-        time=1_764_441_600.0,
-        seq=1,
-        boot_id="5c2e1f4a-boot",
-        gpus=[],
-        nics=nics,
-    )
-    data = report_mod.encode(report)
-    jsonschema.validate(msgspec.json.decode(data), report_mod.json_schema())
-    assert report_mod.decode(data) == report
 
 
 # ---------------------------------------------------------------- recorded trees
@@ -241,7 +207,7 @@ def test_unreadable_statistic(monkeypatch: pytest.MonkeyPatch, code: int, report
     eth0 = by_name(out.nics)["eth0"]
     assert eth0.counters
     assert "rx_dropped" not in eth0.counters
-    assert eth0.rx_bytes_total == _count(root / "class/net/eth0/statistics/rx_bytes")
+    assert eth0.rx_bytes_total == count(root / "class/net/eth0/statistics/rx_bytes")
     assert out.errors == (() if reported is None else (f"eth0: rx_dropped ({reported})",))
 
 
@@ -293,44 +259,14 @@ def test_a_file_vanishing_rediscovers_in_the_same_cycle(tmp_path: Path) -> None:
     assert "tx_errors" in counters
 
 
-@pytest.fixture
-def syscalls(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
-    counts = {"listdir": 0, "scandir": 0, "open": 0}
-
-    def counting(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return real(*args, **kwargs)
-
-        return wrapper
-
-    for name in counts:
-        monkeypatch.setattr(os, name, counting(name, getattr(os, name)))
-    yield counts
-
-
-def test_a_steady_cycle_lists_one_directory_and_opens_no_file(syscalls: dict[str, int]) -> None:
+def test_a_steady_cycle_lists_one_directory_and_opens_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
     c = collector(TREES / "h100" / "sys")
-    first = c.collect()
-    for name in syscalls:
-        syscalls[name] = 0
-
-    assert c.collect() == first
-
-    assert syscalls == {"listdir": 1, "scandir": 0, "open": 0}
+    assert_steady_cycle_lists_one_directory(c.collect, monkeypatch)
     c.close()
 
 
 def test_over_the_open_file_budget_files_are_read_by_path() -> None:
-    limited = collector(TREES / "h100" / "sys", max_open_files=50)
-    unlimited = collector(TREES / "h100" / "sys")
-    before = len(os.listdir("/proc/self/fd"))
-
-    assert limited.collect() == unlimited.collect()
-    unlimited.close()
-
-    assert len(os.listdir("/proc/self/fd")) - before == 50
-    limited.close()
+    assert_open_file_budget(collector, 50)
 
 
 # ---------------------------------------------------------------- no interfaces here

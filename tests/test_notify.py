@@ -110,6 +110,13 @@ def test_quarantine_alert_has_grouping_labels_and_useful_annotations() -> None:
     assert "XID 79" in alert.description
     assert alert.node_url == "https://gpuwarden.example/api/v1/nodes/gpu-0042"
     assert alert.runbook_url.endswith("/docs/runbooks/GpuwardenNodeQuarantined.md")
+
+
+def test_a_description_leaves_out_evidence_the_event_did_not_carry() -> None:
+    # An XID read from NVML has no message: "message=None" in an alert tells on-call nothing.
+    silent = msgspec.structs.replace(XID79, evidence={**XID79.evidence, "message": None, "code": 79})
+    [alert] = book().on_decision(node_decision("quarantined", "healthy", "taint", reasons=[silent]))
+    assert "None" not in alert.description and "code=79" in alert.description, alert.description
     assert alert.key == "gpuwarden/gpu-0042/quarantined"
 
 

@@ -364,3 +364,86 @@ def test_a_lost_gpu_goes_on_the_wire_with_its_code_and_index() -> None:
     (error,) = wire["errors"]
     assert (error["collector"], error["code"], error["gpu"]) == ("nvml", "gpu_lost", 5)
     assert error["message"] == "GPU 5: GPU is lost"  # the words stay, for a human
+
+
+# --- GPU Performance Monitoring --------------------------------------------------------------------
+
+
+def test_gpm_fields_come_from_two_samples_in_report_units_and_samples_are_freed() -> None:
+    busy = {
+        "utilization_memory": 44,
+        "gpm_gr_engine_active": 95,
+        "gpm_sm_active": 87,
+        "gpm_sm_occupancy": 41,
+        "gpm_tensor_active": 63,
+        "gpm_dram_active": 72,
+        "gpm_pcie_tx": 1024,
+        "gpm_pcie_rx": 2048,
+        "gpm_nvlink_tx": 150_000,
+        "gpm_nvlink_rx": 149_000,
+    }
+    fake = FakeNvml.from_dict({"count": 2, "gpus": {"1": busy}, "driver_version": "550.90.07"})
+    collector = collector_for(fake)
+    # The first cycle has no earlier sample: GPM fields are null, without an error.
+    first = collector.collect()
+    assert first.errors == ()
+    assert all(g.tensor_active_ratio is None and g.pcie_tx_bytes_per_second is None for g in first.gpus)
+    assert {g.driver_version for g in first.gpus} == {"550.90.07"}
+    assert fake.open_gpm_samples == 2  # one kept per GPU
+
+    second = collector.collect()
+    assert second.errors == ()
+    validate(second)
+    g = by_index(second)[1]
+    assert g.memory_utilization_ratio == pytest.approx(0.44)
+    assert g.gr_engine_active_ratio == pytest.approx(0.95)
+    assert g.sm_active_ratio == pytest.approx(0.87)
+    assert g.sm_occupancy_ratio == pytest.approx(0.41)
+    assert g.tensor_active_ratio == pytest.approx(0.63)
+    assert g.dram_active_ratio == pytest.approx(0.72)
+    assert g.pcie_tx_bytes_per_second == 1024 * 2**20 and g.pcie_rx_bytes_per_second == 2048 * 2**20
+    assert g.nvlink_tx_bytes_per_second == 150_000 * 2**20
+    assert g.nvlink_rx_bytes_per_second == 149_000 * 2**20
+    idle = by_index(second)[0]
+    assert idle.tensor_active_ratio == 0.0 and idle.pcie_rx_bytes_per_second == 25 * 2**20
+    for _ in range(5):
+        collector.collect()
+    assert fake.open_gpm_samples == 2  # bounded: the previous sample is freed each cycle
+
+    # A lost GPU's sample is freed; close frees the rest.
+    fake.update(1, {"lost": True})
+    collector.collect()
+    assert fake.open_gpm_samples == 1
+    collector.close()
+    assert fake.open_gpm_samples == 0
+
+
+def test_gpm_is_null_and_silent_where_the_gpu_has_none() -> None:
+    # Pre-Hopper (the A10 fixture), a driver without the calls, and one metric NVML refuses.
+    for description in (
+        json.loads((FIXTURES / "old_driver_pcie_card.json").read_text()),
+        {"count": 1, "missing_functions": ["nvmlGpmQueryDeviceSupport"]},
+    ):
+        fake = FakeNvml.from_dict(description)
+        collector = collector_for(fake)
+        collector.collect()
+        collected = collector.collect()
+        assert problems(collected) == [], description
+        assert all(g.sm_active_ratio is None and g.nvlink_tx_bytes_per_second is None for g in collected.gpus)
+        assert fake.open_gpm_samples == 0
+    fake = FakeNvml.from_dict({"count": 1, "all": {"gpm_nvlink_tx": {"error": "NOT_SUPPORTED"}}})
+    collector = collector_for(fake)
+    collector.collect()
+    [g] = collector.collect().gpus
+    assert g.nvlink_tx_bytes_per_second is None and g.nvlink_rx_bytes_per_second == 0.0
+
+
+def test_a_failing_gpm_sample_is_an_error_and_frees_what_it_took() -> None:
+    fake = FakeNvml.from_dict({"count": 1})
+    collector = collector_for(fake)
+    collector.collect()
+    fake.update(0, {"gpm_tensor_active": {"error": "UNKNOWN"}})
+    collected = collector.collect()
+    [problem] = problems(collected)
+    assert problem.code == "unreadable" and "GPM metric" in problem.message
+    assert fake.open_gpm_samples == 1

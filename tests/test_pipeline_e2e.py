@@ -19,9 +19,10 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from agent.report import Report
+from aggregator.app import build_pipeline
 from aggregator.config import Config
 from aggregator.configload import load_config, parse_config
-from aggregator.decisions import Decision, DecisionLog, encode_decision
+from aggregator.decisions import Decision, encode_decision
 from aggregator.model import IngestOutcome
 from aggregator.pipeline import Pipeline
 from aggregator.rules import default_rules_dir, load_rules
@@ -131,7 +132,7 @@ def run(scenario: Scenario, config: Config = DEFAULTS) -> Run:
     times = [t for t, _ in deliveries]
     assert times == sorted(times), "deliveries come in receive order"
     decisions: list[Decision] = []
-    pipeline = Pipeline(config, RULES, DecisionLog(None), on_decision=decisions.append)
+    pipeline = build_pipeline(config, RULES, on_decision=decisions.append)
     outcomes: Counter[IngestOutcome] = Counter()
     for received, report in deliveries:
         outcomes[pipeline.ingest(report, received)] += 1
@@ -223,7 +224,7 @@ def test_a_dbe_whose_xid_report_was_lost_still_quarantines_at_the_next_report() 
     shown_at, with_xid = run_all.first("gpu-0005", has_xid(48))
     deliveries = [(t, r) for t, r in run_all.deliveries if r is not with_xid]
     decisions: list[Decision] = []
-    pipeline = Pipeline(DEFAULTS, RULES, DecisionLog(None), on_decision=decisions.append)
+    pipeline = build_pipeline(DEFAULTS, RULES, on_decision=decisions.append)
     for received, report in deliveries:
         pipeline.ingest(report, received)
     mine = [d for d in decisions if d.node == "gpu-0005"]

@@ -497,6 +497,19 @@ def test_a_failed_pair_triggers_confirms_but_a_busy_one_does_not() -> None:
 # -- preflight ------------------------------------------------------------------------------------------
 
 
+def preflight_until_decided(sim: FleetSim, node: str, start: float, steps: int) -> list[Planned]:
+    """Steps the fleet every 10 s with ``node`` in preflight until it has a verdict (at most
+    ``steps`` steps); the probes ``node`` ran meanwhile."""
+    got: list[Planned] = []
+    for k in range(steps):
+        for a in sim.step(start + 10 * k, preflight={node}):
+            if a.node == node:
+                got.append(sim.seen[a.id][a.node])
+        if sim.scheduler.preflight_status(node)[0] != "pending":
+            break
+    return got
+
+
 def test_preflight_runs_local_then_a_known_good_pair_and_passes() -> None:
     cfg = fleet_config(local_kind="nccl_allreduce_local", local_every_seconds=1e6, round_seconds=300.0)
     nodes = names(1, 8)
@@ -505,13 +518,7 @@ def test_preflight_runs_local_then_a_known_good_pair_and_passes() -> None:
     new_node = "gpu-00-99"
     sim.nodes.append(new_node)
     start = T0 + 3 * cfg.round_seconds + 100  # mid-round: the rotation is already planned
-    got: list[Planned] = []
-    for k in range(30):
-        for a in sim.step(start + 10 * k, preflight={new_node}):
-            if a.node == new_node:
-                got.append(sim.seen[a.id][a.node])
-        if s.preflight_status(new_node)[0] != "pending":
-            break
+    got = preflight_until_decided(sim, new_node, start, steps=30)
     state, evidence = s.preflight_status(new_node)
     assert state == "passed", evidence
     assert [(p.assignment.kind, p.reason) for p in got] == [
@@ -536,13 +543,7 @@ def test_a_slow_preflight_pair_fails_with_evidence_and_no_rotation_before() -> N
     for n in nodes:
         sim.busbw[(min(n, new_node), max(n, new_node))] = GOOD_BW / 4
     start = T0 + 3 * cfg.round_seconds
-    got: list[Planned] = []
-    for k in range(20):
-        for a in sim.step(start + 10 * k, preflight={new_node}):
-            if a.node == new_node:
-                got.append(sim.seen[a.id][a.node])
-        if s.preflight_status(new_node)[0] != "pending":
-            break
+    got = preflight_until_decided(sim, new_node, start, steps=20)
     state, evidence = s.preflight_status(new_node)
     assert state == "failed"
     pair = evidence["pair"]

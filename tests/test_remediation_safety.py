@@ -13,7 +13,6 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agent.clock import FakeClock
 from aggregator.app import build_aggregator
 from aggregator.config import RemediationConfig
 from aggregator.kube.api import KubeApi
@@ -21,22 +20,16 @@ from aggregator.kube.client import KubeClient
 from aggregator.kube.leader import LeaderElector
 from aggregator.remediate.limits import BreakerState, decode_breaker, encode_breaker
 from aggregator.remediate.runtime import BREAKER_ANNOTATION
-from tests.kube_double import KubeApiDouble
 from tests.rulekit import gpu, report
-from tests.test_actuator import OURS, Recording, World, intent, node_writes, ours, taints, until
+from tests.test_actuator import OURS, World, intent, make_world, node_writes, ours, taints, until
 from tests.test_remediation_pipeline import T0, Fleet, config
 
 
 @pytest.fixture
 async def world(tmp_path: Path) -> AsyncIterator[World]:
-    """test_actuator's world: the double, the real client (recording), a fake clock."""
-    async with KubeApiDouble() as api:
-        client = await KubeClient.from_kubeconfig(api.write_kubeconfig(tmp_path / "kubeconfig"))
-        clock = FakeClock(start=T0)
-        try:
-            yield World(api, Recording(client, clock), clock)
-        finally:
-            await client.close()
+    """test_actuator's world, on the remediation pipeline tests' clock."""
+    async with make_world(tmp_path, T0) as w:
+        yield w
 
 
 async def test_a_report_before_the_first_cluster_list_does_not_undo_a_quarantine(world: World) -> None:

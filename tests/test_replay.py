@@ -24,10 +24,10 @@ from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
 from agent.report import encode
+from aggregator.app import build_pipeline
 from aggregator.auth import StaticTokens
 from aggregator.configload import parse_config
 from aggregator.decisions import Decision, DecisionLog, read_decisions
-from aggregator.pipeline import Pipeline
 from aggregator.replay import replay
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.service import REPORTS_PATH, SERVER_KWARGS, create_app
@@ -391,7 +391,7 @@ async def test_replay_gives_the_same_decisions_as_live_ingestion(aiohttp_client:
     token_file.write_text("".join(f"{node} {token}\n" for node, token in tokens.items()))
     live_log = tmp_path / "live.jsonl"
     decisions = DecisionLog(live_log)
-    pipeline = Pipeline(CONFIG, RULES, decisions)
+    pipeline = build_pipeline(CONFIG, RULES, decisions)
     clock = ReceiveClock(SCENARIO.start)
     app = create_app(
         pipeline, StaticTokens(token_file), CONFIG, clock, CollectorRegistry(), advance_interval_s=None

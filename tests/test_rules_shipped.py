@@ -98,6 +98,28 @@ def step(at: int, low: int = 0, high: int = 1) -> Callable[[int], int]:
     return lambda i: high if i >= at else low
 
 
+def stepping(name: str, subject: str, counter_word: str) -> Scenario:
+    """A counter rule that fires on one step of its counter and not on a reboot zeroing it."""
+    return Scenario(
+        fires=counter(name, step(10), 20),
+        key=f"{name}:{subject}",
+        lookalikes={f"a reboot zeroes the {counter_word}": reboot_drop(name)},
+    )
+
+
+def climbing(name: str, per_report: int, counter_word: str, trickle: str) -> Scenario:
+    """A GPU rate rule that fires on its counter climbing ``per_report`` a report, and neither
+    on a reboot zeroing it nor on a trickle of one a report."""
+    return Scenario(
+        fires=counter(name, lambda i: per_report * i, 40),
+        key=f"{name}:gpu0",
+        lookalikes={
+            f"a reboot zeroes the {counter_word}": reboot_drop(name),
+            trickle: counter(name, lambda i: i, 40),
+        },
+    )
+
+
 def with_event(code: int, at: int, gpu_index: int = 3, count: int = 6) -> Build:
     return series(count, lambda i, r: _events(r, [xid(code, gpu_index, r.time)]) if i == at else r)
 
@@ -276,14 +298,7 @@ SCENARIOS: dict[str, Scenario] = {
             ),
         },
     ),
-    "gpu-pcie-replay-rate": Scenario(
-        fires=counter("gpu-pcie-replay-rate", lambda i: 50 * i, 40),
-        key="gpu-pcie-replay-rate:gpu0",
-        lookalikes={
-            "a reboot zeroes the counter": reboot_drop("gpu-pcie-replay-rate"),
-            "a few replays a minute": counter("gpu-pcie-replay-rate", lambda i: i, 40),
-        },
-    ),
+    "gpu-pcie-replay-rate": climbing("gpu-pcie-replay-rate", 50, "counter", "a few replays a minute"),
     "gpu-clocks-held-down": Scenario(
         fires=gpu_series(6, 70, lambda i: {"clock_event_reasons": 0x8 | 0x4, "utilization_ratio": 0.95}),
         key="gpu-clocks-held-down:gpu6",
@@ -323,32 +338,11 @@ SCENARIOS: dict[str, Scenario] = {
             "warm": gpu_series(2, 40, lambda i: {"temperature_celsius": 84.5}),
         },
     ),
-    "nvlink-crc-flit": Scenario(
-        fires=counter("nvlink-crc-flit", lambda i: 200 * i, 40),  # 18 links x 20/s
-        key="nvlink-crc-flit:gpu0",
-        lookalikes={
-            "a reboot zeroes the counters": reboot_drop("nvlink-crc-flit"),
-            "a trickle of CRC errors": counter("nvlink-crc-flit", lambda i: i, 40),
-        },
-    ),
-    "nvlink-crc-data": Scenario(
-        fires=counter("nvlink-crc-data", lambda i: 200 * i, 40),
-        key="nvlink-crc-data:gpu0",
-        lookalikes={
-            "a reboot zeroes the counters": reboot_drop("nvlink-crc-data"),
-            "a trickle of CRC errors": counter("nvlink-crc-data", lambda i: i, 40),
-        },
-    ),
-    "nvlink-recovery": Scenario(
-        fires=counter("nvlink-recovery", step(10), 20),
-        key="nvlink-recovery:gpu0",
-        lookalikes={"a reboot zeroes the counters": reboot_drop("nvlink-recovery")},
-    ),
-    "nvlink-replay": Scenario(
-        fires=counter("nvlink-replay", step(10), 20),
-        key="nvlink-replay:gpu0",
-        lookalikes={"a reboot zeroes the counters": reboot_drop("nvlink-replay")},
-    ),
+    # 18 links x 20/s
+    "nvlink-crc-flit": climbing("nvlink-crc-flit", 200, "counters", "a trickle of CRC errors"),
+    "nvlink-crc-data": climbing("nvlink-crc-data", 200, "counters", "a trickle of CRC errors"),
+    "nvlink-recovery": stepping("nvlink-recovery", "gpu0", "counters"),
+    "nvlink-replay": stepping("nvlink-replay", "gpu0", "counters"),
     "ib-port-down": Scenario(
         fires=nic_series(
             "mlx5_3", 10, lambda i: {"state": "DOWN", "phys_state": "Polling"} if i >= 3 else {}
@@ -392,21 +386,9 @@ SCENARIOS: dict[str, Scenario] = {
             ),
         },
     ),
-    "ib-link-error-recovery": Scenario(
-        fires=counter("ib-link-error-recovery", step(10), 20),
-        key="ib-link-error-recovery:mlx5_0/1",
-        lookalikes={"a reboot zeroes the counter": reboot_drop("ib-link-error-recovery")},
-    ),
-    "ib-local-link-integrity": Scenario(
-        fires=counter("ib-local-link-integrity", step(10), 20),
-        key="ib-local-link-integrity:mlx5_0/1",
-        lookalikes={"a reboot zeroes the counter": reboot_drop("ib-local-link-integrity")},
-    ),
-    "ib-excessive-buffer-overrun": Scenario(
-        fires=counter("ib-excessive-buffer-overrun", step(10), 20),
-        key="ib-excessive-buffer-overrun:mlx5_0/1",
-        lookalikes={"a reboot zeroes the counter": reboot_drop("ib-excessive-buffer-overrun")},
-    ),
+    "ib-link-error-recovery": stepping("ib-link-error-recovery", "mlx5_0/1", "counter"),
+    "ib-local-link-integrity": stepping("ib-local-link-integrity", "mlx5_0/1", "counter"),
+    "ib-excessive-buffer-overrun": stepping("ib-excessive-buffer-overrun", "mlx5_0/1", "counter"),
     "ib-port-rcv-errors": Scenario(
         fires=counter("ib-port-rcv-errors", lambda i: i, 70, every=30.0),  # 120/hour
         key="ib-port-rcv-errors:mlx5_0/1",
@@ -423,11 +405,7 @@ SCENARIOS: dict[str, Scenario] = {
             "a reboot zeroes the counter": reboot_drop("ib-port-xmit-discards"),
         },
     ),
-    "ib-rnr-nak-retry": Scenario(
-        fires=counter("ib-rnr-nak-retry", step(10), 20),
-        key="ib-rnr-nak-retry:mlx5_0/1",
-        lookalikes={"a reboot zeroes the counter": reboot_drop("ib-rnr-nak-retry")},
-    ),
+    "ib-rnr-nak-retry": stepping("ib-rnr-nak-retry", "mlx5_0/1", "counter"),
 }
 
 

@@ -8,10 +8,8 @@ import itertools
 import logging
 import os
 import random
-import shutil
 import socket
 import ssl
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +23,7 @@ from agent.clock import FakeClock
 from agent.errors import ConfigError
 from agent.report import Report, decode
 from agent.shipper import RETRY_AFTER_MAX_S, Shipper, encode_body, parse_retry_after
+from tests import tls
 
 FAST = {"backoff_base_s": 0.01, "backoff_max_s": 0.05, "timeout_s": 2.0}
 
@@ -692,19 +691,8 @@ def test_bad_settings_are_config_errors(kwargs: dict[str, object], clock: FakeCl
 
 @pytest.fixture
 def self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        if os.environ.get("CI", "").lower() in ("true", "1"):
-            pytest.fail("openssl not installed: scripts/setup installs it")  # CI must test TLS
-        pytest.skip("openssl not installed")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
+    tls.self_signed(cert, key)
     return cert, key
 
 

@@ -16,12 +16,23 @@ with its own call, so one call that fails costs that field only:
 
 Static fields (UUID, name, PCI bus id, maximum SM clock, maximum PCIe generation and width) are
 read once per device handle and kept, but only once a read of them all succeeded. The power limit
-is not static (an operator or the BMC caps it at run time) and is read every cycle.
+is not static (an operator or the BMC caps it at run time) and is read every cycle. The driver
+version is read once per collector.
+
+GPU Performance Monitoring (GPM: SM activity and occupancy, tensor activity, DRAM bandwidth, PCIe
+and NVLink throughput) exists on Hopper and later. NVML computes its metrics between two samples,
+so the collector keeps the last sample of each GPU (``_Gpm``: at most one per GPU index, so at most
+``MAX_GPUS``) and reports the metrics between it and this cycle's: over the report interval, as
+dcgm-exporter's DCGM_FI_PROF_* fields are over its own. A GPU's first cycle has no previous sample:
+its GPM fields are null then. A GPU without GPM (``nvmlGpmQueryDeviceSupport`` says so, asked once
+per handle) has them null always, silently. Every sample is freed: the previous one once the
+metrics are read, both when a read fails or the GPU is lost, all of them on ``close``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, ParamSpec, TypeVar
@@ -39,6 +50,15 @@ from agent.gpu.api import (
     ERROR_NOT_SUPPORTED,
     FEATURE_ENABLED,
     FI_DEV_MEMORY_TEMP,
+    GPM_METRIC_ANY_TENSOR_UTIL,
+    GPM_METRIC_DRAM_BW_UTIL,
+    GPM_METRIC_GRAPHICS_UTIL,
+    GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC,
+    GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC,
+    GPM_METRIC_PCIE_RX_PER_SEC,
+    GPM_METRIC_PCIE_TX_PER_SEC,
+    GPM_METRIC_SM_OCCUPANCY,
+    GPM_METRIC_SM_UTIL,
     MEMORY_ERROR_TYPE_CORRECTED,
     MEMORY_ERROR_TYPE_UNCORRECTED,
     NVLINK_ERROR_DL_CRC_DATA,
@@ -52,15 +72,33 @@ from agent.gpu.api import (
     TEMPERATURE_GPU,
     VOLATILE_ECC,
     DeviceHandle,
+    GpmSample,
     NvmlApi,
     NVMLError,
     error_code,
     error_text,
     field_value,
+    gpm_metrics_request,
     handle_key,
 )
 from agent.gpu.session import NvmlSession
 from agent.report import Gpu, NvLink
+
+# GPM metric -> (report field, factor from NVML's unit to the report's): percent to a ratio,
+# MiB/s to bytes per second.
+_MIB: Final = float(2**20)
+GPM_FIELDS: Final[tuple[tuple[int, str, float], ...]] = (
+    (GPM_METRIC_GRAPHICS_UTIL, "gr_engine_active_ratio", 0.01),
+    (GPM_METRIC_SM_UTIL, "sm_active_ratio", 0.01),
+    (GPM_METRIC_SM_OCCUPANCY, "sm_occupancy_ratio", 0.01),
+    (GPM_METRIC_ANY_TENSOR_UTIL, "tensor_active_ratio", 0.01),
+    (GPM_METRIC_DRAM_BW_UTIL, "dram_active_ratio", 0.01),
+    (GPM_METRIC_PCIE_TX_PER_SEC, "pcie_tx_bytes_per_second", _MIB),
+    (GPM_METRIC_PCIE_RX_PER_SEC, "pcie_rx_bytes_per_second", _MIB),
+    (GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC, "nvlink_tx_bytes_per_second", _MIB),
+    (GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC, "nvlink_rx_bytes_per_second", _MIB),
+)
+_GPM_IDS: Final = tuple(metric for metric, _, _ in GPM_FIELDS)
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +174,108 @@ def _text(value: str | bytes | None, limit: int) -> str | None:
     return text[:limit]
 
 
+@dataclass(frozen=True)
+class _GpmPrevious:
+    handle_key: int
+    sample: GpmSample
+
+
+class _Gpm:
+    """GPM per GPU: the previous sample of each (one per index, freed when replaced) and whether
+    the GPU has GPM at all (asked once per handle)."""
+
+    def __init__(self) -> None:
+        self._previous: dict[int, _GpmPrevious] = {}
+        self._supported: dict[int, tuple[int, bool]] = {}  # index -> (handle key, has GPM)
+        self._no_gpm = False  # a driver without the nvmlGpm* calls
+
+    def read(self, api: NvmlApi, index: int, handle: DeviceHandle, r: _Reader) -> dict[str, float | None]:
+        """The GPM fields between the GPU's previous sample and a new one ({} where none)."""
+        key = handle_key(handle)
+        previous = self._previous.pop(index, None)
+        try:
+            if previous is not None and previous.handle_key != key:
+                _free(api, previous.sample)  # another device now: its sample says nothing here
+                previous = None
+            if not self._has_gpm(api, index, key, handle, r):
+                return {}
+            sample = r("GPM sample alloc", api.nvmlGpmSampleAlloc)
+            if sample is None:
+                return {}
+            try:
+                filled = r("GPM sample", api.nvmlGpmSampleGet, handle, sample)
+            except BaseException:
+                _free(api, sample)
+                raise
+            if filled is None:
+                _free(api, sample)
+                return {}
+            self._previous[index] = _GpmPrevious(key, sample)
+            return {} if previous is None else self._metrics(api, previous.sample, sample, r)
+        finally:
+            if previous is not None:
+                _free(api, previous.sample)
+
+    def _has_gpm(self, api: NvmlApi, index: int, key: int, handle: DeviceHandle, r: _Reader) -> bool:
+        if self._no_gpm:
+            return False
+        known = self._supported.get(index)
+        if known is not None and known[0] == key:
+            return known[1]
+        support = r("GPM support", api.nvmlGpmQueryDeviceSupport, handle)
+        if support is None:
+            if r.last_code == ERROR_FUNCTION_NOT_FOUND:
+                self._no_gpm = True
+            elif r.last_code in _UNSUPPORTED:
+                self._supported[index] = (key, False)
+            return False  # any other failure: asked again next cycle
+        self._supported[index] = (key, bool(support.isSupportedDevice))
+        return bool(support.isSupportedDevice)
+
+    @staticmethod
+    def _metrics(api: NvmlApi, first: GpmSample, second: GpmSample, r: _Reader) -> dict[str, float | None]:
+        got = r("GPM metrics", api.nvmlGpmMetricsGet, gpm_metrics_request(first, second, _GPM_IDS))
+        if got is None:
+            return {}
+        out: dict[str, float | None] = {}
+        for slot, (metric, name, factor) in zip(got.metrics, GPM_FIELDS, strict=False):
+            if slot.metricId != metric:
+                r.problems.append(f"GPM metric {metric}: NVML answered metric {slot.metricId}")
+                continue
+            status = slot.nvmlReturn
+            if status == SUCCESS and math.isfinite(slot.value):
+                value = max(slot.value, 0.0) * factor
+                out[name] = min(value, 1.0) if name.endswith("_ratio") else value
+            elif status == ERROR_GPU_IS_LOST:
+                raise _GpuLost
+            elif status != SUCCESS and status not in _UNSUPPORTED:
+                r.problems.append(f"GPM metric {metric}: NVML error {status}")
+        return out
+
+    def forget(self, api: NvmlApi, index: int) -> None:
+        """The GPU is gone (lost, or no handle): free its sample."""
+        previous = self._previous.pop(index, None)
+        self._supported.pop(index, None)
+        if previous is not None:
+            _free(api, previous.sample)
+
+    def close(self, api: NvmlApi) -> None:
+        for index in list(self._previous):
+            self.forget(api, index)
+        self._supported.clear()
+
+    def __len__(self) -> int:
+        return len(self._previous)
+
+
+def _free(api: NvmlApi, sample: GpmSample) -> None:
+    try:
+        api.nvmlGpmSampleFree(sample)
+    except NVMLError as exc:
+        # Nothing to do about it: NVML keeps or drops the memory; the sample is never used again.
+        log.debug("GPM sample free failed", extra={"error": error_text(exc)})
+
+
 class NvmlCollector:
     name = "nvml"
 
@@ -146,6 +286,8 @@ class NvmlCollector:
         # Old drivers lack the newer calls; once FUNCTION_NOT_FOUND, go straight to the old one.
         self._no_clocks_event_reasons = False
         self._no_gpu_max_pcie_gen = False
+        self._gpm = _Gpm()
+        self._driver_version: str | None = None  # read once it is read successfully
 
     def supported(self) -> Support:
         if self._session is None:
@@ -155,6 +297,8 @@ class NvmlCollector:
     def close(self) -> None:
         # The session belongs to whoever opened it (the event source shares it): not shut down here.
         self._static.clear()
+        if self._session is not None:
+            self._gpm.close(self._session.api)
 
     def collect(self) -> Collected:
         session = self._session
@@ -187,6 +331,7 @@ class NvmlCollector:
         try:
             handle = session.handle(index)
         except NVMLError as exc:
+            self._gpm.forget(session.api, index)
             if error_code(exc) == ERROR_GPU_IS_LOST:
                 return None, self._mark_lost(index)
             return None, Problem(
@@ -195,6 +340,7 @@ class NvmlCollector:
         try:
             gpu, problems = self._read_gpu(session.api, index, handle)
         except _GpuLost:
+            self._gpm.forget(session.api, index)
             return None, self._mark_lost(index)
         if index in self._lost:
             self._lost.discard(index)
@@ -319,9 +465,15 @@ class NvmlCollector:
         # The schema has no null for nvlink: a GPU without NVLink leaves the field out.
         return links if links else UNSET
 
+    def _driver(self, api: NvmlApi, r: _Reader) -> str | None:
+        if self._driver_version is None:
+            self._driver_version = _text(r("driver version", api.nvmlSystemGetDriverVersion), 32)
+        return self._driver_version
+
     def _read_gpu(self, api: NvmlApi, index: int, handle: DeviceHandle) -> tuple[Gpu, list[str]]:
         r = _Reader()
         static = self._static_info(api, index, handle, r)
+        gpm = self._gpm.read(api, index, handle, r)
         util = r("utilization", api.nvmlDeviceGetUtilizationRates, handle)
         memory = r("memory info", api.nvmlDeviceGetMemoryInfo, handle)
         temperature = r("temperature", api.nvmlDeviceGetTemperature, handle, TEMPERATURE_GPU)
@@ -347,6 +499,7 @@ class NvmlCollector:
             model=static.model,
             pci_bus_id=static.pci_bus_id,
             utilization_ratio=_ratio(util.gpu) if util is not None else None,
+            memory_utilization_ratio=_ratio(util.memory) if util is not None else None,
             memory_used_bytes=memory.used if memory is not None else None,
             memory_total_bytes=memory.total if memory is not None else None,
             temperature_celsius=float(temperature) if temperature is not None else None,
@@ -384,5 +537,7 @@ class NvmlCollector:
             pcie_link_width_max=static.pcie_link_width_max,
             pcie_replay_total=r("PCIe replays", api.nvmlDeviceGetPcieReplayCounter, handle),
             nvlink=self._nvlinks(api, handle, r),
+            driver_version=self._driver(api, r),
+            **gpm,
         )
         return gpu, r.problems

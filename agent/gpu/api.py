@@ -26,6 +26,7 @@ import pynvml
 # outside NVML may look inside them.
 DeviceHandle: TypeAlias = Any
 EventSet: TypeAlias = Any
+GpmSample: TypeAlias = Any  # c_nvmlGpmSample_t: NVML allocates it, the caller frees it
 
 
 class PciInfo(Protocol):
@@ -96,6 +97,31 @@ class EventData(Protocol):
     eventData: int
 
 
+class GpmSupport(Protocol):
+    """``c_nvmlGpmSupport_t``: ``isSupportedDevice`` is 1 on a GPU with GPM (Hopper and later)."""
+
+    version: int
+    isSupportedDevice: int
+
+
+class GpmMetric(Protocol):
+    """``c_nvmlGpmMetric_t``: ``nvmlReturn`` is the per-metric status; ``value`` a double."""
+
+    metricId: int
+    nvmlReturn: int
+    value: float
+
+
+class GpmMetricsGet(Protocol):
+    """``c_nvmlGpmMetricsGet_t``: the metrics asked for, computed between two samples."""
+
+    version: int
+    numMetrics: int
+    sample1: GpmSample
+    sample2: GpmSample
+    metrics: Sequence[GpmMetric]
+
+
 class NvmlApi(Protocol):
     """The subset of pynvml the agent calls. Units are NVML's: MHz, mW, mJ, percent, bytes."""
 
@@ -142,6 +168,12 @@ class NvmlApi(Protocol):
     ) -> None: ...
     def nvmlEventSetWait_v2(self, eventSet: EventSet, timeoutms: int, /) -> EventData: ...
     def nvmlEventSetFree(self, eventSet: EventSet, /) -> None: ...
+    def nvmlSystemGetDriverVersion(self) -> str: ...
+    def nvmlGpmQueryDeviceSupport(self, handle: DeviceHandle, /) -> GpmSupport: ...
+    def nvmlGpmSampleAlloc(self) -> GpmSample: ...
+    def nvmlGpmSampleFree(self, gpmSample: GpmSample, /) -> None: ...
+    def nvmlGpmSampleGet(self, handle: DeviceHandle, gpmSample: GpmSample, /) -> GpmSample: ...
+    def nvmlGpmMetricsGet(self, metricsGet: GpmMetricsGet, /) -> GpmMetricsGet: ...
 
 
 # Every name NvmlApi declares, for checks (the fake's "missing_functions") and tests.
@@ -244,3 +276,32 @@ def field_value(fv: FieldValue) -> float | int | None:
     if kind == VALUE_TYPE_UNSIGNED_SHORT:
         return int(v.usVal)
     return None
+
+
+# GPU Performance Monitoring (nvmlGpm*): metrics computed by NVML between two samples.
+GPM_METRIC_GRAPHICS_UTIL: Final[int] = pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL  # percent
+GPM_METRIC_SM_UTIL: Final[int] = pynvml.NVML_GPM_METRIC_SM_UTIL  # percent
+GPM_METRIC_SM_OCCUPANCY: Final[int] = pynvml.NVML_GPM_METRIC_SM_OCCUPANCY  # percent
+GPM_METRIC_ANY_TENSOR_UTIL: Final[int] = pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL  # percent
+GPM_METRIC_DRAM_BW_UTIL: Final[int] = pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL  # percent
+GPM_METRIC_PCIE_TX_PER_SEC: Final[int] = pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC  # MiB/s
+GPM_METRIC_PCIE_RX_PER_SEC: Final[int] = pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC  # MiB/s
+GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: Final[int] = pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC  # MiB/s
+GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: Final[int] = pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC  # MiB/s
+GPM_METRICS_GET_VERSION: Final[int] = pynvml.NVML_GPM_METRICS_GET_VERSION
+GPM_METRIC_MAX: Final[int] = pynvml.NVML_GPM_METRIC_MAX
+
+
+def gpm_metrics_request(sample1: GpmSample, sample2: GpmSample, metric_ids: Sequence[int]) -> GpmMetricsGet:
+    """The ``nvmlGpmMetricsGet`` argument asking for ``metric_ids`` between two samples."""
+    if not 0 < len(metric_ids) <= GPM_METRIC_MAX:
+        raise ValueError(f"{len(metric_ids)} GPM metrics; NVML takes 1 to {GPM_METRIC_MAX}")
+    request = pynvml.c_nvmlGpmMetricsGet_t()
+    request.version = GPM_METRICS_GET_VERSION
+    request.numMetrics = len(metric_ids)
+    request.sample1 = sample1
+    request.sample2 = sample2
+    for slot, metric_id in zip(request.metrics, metric_ids, strict=False):
+        slot.metricId = metric_id
+    result: GpmMetricsGet = request
+    return result

@@ -21,6 +21,7 @@ Everything is optional. ``{}`` is a healthy idle 8-GPU HGX H100 SXM 80GB node::
                                            an older driver: these raise FUNCTION_NOT_FOUND
       "all":  {FIELDS},                    overrides for every GPU
       "gpus": {"3": {FIELDS}},             overrides for one GPU, by index (applied after "all")
+      "driver_version": "550.90.07",       nvmlSystemGetDriverVersion
       "events": [{"gpu": 3, "xid": 79}]    XIDs delivered by nvmlEventSetWait_v2 to the first event
                                            set that waits on that GPU's XIDs, once each (never, for
                                            a GPU lost from the start: NVML cannot register on it)
@@ -79,6 +80,17 @@ lost                        false                    every call on the GPU: GPU_
 processes                   [] (idle)                nvmlDeviceGetComputeRunningProcesses: a list of
                                                      {"pid": 4242, "used_memory": 1073741824}
                                                      (used_memory in bytes, optional, default 0)
+gpm_supported               true                     nvmlGpmQueryDeviceSupport (Hopper and later);
+                                                     false: nvmlGpmSampleGet is NOT_SUPPORTED
+gpm_gr_engine_active        0 (idle)                 nvmlGpmMetricsGet GRAPHICS_UTIL (percent)
+gpm_sm_active               0 (idle)                 nvmlGpmMetricsGet SM_UTIL (percent)
+gpm_sm_occupancy            0                        ... SM_OCCUPANCY (percent)
+gpm_tensor_active           0                        ... ANY_TENSOR_UTIL (percent)
+gpm_dram_active             0                        ... DRAM_BW_UTIL (percent)
+gpm_pcie_tx, gpm_pcie_rx    12, 25                   ... PCIE_TX/RX_PER_SEC (MiB/s)
+gpm_nvlink_tx, gpm_nvlink_rx 0, 0                    ... NVLINK_TOTAL_TX/RX_PER_SEC (MiB/s); an error is
+                                                     that metric's nvmlReturn, as in NVML. A metric is
+                                                     what the GPU held at the later sample.
 nvlink                      all active, no errors    per link: {"5": {"active": false, "crc_flit": 12}}
                                                      ("*" for every link); link fields: active,
                                                      crc_flit, crc_data, replay, recovery
@@ -87,6 +99,11 @@ nvlink                      all active, no errors    per link: {"5": {"active": 
 
 Numbers are non-negative integers, flags JSON booleans. A mistake in the file (an unknown field, a
 wrong type, an unknown error name) is a ``ConfigError`` naming the file and the field.
+
+GPM samples are allocated, filled and freed as in NVML (``open_gpm_samples`` counts the samples
+allocated and not yet freed; freeing one twice is INVALID_ARGUMENT).
+
+``nvmlSystemGetDriverVersion`` answers ``driver_version`` (a top-level key, default "550.90.07").
 
 Tests change a running fake with ``update(index, FIELDS)`` (same format), ``inject_xid(index,
 code)`` and ``set_init_error(name)``; ``value(index, field)`` reads back what the fake will answer.
@@ -117,6 +134,9 @@ from agent.gpu.api import (
     EventData,
     EventSet,
     FieldValue,
+    GpmMetricsGet,
+    GpmSample,
+    GpmSupport,
     MemoryInfo,
     PciInfo,
     ProcessInfo,
@@ -210,7 +230,30 @@ _GPU_FIELDS: Final[dict[str, _Spec]] = {
     "supported_event_types": _Spec("int"),
     "lost": _Spec("bool"),
     "processes": _Spec("processes"),
+    "gpm_supported": _Spec("bool"),
+    "gpm_gr_engine_active": _Spec("int", 0, 100),
+    "gpm_sm_active": _Spec("int", 0, 100),
+    "gpm_sm_occupancy": _Spec("int", 0, 100),
+    "gpm_tensor_active": _Spec("int", 0, 100),
+    "gpm_dram_active": _Spec("int", 0, 100),
+    "gpm_pcie_tx": _Spec("int"),
+    "gpm_pcie_rx": _Spec("int"),
+    "gpm_nvlink_tx": _Spec("int"),
+    "gpm_nvlink_rx": _Spec("int"),
 }
+# GPM metric id -> the field that answers it.
+_GPM_FIELDS: Final[dict[int, str]] = {
+    pynvml.NVML_GPM_METRIC_GRAPHICS_UTIL: "gpm_gr_engine_active",
+    pynvml.NVML_GPM_METRIC_SM_UTIL: "gpm_sm_active",
+    pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: "gpm_sm_occupancy",
+    pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: "gpm_tensor_active",
+    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: "gpm_dram_active",
+    pynvml.NVML_GPM_METRIC_PCIE_TX_PER_SEC: "gpm_pcie_tx",
+    pynvml.NVML_GPM_METRIC_PCIE_RX_PER_SEC: "gpm_pcie_rx",
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_TX_PER_SEC: "gpm_nvlink_tx",
+    pynvml.NVML_GPM_METRIC_NVLINK_TOTAL_RX_PER_SEC: "gpm_nvlink_rx",
+}
+_GPM_SAMPLE_BASE: Final = 0x7F00_0100_0000
 _LINK_FIELDS: Final[dict[str, _Spec]] = {
     "active": _Spec("bool"),
     "crc_flit": _Spec("int"),
@@ -224,7 +267,9 @@ _NVLINK_COUNTER_FIELDS: Final[dict[int, str]] = {
     pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit",
     pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data",
 }
-_TOP_LEVEL: Final = frozenset({"count", "seed", "init_error", "missing_functions", "all", "gpus", "events"})
+_TOP_LEVEL: Final = frozenset(
+    {"count", "seed", "init_error", "missing_functions", "all", "gpus", "events", "driver_version"}
+)
 
 
 def default_gpu(index: int, seed: str = "gpuwarden-fake") -> dict[str, Value]:
@@ -271,6 +316,16 @@ def default_gpu(index: int, seed: str = "gpuwarden-fake") -> dict[str, Value]:
         "supported_event_types": _H100_EVENT_TYPES,
         "lost": False,
         "processes": (),
+        "gpm_supported": True,
+        "gpm_gr_engine_active": 0,
+        "gpm_sm_active": 0,
+        "gpm_sm_occupancy": 0,
+        "gpm_tensor_active": 0,
+        "gpm_dram_active": 0,
+        "gpm_pcie_tx": 12,
+        "gpm_pcie_rx": 25,
+        "gpm_nvlink_tx": 0,
+        "gpm_nvlink_rx": 0,
     }
 
 
@@ -399,6 +454,13 @@ class _EventSetState:
     freed: bool = False
 
 
+@dataclass
+class _GpmSampleState:
+    handle: Any  # the c_nvmlGpmSample_t handed out
+    gpu: int | None = None  # the GPU it was last filled from
+    values: dict[int, Value] = field(default_factory=dict)  # metric id -> answer, at that time
+
+
 def _raise(code: int) -> Exception:
     exc: Exception = pynvml.NVMLError(code)
     return exc
@@ -462,6 +524,12 @@ class FakeNvml:
                 raise ConfigError(f"{source}: events[{n}]: gpu must be below {count} and xid >= 0")
             self._file_events.append((gpu_index, xid))
         self._event_sets: dict[int, _EventSetState] = {}
+        driver = data.get("driver_version", "550.90.07")
+        if not isinstance(driver, str) or not 0 < len(driver) <= 80:
+            raise ConfigError(f"{source}: driver_version: expected a version string, got {driver!r}")
+        self._driver_version = driver
+        self._gpm_samples: dict[int, _GpmSampleState] = {}
+        self._gpm_next = 0
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -503,6 +571,12 @@ class FakeNvml:
         """XIDs queued on live event sets and not yet handed out by nvmlEventSetWait_v2."""
         with self._cond:
             return sum(len(s.queue) for s in self._event_sets.values() if not s.freed)
+
+    @property
+    def open_gpm_samples(self) -> int:
+        """GPM samples allocated by nvmlGpmSampleAlloc and not yet freed."""
+        with self._cond:
+            return len(self._gpm_samples)
 
     def update(self, index: int, overrides: Mapping[str, object]) -> None:
         """Change GPU ``index`` while running, with the file's FIELDS format."""
@@ -910,3 +984,76 @@ class FakeNvml:
             self._enter("nvmlEventSetFree")
             self._event_set(eventSet).freed = True
             self._cond.notify_all()
+
+    # ---- NvmlApi: driver and GPU Performance Monitoring ----------------------------------------
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        with self._cond:
+            self._enter("nvmlSystemGetDriverVersion")
+            return self._driver_version
+
+    def nvmlGpmQueryDeviceSupport(self, handle: DeviceHandle, /) -> GpmSupport:
+        supported: bool = self._one("nvmlGpmQueryDeviceSupport", handle, "gpm_supported")
+        support = pynvml.c_nvmlGpmSupport_t()
+        support.version = pynvml.NVML_GPM_SUPPORT_VERSION
+        support.isSupportedDevice = 1 if supported else 0
+        result: GpmSupport = support
+        return result
+
+    def nvmlGpmSampleAlloc(self) -> GpmSample:
+        with self._cond:
+            self._enter("nvmlGpmSampleAlloc")
+            address = _GPM_SAMPLE_BASE + 0x100 * self._gpm_next
+            self._gpm_next += 1
+            handle = ctypes.cast(ctypes.c_void_p(address), pynvml.c_nvmlGpmSample_t)
+            self._gpm_samples[address] = _GpmSampleState(handle)
+            return handle
+
+    def _gpm_sample(self, sample: GpmSample) -> _GpmSampleState:
+        try:
+            address = ctypes.cast(sample, ctypes.c_void_p).value
+        except (ctypes.ArgumentError, TypeError):
+            raise _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT) from None
+        state = self._gpm_samples.get(address or 0)
+        if state is None:  # never allocated, or freed already
+            raise _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return state
+
+    def nvmlGpmSampleFree(self, gpmSample: GpmSample, /) -> None:
+        with self._cond:
+            self._enter("nvmlGpmSampleFree")
+            self._gpm_sample(gpmSample)
+            del self._gpm_samples[ctypes.cast(gpmSample, ctypes.c_void_p).value or 0]
+
+    def nvmlGpmSampleGet(self, handle: DeviceHandle, gpmSample: GpmSample, /) -> GpmSample:
+        with self._cond:
+            gpu = self._device("nvmlGpmSampleGet", handle)
+            state = self._gpm_sample(gpmSample)
+            if self._read(gpu, "gpm_supported")[0] is not True:
+                raise _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+            state.gpu = gpu.index
+            state.values = {metric: gpu.values[name] for metric, name in _GPM_FIELDS.items()}
+            return gpmSample
+
+    def nvmlGpmMetricsGet(self, metricsGet: GpmMetricsGet, /) -> GpmMetricsGet:
+        with self._cond:
+            self._enter("nvmlGpmMetricsGet")
+            if metricsGet.version != pynvml.NVML_GPM_METRICS_GET_VERSION:
+                raise _raise(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+            first, second = self._gpm_sample(metricsGet.sample1), self._gpm_sample(metricsGet.sample2)
+            if first.gpu is None or first.gpu != second.gpu or first is second:
+                raise _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            if not 0 < metricsGet.numMetrics <= pynvml.NVML_GPM_METRIC_MAX:
+                raise _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            for n in range(metricsGet.numMetrics):
+                slot = metricsGet.metrics[n]
+                value = second.values.get(slot.metricId)
+                if value is None:
+                    slot.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+                elif isinstance(value, FakeError):
+                    slot.nvmlReturn = value.code
+                else:
+                    assert isinstance(value, int)
+                    slot.nvmlReturn = pynvml.NVML_SUCCESS
+                    slot.value = float(value)
+            return metricsGet

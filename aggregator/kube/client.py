@@ -19,8 +19,15 @@ Design:
 * Writes to Nodes are strategic merge patches of our own fields only, with ``metadata
   .resourceVersion`` as a precondition, so a taint another controller added since our read is never
   overwritten: the server answers 409 and the caller re-reads.
-* Each request has a timeout (``request_timeout``); a watch's read timeout is its server-side
-  ``timeout_seconds`` plus that margin, so a silent, half-dead connection still ends.
+* Each request has a timeout (``request_timeout``); a LIST has a longer one (``list_timeout``,
+  60 s: the upstream SLO allows a cluster-wide LIST 30 s at p99); a watch's read timeout is its
+  server-side ``timeout_seconds`` plus the request timeout, so a silent, half-dead connection
+  still ends.
+* A 429 (API Priority and Fairness shedding load, with ``Retry-After``) is ``KubeUnavailable``
+  like a 5xx, and is not retried here: every caller backs off at least a second before its next
+  try, which is what APF's ``Retry-After: 1`` asks. A watch stream the server ends is simply
+  over (the caller watches again from its last resourceVersion); a 410 on that resume is
+  ``KubeGone`` (the caller lists again).
 
 * In a pod, the service-account token is re-read whenever the file changes (the kubelet rotates
   it), checked on every request: a rotated token is used from the next call on.
@@ -84,6 +91,10 @@ Json = dict[str, Any]
 
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 DEFAULT_REQUEST_TIMEOUT_S = 10.0
+# A LIST of every Node of a big cluster is slow on a busy control plane: the upstream API call
+# latency SLO allows 30 s at p99 for cluster-scoped LISTs. A LIST given only the request timeout
+# fails on every try there, and the informer that needs it never syncs; so it gets this instead.
+DEFAULT_LIST_TIMEOUT_S = 60.0
 _TAINT_EFFECTS: tuple[TaintEffect, ...] = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 _CONDITION_STATUSES: tuple[ConditionStatus, ...] = ("True", "False", "Unknown")
 _WATCH_TYPES = ("ADDED", "MODIFIED", "DELETED")
@@ -97,6 +108,7 @@ class KubeClient:
         api_client: ApiClient,
         *,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+        list_timeout: float = DEFAULT_LIST_TIMEOUT_S,
         clock: Clock | None = None,
     ) -> None:
         self._api_client = api_client
@@ -104,6 +116,7 @@ class KubeClient:
         self._coordination = CoordinationV1Api(api_client)
         self._authentication = AuthenticationV1Api(api_client)
         self._timeout = request_timeout
+        self._list_timeout = max(list_timeout, request_timeout)
         self._clock = clock or SystemClock()
 
     @property
@@ -192,7 +205,9 @@ class KubeClient:
 
     async def list_nodes(self, *, label_selector: str | None = None) -> NodeList:
         what = "list nodes" + (f" with selector {label_selector!r}" if label_selector else "")
-        body = await self._call(what, self._core.list_node, label_selector=label_selector)
+        body = await self._call(
+            what, self._core.list_node, label_selector=label_selector, _request_timeout=self._list_timeout
+        )
         items = body.get("items") or []
         return NodeList(
             items=tuple(_node(item) for item in items),

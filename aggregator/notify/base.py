@@ -150,7 +150,8 @@ def _describe(reasons: Sequence[Reason]) -> str:
         if "xid" in ev:
             parts.append(f"XID {ev.pop('xid')}")
         ev.pop("runbook_url", None)
-        parts.extend(f"{k}={v}" for k, v in sorted(ev.items()))
+        # An evidence field the event did not carry (an XID without a message) says nothing.
+        parts.extend(f"{k}={v}" for k, v in sorted(ev.items()) if v is not None)
         where = f"[{r.detector}{'/' + r.rule if r.rule else ''}, {r.severity}]"
         lines.append(f"- {r.summary} {where}" + (f": {', '.join(parts)}" if parts else ""))
     return "\n".join(lines)

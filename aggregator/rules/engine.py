@@ -163,6 +163,35 @@ def _seen_uuid(state: _NodeState, index: int | None) -> str | None:
     return state.gpus_seen.get(index) if index is not None else None
 
 
+def _gpu_subject(gpu: Gpu) -> str:
+    return f"gpu{gpu.index}"
+
+
+def _unchanged(source: int, field: str, entity: Any, prev: Any) -> bool | None:
+    """Whether the counter a rate check reads kept its value since ``prev``; None: the entity
+    does not report it, so the check has nothing to read."""
+    if source == _NVLINK:
+        links = entity.nvlink
+        if links is UNSET or not links or getattr(links[0], field) is None:
+            return None
+        return prev is not None and links == prev.nvlink
+    if source == _NIC_COUNTER:
+        # A NIC counter's BER budget moves with the link rate, so a changed rate counts as moved.
+        value = (entity.counters if entity.counters is not UNSET else _NO_COUNTERS).get(field)
+        if value is None:
+            return None
+        return (
+            prev is not None
+            and prev.rate_bytes_per_second == entity.rate_bytes_per_second
+            and prev.counters is not UNSET
+            and prev.counters.get(field) == value
+        )
+    value = getattr(entity, field)
+    if value is None:
+        return None
+    return prev is not None and value == getattr(prev, field)
+
+
 def _nic_subject(nic: Nic) -> str:
     return nic.device if nic.port is None else f"{nic.device}/{nic.port}"
 
@@ -566,20 +595,16 @@ class RuleEngine:
     # -- per kind ------------------------------------------------------------------------------
 
     def _check_gpu(self, run: _Pass, gpu: Gpu) -> None:
-        subject: str | None = None
-        for fc in self._gpu_fields:
-            if (fc.select is None or fc.select(gpu)) and fc.test(gpu) and (fc.guard is None or fc.guard(gpu)):
-                subject = subject or f"gpu{gpu.index}"
-                since = run.hold(fc.rid, subject, fc.rule.for_s)
-                if since is not None:
-                    cond = fc.rule.condition
-                    evidence = _gpu_evidence(gpu)
-                    evidence.update(
-                        field=cond.field, value=getattr(gpu, cond.field), threshold=_threshold(cond, gpu)
-                    )
-                    run.hit(f"{fc.rule.name}:{subject}", fc.rid, fc.rule, since, evidence)
+        self._check_fields(run, self._gpu_fields, gpu, _gpu_subject, _gpu_evidence)
         if self._gpu_rates:
-            self._check_gpu_rates(run, gpu)
+            self._check_rates(
+                run,
+                gpu,
+                _gpu_subject(gpu),
+                run.prev_gpu(gpu.index),
+                groups=self._gpu_rate_groups,
+                base=_gpu_evidence,
+            )
         active = run.state.active
         for sc in self._shares:
             # Reading the window costs a pass over its samples: only when the condition holds now,
@@ -591,26 +616,57 @@ class RuleEngine:
                 self._share_hit(run, sc, gpu)
 
     def _check_nic(self, run: _Pass, nic: Nic) -> None:
-        for fc in self._nic_fields:
-            if (fc.select is None or fc.select(nic)) and fc.test(nic) and (fc.guard is None or fc.guard(nic)):
-                subject = _nic_subject(nic)
+        self._check_fields(run, self._nic_fields, nic, _nic_subject, _nic_evidence)
+        if self._nic_rates:
+            self._check_rates(
+                run,
+                nic,
+                _nic_subject(nic),
+                run.prev_nic(nic),
+                groups=self._nic_rate_groups,
+                base=_nic_evidence,
+            )
+
+    @staticmethod
+    def _check_fields(
+        run: _Pass,
+        checks: list[_FieldCheck],
+        entity: Any,
+        subject_of: Callable[[Any], str],
+        base: Callable[[Any], Evidence],
+    ) -> None:
+        for fc in checks:
+            if (
+                (fc.select is None or fc.select(entity))
+                and fc.test(entity)
+                and (fc.guard is None or fc.guard(entity))
+            ):
+                subject = subject_of(entity)
                 since = run.hold(fc.rid, subject, fc.rule.for_s)
                 if since is not None:
                     cond = fc.rule.condition
-                    evidence = _nic_evidence(nic)
+                    evidence = base(entity)
                     evidence.update(
-                        field=cond.field, value=getattr(nic, cond.field), threshold=_threshold(cond, nic)
+                        field=cond.field,
+                        value=getattr(entity, cond.field),
+                        threshold=_threshold(cond, entity),
                     )
                     run.hit(f"{fc.rule.name}:{subject}", fc.rid, fc.rule, since, evidence)
-        if self._nic_rates:
-            self._check_nic_rates(run, nic)
 
-    def _check_gpu_rates(self, run: _Pass, gpu: Gpu) -> None:
-        subject = f"gpu{gpu.index}"
-        prev = run.prev_gpu(gpu.index)
+    def _check_rates(
+        self,
+        run: _Pass,
+        entity: Any,
+        subject: str,
+        prev: Any,
+        *,
+        groups: tuple[tuple[Test | None, tuple[_Family, ...]], ...],
+        base: Callable[[Any], Evidence],
+    ) -> None:
+        """The rate checks of one GPU or NIC; ``prev`` is the same entity on the previous report."""
         held = run.state.held
-        for select, families in self._gpu_rate_groups:
-            if select is not None and not select(gpu):
+        for select, families in groups:
+            if select is not None and not select(entity):
                 continue
             for family in families:
                 # Nothing this family reads moved and nothing of the node was over a threshold on
@@ -619,64 +675,18 @@ class RuleEngine:
                     family.skippable
                     and prev is not None
                     and not held
-                    and family.snapshot(gpu) == family.snapshot(prev)
+                    and family.snapshot(entity) == family.snapshot(prev)
                 ):
                     continue
                 for rc in family.checks:
-                    field = rc.field
-                    if rc.source == _NVLINK:
-                        links = gpu.nvlink
-                        if links is UNSET or not links or getattr(links[0], field) is None:
-                            continue
-                        unchanged = prev is not None and links == prev.nvlink
-                    else:
-                        value = getattr(gpu, field)
-                        if value is None:
-                            continue
-                        unchanged = prev is not None and value == getattr(prev, field)
-                    if rc.guard is not None and not rc.guard(gpu):
+                    unchanged = _unchanged(rc.source, rc.field, entity, prev)
+                    if unchanged is None:
+                        continue
+                    if rc.guard is not None and not rc.guard(entity):
                         continue
                     if unchanged and rc.skippable and (rc.rid, subject) not in held:
                         continue
-                    self._rate_hit(run, rc, gpu, subject, _gpu_evidence)
-
-    def _check_nic_rates(self, run: _Pass, nic: Nic) -> None:
-        subject = _nic_subject(nic)
-        prev = run.prev_nic(nic)
-        held = run.state.held
-        counters = nic.counters if nic.counters is not UNSET else _NO_COUNTERS
-        prev_counters = prev.counters if prev is not None and prev.counters is not UNSET else None
-        same_rate = prev is not None and prev.rate_bytes_per_second == nic.rate_bytes_per_second
-        for select, families in self._nic_rate_groups:
-            if select is not None and not select(nic):
-                continue
-            for family in families:
-                if (
-                    family.skippable
-                    and prev is not None
-                    and not held
-                    and family.snapshot(nic) == family.snapshot(prev)
-                ):
-                    continue
-                for rc in family.checks:
-                    field = rc.field
-                    if rc.source == _NIC_COUNTER:
-                        value = counters.get(field)
-                        if value is None:
-                            continue
-                        unchanged = (
-                            same_rate and prev_counters is not None and prev_counters.get(field) == value
-                        )
-                    else:
-                        value = getattr(nic, field)
-                        if value is None:
-                            continue
-                        unchanged = prev is not None and value == getattr(prev, field)
-                    if rc.guard is not None and not rc.guard(nic):
-                        continue
-                    if unchanged and rc.skippable and (rc.rid, subject) not in held:
-                        continue
-                    self._rate_hit(run, rc, nic, subject, _nic_evidence)
+                    self._rate_hit(run, rc, entity, subject, base)
 
     def _rate_hit(
         self, run: _Pass, rc: _RateCheck, entity: Any, subject: str, base: Callable[[Any], Evidence]

@@ -538,23 +538,35 @@ def _parse_event(ctx: _Ctx, item: Mapping[str, Any], common: dict[str, Any]) -> 
     )
 
 
+def _one_selector(ctx: _Ctx, item: Mapping[str, Any], target: str, gpu_targets: str) -> None:
+    """A rule on NICs takes no GPU selector and one on GPUs (``gpu_targets``) no NIC selector."""
+    if target != "nic" and "nics" in item:
+        ctx.fail("nics", "only applies to target: nic")
+    if target == "nic" and "gpus" in item:
+        ctx.fail("gpus", f"only applies to target: {gpu_targets}")
+
+
+def _entity_scope(ctx: _Ctx, item: Mapping[str, Any], fields: Mapping[str, FieldType]) -> dict[str, Any]:
+    """What a field and a rate rule both take: how long it must hold, its guard, its selectors."""
+    return {
+        "for_s": _duration(ctx, "for", item["for"], allow_zero=True) if "for" in item else 0.0,
+        "when": _when(ctx, item, fields),
+        "gpus": _gpu_selector(ctx, item.get("gpus")),
+        "nics": _nic_selector(ctx, item.get("nics")),
+    }
+
+
 def _parse_field(ctx: _Ctx, item: Mapping[str, Any], common: dict[str, Any]) -> FieldRule:
     target = _choice(ctx, item, "target", frozenset({"gpu", "nic"}), None)
     fields = GPU_FIELDS if target == "gpu" else NIC_FIELDS
     condition = _condition(ctx, item, fields, key_prefix="")
-    if target == "gpu" and "nics" in item:
-        ctx.fail("nics", "only applies to target: nic")
-    if target == "nic" and "gpus" in item:
-        ctx.fail("gpus", "only applies to target: gpu")
+    _one_selector(ctx, item, target, "gpu")
     return FieldRule(
         **common,
         summary=_summary(ctx, item, f"field:{target}"),
         target=target,
         condition=condition,
-        for_s=_duration(ctx, "for", item["for"], allow_zero=True) if "for" in item else 0.0,
-        when=_when(ctx, item, fields),
-        gpus=_gpu_selector(ctx, item.get("gpus")),
-        nics=_nic_selector(ctx, item.get("nics")),
+        **_entity_scope(ctx, item, fields),
     )
 
 
@@ -601,10 +613,7 @@ def _parse_rate(ctx: _Ctx, item: Mapping[str, Any], common: dict[str, Any]) -> R
     if "window" not in item:
         ctx.fail("window", "required: how far back the rate looks, e.g. 10m")
     fields = NIC_FIELDS if target == "nic" else GPU_FIELDS
-    if target != "nic" and "nics" in item:
-        ctx.fail("nics", "only applies to target: nic")
-    if target == "nic" and "gpus" in item:
-        ctx.fail("gpus", "only applies to target: gpu or nvlink")
+    _one_selector(ctx, item, target, "gpu or nvlink")
     return RateRule(
         **common,
         summary=_summary(ctx, item, f"rate:{target}"),
@@ -615,10 +624,7 @@ def _parse_rate(ctx: _Ctx, item: Mapping[str, Any], common: dict[str, Any]) -> R
         max_ber=max_ber,
         window_s=_duration(ctx, "window", item["window"]),
         per=per,
-        for_s=_duration(ctx, "for", item["for"], allow_zero=True) if "for" in item else 0.0,
-        when=_when(ctx, item, fields),
-        gpus=_gpu_selector(ctx, item.get("gpus")),
-        nics=_nic_selector(ctx, item.get("nics")),
+        **_entity_scope(ctx, item, fields),
     )
 
 
