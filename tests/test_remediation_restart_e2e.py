@@ -401,15 +401,10 @@ async def test_a_storm_then_a_restart_racing_a_slow_list_undoes_nothing(
                         return len(resyncs) >= 3
 
                     await world.until(replicas, two_periodic_resyncs, "two periodic resyncs", step=1.0)
-                    # The API server restarts its watches and compacts: every informer lists again.
+                    # The API server restarts its watches and compacts its history: an informer
+                    # behind the compaction point lists again; either way nothing is written.
                     double.set_latency("list", 0)
                     double.restart_watches(expire=True)
-                    relisted = [k.lists_answered for _, k in second]
-                    await world.until(
-                        replicas,
-                        lambda: all(k.lists_answered > n for (_, k), n in zip(second, relisted, strict=True)),
-                        "every replica's list after the watch restart",
-                    )
                     resyncs.clear()
                     await world.until(replicas, two_periodic_resyncs, "two more resyncs", step=1.0)
                     for r in replicas:
