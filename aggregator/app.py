@@ -30,10 +30,11 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from agent.clock import Clock
+from agent.errors import ConfigError
 from aggregator.audit import AuditLog
 from aggregator.auth import Authenticator, StaticTokens, TokenReviewAuthenticator
 from aggregator.config import Config
-from aggregator.decisions import Decision, DecisionLog
+from aggregator.decisions import Decision, DecisionLog, read_decisions
 from aggregator.detect import DETECTORS, DetectorSpec
 from aggregator.metrics import Metrics
 from aggregator.notify import make_dispatcher
@@ -142,6 +143,24 @@ class Aggregator:
         self.audit.close()
 
 
+def _carry_over(pipeline: Pipeline, decisions: Path, clock: Clock) -> None:
+    """Without Nodes to keep our state on (remediation off or dry-run), the decision log is the
+    aggregator's memory: the quarantines it leaves open survive the restart, probation clocks
+    included. (In ``enforce`` the cluster holds it, on every node: aggregator.remediate.)"""
+    if not decisions.exists():
+        return
+    try:
+        carried = pipeline.restore_decisions(read_decisions(decisions), clock.time())
+    except (ConfigError, OSError) as exc:
+        # Starting without the carried state beats not starting: detection goes on, and the
+        # log line says which quarantines may have been forgotten.
+        log.error("decision log unreadable: quarantines not carried over", extra={"error": str(exc)})
+        return
+    log.info(
+        "quarantines carried over from the decision log", extra={"path": str(decisions), "nodes": carried}
+    )
+
+
 def _authenticator(auth: Auth, config: Config, clock: Clock, metrics: Metrics) -> Authenticator:
     if auth == "tokenreview":
         return TokenReviewAuthenticator.in_cluster(
@@ -230,6 +249,8 @@ async def build_aggregator(
         on_systemic=notify.on_systemic,
     )
     metrics.watch_detectors(pipeline.detector_stats)
+    if decisions is not None and config.remediation.mode != "enforce":
+        _carry_over(pipeline, decisions, clock)
     if config.remediation.mode != "off":
         from aggregator.remediate.runtime import Remediation as _Remediation  # noqa: PLC0415
 

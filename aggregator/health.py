@@ -18,6 +18,14 @@ Per node: ``healthy -> suspect -> quarantined -> probation -> healthy``.
   node is not counted as tainted, and a later relapse or a breaker reset tries again.
 - ``snapshot`` and ``restore`` carry a node's health across an aggregator restart (through an
   annotation on the Node): state, probation clock, lemon count, and the evidence behind it.
+- Until the caller has rebuilt its view of the cluster (``gate_ready`` False: right after a start,
+  before the first Node list and the breaker are read), the gate is not asked: a new quarantine is
+  ``pending``, neither tainted nor held, and ``judge_pending`` asks the gate once the view is whole.
+  Judging a limit on half a view (no restored taints counted, the breaker not yet adopted) is how a
+  restart exceeds a pool limit.
+- A restored finding about a GPU the node no longer has (its UUID changed: the GPU was replaced)
+  is dropped at the first report that says so (``replaced_gpus``): the old GPU's evidence must
+  not keep the new one out.
 
 Timing uses the aggregator's own time (receive time live, trace time in replay), never the
 node's report clock, so a node with a skewed clock is judged like any other. Each finding's
@@ -56,6 +64,7 @@ class NodeHealth:
     lemon: bool = False
     tainted: bool = False  # remediation has taken (or in dry-run would have taken) the node out
     held: bool = False  # quarantined, but a safety limit kept the taint off
+    pending: bool = False  # out, but the gate has not judged it yet (the cluster view not rebuilt)
     restored_until: float | None = None  # the restored findings give way to live ones then
     reasons: list[Reason] = field(default_factory=list)  # why it is in its current state
 
@@ -94,6 +103,8 @@ class HealthMachine:
     def __init__(self, config: HealthConfig, *, gate: Gate | None = None) -> None:
         self.config = config
         self.gate = gate
+        # False while the caller's view of the cluster is incomplete: the gate is not asked then.
+        self.gate_ready = True
         self._nodes: dict[str, NodeHealth] = {}
 
     def get(self, node: str) -> NodeHealth | None:
@@ -230,6 +241,22 @@ class HealthMachine:
     def _move(self, h: NodeHealth, state: NodeState, now: float, why: list[Reason]) -> Decision:
         previous = h.state
         action = _action(h, state)
+        out = state in ("quarantined", "probation")
+        if action == "taint" and self.gate is not None and not self.gate_ready:
+            # Not judged on half a view: neither tainted nor held until ``judge_pending``.
+            h.pending = out
+            h.tainted = h.held = False
+            h.state, h.since, h.clear_since, h.reasons = state, now, None, why
+            return Decision(
+                time=now,
+                subject="node",
+                node=h.node,
+                state=state,
+                previous=previous,
+                action=action,
+                reasons=why,
+            )
+        h.pending = False
         if action == "taint" and self.gate is not None:
             hold = self.gate(h, now)
             if hold is not None:
@@ -244,7 +271,6 @@ class HealthMachine:
                         evidence={"held": True},
                     ),
                 ]
-        out = state in ("quarantined", "probation")
         h.tainted = action == "taint" or (h.tainted and out)
         h.held = out and (action == "held" or (h.held and action == "none"))
         h.state = state
@@ -260,6 +286,69 @@ class HealthMachine:
             action=action,
             reasons=why,
         )
+
+    def judge_pending(self, node: str, now: float) -> tuple[str, str | None] | None:
+        """Ask the gate about a quarantine decided before the cluster view was whole: the action
+        its decision takes (``taint`` or ``held``) and the hold's reason; None when the node is
+        not pending (already out on the cluster, or back in since)."""
+        h = self._nodes.get(node)
+        if h is None or not h.pending:
+            return None
+        h.pending = False
+        hold = self.gate(h, now) if self.gate is not None else None
+        if hold is None:
+            h.tainted = True
+            return "taint", None
+        h.held = True
+        h.reasons = [
+            *h.reasons,
+            Reason(
+                detector=h.reasons[0].detector if h.reasons else "rule",
+                rule="safety-limit",
+                severity="critical",
+                summary=f"not tainted: {hold}",
+                evidence={"held": True},
+            ),
+        ]
+        return "held", hold
+
+    def adopt_taint(self, node: str) -> bool:
+        """The cluster shows our taint on a node quarantined since we started (its report came
+        before the first list): it is out already, and stays out without a new gate verdict.
+        Returns whether the node was taken as out."""
+        h = self._nodes.get(node)
+        if h is None or h.state not in ("quarantined", "probation") or h.tainted:
+            return False
+        h.pending = h.held = False
+        h.tainted = True
+        return True
+
+    def continue_episode(self, node: str, snap: HealthSnapshot) -> bool:
+        """A node decided out since we started, whose snapshot says the same state: the same
+        episode, told as it began. Its start, quarantine count, lemon and words are the
+        snapshot's (so a restart rewrites nothing and a probation clock is not reset); the live
+        findings stay. Returns whether it was the same episode."""
+        h = self._nodes.get(node)
+        if h is None or h.state != snap.state or h.state not in ("quarantined", "probation"):
+            return False
+        h.since = snap.since
+        h.quarantines = deque(snap.quarantines)
+        h.lemon = h.lemon or snap.lemon
+        if snap.message is not None:
+            h.reasons = _restored_reasons(snap)
+        return True
+
+    def replaced_gpus(self, node: str, uuids: Mapping[int, str], now: float) -> Decision | None:
+        """Drop the restored findings about GPUs whose UUID is not the one the node reports now
+        at that index (the GPU was replaced), then decide. Live findings are the detectors' own."""
+        h = self._nodes.get(node)
+        group = h.groups.get(RESTORED) if h is not None else None
+        if group is None:
+            return None
+        keep = [t.finding for t in group.values() if not _about_replaced_gpu(t.finding, uuids)]
+        if len(keep) == len(group):
+            return None
+        return self.update(node, RESTORED, keep, now)
 
     def retry_held(self, node: str, now: float) -> Decision | None:
         """Try the taint of a held quarantine again (after a breaker reset): a decision with
@@ -298,9 +387,16 @@ class HealthMachine:
         h = self._nodes.get(node)
         if h is None:
             return None
-        tracked = sorted(
-            h.active(), key=lambda t: (t.finding.action != "quarantine", not t.finding.hard, t.finding.key)
-        )
+        # One finding per key: after a restart the restored evidence and the live finding it
+        # gave way to say the same thing; the one first seen is kept, so the snapshot is the one
+        # already on the node and a restart rewrites nothing.
+        first: dict[str, _Tracked] = {}
+        for t in h.active():
+            kept = first.get(t.finding.key)
+            if kept is None or t.finding.since < kept.finding.since:
+                first[t.finding.key] = t
+        order = lambda t: (t.finding.action != "quarantine", not t.finding.hard, t.finding.key)  # noqa: E731
+        tracked = sorted(first.values(), key=order)
         return HealthSnapshot(
             state=h.state,
             since=h.since,
@@ -348,21 +444,7 @@ class HealthMachine:
             h.groups[RESTORED] = {f.key: _Tracked(f, min(f.since, now)) for f in findings}
             h.restored_until = now + grace_seconds
         if snap.message is not None:
-            # The decision's own words and reason code: the taint's value, the condition and the
-            # reason annotation stay exactly as they are, so a restart rewrites nothing.
-            lead = snap.findings[0] if snap.findings else None
-            h.reasons = (
-                []
-                if snap.state == "healthy" and lead is None
-                else [
-                    Reason(
-                        detector=lead.detector if lead is not None else "rule",
-                        rule=snap.reason_code,
-                        severity=lead.severity if lead is not None else "info",
-                        summary=snap.message,
-                    )
-                ]
-            )
+            h.reasons = _restored_reasons(snap)
         else:
             h.reasons = [_reason(f) for f in findings] or [
                 Reason(detector="rule", severity="info", summary=f"restored from the cluster: {snap.state}")
@@ -390,6 +472,32 @@ class HealthMachine:
         return self._evaluate(h, now)
 
 
+def _restored_reasons(snap: HealthSnapshot) -> list[Reason]:
+    """The decision's own words and reason code, as the snapshot kept them: the taint's value,
+    the condition and the reason annotation stay exactly as they are, so a restart rewrites
+    nothing."""
+    lead = snap.findings[0] if snap.findings else None
+    if snap.state == "healthy" and lead is None:
+        return []
+    return [
+        Reason(
+            detector=lead.detector if lead is not None else "rule",
+            rule=snap.reason_code,
+            severity=lead.severity if lead is not None else "info",
+            summary=snap.message or snap.state,
+        )
+    ]
+
+
+def _about_replaced_gpu(f: Finding, uuids: Mapping[int, str]) -> bool:
+    """The finding names a GPU (its index and UUID) and the node has another GPU there now."""
+    uuid, index = f.evidence.get("uuid"), f.evidence.get("gpu")
+    if not isinstance(uuid, str) or not isinstance(index, int) or isinstance(index, bool):
+        return False
+    now_there = uuids.get(index)
+    return now_there is not None and now_there != uuid
+
+
 def _small(value: Any) -> bool:
     return (
         value is None
@@ -412,3 +520,61 @@ def finding_of_snapshot(f: SnapshotFinding) -> Finding:
         clears=f.clears,
         evidence=dict(f.evidence),
     )
+
+
+_NOT_EVIDENCE: Final = frozenset({"safety-limit", "lemon"})  # reasons that explain, not findings
+
+
+def carried_over(decisions: Iterable[Decision]) -> dict[str, HealthSnapshot]:
+    """The nodes a decision log leaves out of service, as snapshots ``restore`` takes: the fold
+    of every node decision, following ``_move``'s own rules for ``tainted`` and ``held``. The
+    log does not name the boot a finding was seen in, so reboot-cleared evidence comes back as
+    evidence that holds for the restore grace time (then the node goes through probation)."""
+    last: dict[str, HealthSnapshot] = {}
+    for d in decisions:
+        if d.subject != "node":
+            continue
+        prev = last.get(d.node)
+        out = d.state in ("quarantined", "probation")
+        state_changed = prev is None or d.previous != d.state
+        quarantines = list(prev.quarantines) if prev is not None else []
+        if d.state == "quarantined" and d.previous not in ("quarantined", "probation"):
+            quarantines.append(d.time)
+        findings = [
+            SnapshotFinding(
+                detector=r.detector,
+                key=_restored_key(r),
+                severity=r.severity,
+                action="quarantine",
+                summary=r.summary,
+                since=d.time,
+                rule=r.rule,
+                hard=True,
+                evidence={k: v for k, v in r.evidence.items() if _small(v)},
+            )
+            for r in d.reasons
+            if d.state == "quarantined" and r.severity != "info" and r.rule not in _NOT_EVIDENCE
+        ]
+        if not state_changed and prev is not None and not findings:
+            findings = list(prev.findings)
+        first = d.reasons[0] if d.reasons else None
+        lead = next((r for r in d.reasons if r.rule not in _NOT_EVIDENCE), first)
+        last[d.node] = HealthSnapshot(
+            state=d.state,  # type: ignore[arg-type]
+            since=d.time if state_changed or prev is None else prev.since,
+            tainted=d.action == "taint" or (prev is not None and prev.tainted and out),
+            held=out and (d.action == "held" or (prev is not None and prev.held and d.action == "none")),
+            lemon=out and (any(r.rule == "lemon" for r in d.reasons) or (prev is not None and prev.lemon)),
+            quarantines=quarantines,
+            reason_code=(lead.rule or lead.detector) if lead is not None else None,
+            message=lead.summary if lead is not None else None,
+            findings=findings[:MAX_SNAPSHOT_FINDINGS],
+        )
+    return {n: s for n, s in last.items() if s.state in ("quarantined", "probation")}
+
+
+def _restored_key(r: Reason) -> str:
+    """The key the live finding has (``<rule>:gpu<i>``), so fresh evidence takes its place."""
+    gpu = r.evidence.get("gpu")
+    subject = f"gpu{gpu}" if isinstance(gpu, int) and not isinstance(gpu, bool) else "node"
+    return f"{r.rule or r.detector}:{subject}"

@@ -25,7 +25,7 @@ import logging
 import math
 import time as _time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
@@ -33,13 +33,13 @@ import msgspec
 
 from agent.report import Report
 from aggregator.config import Config
-from aggregator.decisions import Decision, DecisionLog
+from aggregator.decisions import Decision, DecisionLog, Reason
 from aggregator.detect import BUILTIN_SOURCES, DETECTORS, Detector, DetectorSpec
 from aggregator.detect.base import MeasuresPairs, SwitchAlert
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
-from aggregator.fleet.pools import UNKNOWN_POOL, Placement, placement_of
-from aggregator.health import HealthMachine, NodeHealth, finding_of_snapshot
+from aggregator.fleet.pools import UNKNOWN_POOL, Placement, gpu_model_pool, place
+from aggregator.health import HealthMachine, NodeHealth, carried_over, finding_of_snapshot
 from aggregator.links import LinkHealth
 from aggregator.metrics import DetectorStats
 from aggregator.model import Finding, IngestOutcome
@@ -131,6 +131,11 @@ class _NodeRecord:
     recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_HISTORY_KEEP))
     first_received: float = 0.0
     boot_id: str | None = None
+    # What placement reads of the report, so the node is placed again when the cluster's labels
+    # arrive (the first Node list), without keeping the report.
+    own_labels: Mapping[str, str] = field(default_factory=dict)
+    model_pool: str | None = None
+    gpu_uuids: dict[int, str] = field(default_factory=dict)  # GPU index -> UUID, last report
     clean_reports: int = 0  # reports in a row with the node healthy and no finding at all
     clean_since: float | None = None
     preflight_passed: bool = False
@@ -198,6 +203,11 @@ class Pipeline:
         self._next_tick = -math.inf
         self._silent: set[str] = set()  # nodes with a silence finding now
         self.systemic_log: deque[SystemicEvent] = deque(maxlen=1000)
+        # State first, decisions second: until the cluster view is rebuilt (``cluster_synced``),
+        # quarantines are not judged against the limits, and their decisions wait here, in order.
+        self._cluster_ready = True
+        self._deferred: list[Decision] = []
+        self._deferred_nodes: set[str] = set()
 
     # -- ingest ---------------------------------------------------------------------------------
 
@@ -207,7 +217,9 @@ class Pipeline:
         # (aggregator/ordering.py): a replayed old report is a duplicate and not liveness.
         if rec is not None and not rec.seen.is_new(report):
             return IngestOutcome.DUPLICATE
-        placement = placement_of(report, self._cluster.labels(report.node))
+        own = dict(report.labels) if report.labels is not msgspec.UNSET else {}
+        model_pool = gpu_model_pool(report)
+        placement = place(own, model_pool, self._cluster.labels(report.node))
         if rec is None:
             ingest = self.config.ingest
             rec = self._nodes[report.node] = _NodeRecord(
@@ -218,10 +230,12 @@ class Pipeline:
                 first_received=received,
             )
         rec.placement = placement
+        rec.own_labels, rec.model_pool = own, model_pool
         rec.last_received = max(rec.last_received, received)
         rec.last_report_time = max(rec.last_report_time, report.time)
         rec.recent.append(_summary(report, received))
         rec.boot_id = report.boot_id
+        rec.gpu_uuids = {g.index: g.uuid for g in report.gpus if g.uuid}
         self._restored_placement.pop(report.node, None)
         self._restored_boot.pop(report.node, None)
 
@@ -262,6 +276,8 @@ class Pipeline:
             findings = [f for f in findings if not f.shadow]
         else:
             self.shadow_findings.pop(report.node, None)
+        # Restored evidence about a GPU the node no longer has (replaced: another UUID) ends.
+        self._emit(self.health.replaced_gpus(report.node, rec.gpu_uuids, received))
         self._emit(self.health.update(report.node, "rule", findings, received))
         self._note_clean(report.node, rec, received)
         self.advance(received)
@@ -392,6 +408,48 @@ class Pipeline:
         hold = self.limits.check(h.node, placement, out, pool_size, now)
         return hold.reason if hold is not None else None
 
+    @property
+    def cluster_ready(self) -> bool:
+        """Whether the limits are judged: the cluster view is whole (always, without a cluster)."""
+        return self._cluster_ready
+
+    def await_cluster(self) -> None:
+        """From now until ``cluster_synced``, quarantines are decided but not judged against the
+        limits, and their decisions are queued (the remediation runtime calls this when it is
+        built, before anything is ingested)."""
+        self._cluster_ready = False
+        self.health.gate_ready = False
+
+    def cluster_synced(self, now: float) -> None:
+        """The cluster view is rebuilt: every node carrying our taint or snapshot restored, the
+        breaker adopted from the Lease, the node labels cached. Nodes are placed again from the
+        labels (so no snapshot is written with a pool it will not keep), then the quarantines
+        decided meanwhile are judged, oldest first, and their decisions recorded."""
+        if self._cluster_ready:
+            return
+        for name, rec in self._nodes.items():
+            rec.placement = place(rec.own_labels, rec.model_pool, self._cluster.labels(name))
+        for name in self.health.nodes():
+            # Carried over from the decision log (no snapshot named its pool): from the labels.
+            if name not in self._nodes and name not in self._restored_placement:
+                labels = self._cluster.labels(name)
+                if labels:
+                    self._restored_placement[name] = place({}, None, labels)
+        self._cluster_ready = True
+        self.health.gate_ready = True
+        verdicts: dict[str, tuple[str, str | None] | None] = {}
+        for d in self._deferred:  # oldest first
+            if d.node not in verdicts:
+                verdicts[d.node] = self.health.judge_pending(d.node, now)
+        deferred, self._deferred = self._deferred, []
+        self._deferred_nodes.clear()
+        for queued in deferred:
+            self._emit(_judged(queued, verdicts.get(queued.node)) if queued.action == "taint" else queued)
+        log.info(
+            "cluster view rebuilt: decisions act from now on",
+            extra={"judged": sum(1 for v in verdicts.values() if v is not None), "queued": len(deferred)},
+        )
+
     def reset_breaker(self, by: str, now: float) -> BreakerState:
         """A human closed the safety breaker: held quarantines are tried again, oldest first."""
         state = self.limits.reset(by, now)
@@ -405,6 +463,8 @@ class Pipeline:
             self._retry_held(now)
 
     def _retry_held(self, now: float) -> None:
+        if not self._cluster_ready:
+            return  # judged with the rest once the view is whole
         held = sorted((h.since, n) for n, h in self.health.nodes().items() if h.held)
         for _since, node in held:
             if self.limits.open:
@@ -559,10 +619,38 @@ class Pipeline:
     ) -> None:
         """Rebuild a node from what we left on it in the cluster (IntentSource.restore). A node
         that reported before the cluster was first listed (ingestion starts at once) is merged:
-        a quarantine is never undone by a report that arrived first, since an XID 79 shows once."""
+        a quarantine is never undone by a report that arrived first, since an XID 79 shows once,
+        and a node quarantined afresh meanwhile that the cluster shows under our taint stays
+        tainted (it is out already: no gate verdict, held or not, takes the taint off)."""
         known = self.health.get(node)
         if known is not None and (known.state in ("quarantined", "probation") or known.tainted or known.held):
+            episode = snapshot is not None and self.health.continue_episode(node, snapshot)
+            if taint_value is not None and self.health.adopt_taint(node):
+                if snapshot is not None and snapshot.tainted and snapshot.quarantines:
+                    self.limits.remember_taint(max(snapshot.quarantines), now)
+                if episode:
+                    # What the queued decisions said, the node shows already: nothing to record.
+                    self._deferred = [d for d in self._deferred if d.node != node]
+                log.info(
+                    "quarantine decided before the first list: our taint is on the node and stays",
+                    extra={"node": node, "state": known.state, "taint": taint_value},
+                )
             return  # decided since we started: that decision stands
+        self._restore(node, snapshot, taint_value, now, source="cluster")
+
+    def restore_decisions(self, decisions: Iterable[Decision], now: float) -> int:
+        """Without a cluster to read (remediation off or dry-run), carry the quarantines over from
+        the decision log: every node the log leaves out (quarantined, probation, or held) is
+        restored with its state, the time it began (a probation clock resumes) and the evidence
+        its decision gave. Returns how many were carried over."""
+        carried = carried_over(decisions)
+        for node, snap in carried.items():
+            self._restore(node, snap, None, now, source="decision log")
+        return len(carried)
+
+    def _restore(
+        self, node: str, snapshot: HealthSnapshot | None, taint_value: str | None, now: float, *, source: str
+    ) -> None:
         if snapshot is None:
             if taint_value is None:
                 return
@@ -603,6 +691,8 @@ class Pipeline:
         rec = self._nodes.get(node)
         if rec is not None and rec.boot_id != snapshot.boot_id:
             latched = []  # it rebooted since the snapshot: reboot-cleared evidence is over
+        if rec is not None:
+            latched = [f for f in latched if not _about_another_gpu(f, rec.gpu_uuids)]
         if latched and snapshot.boot_id is not None:
             self.engine.restore_latched(
                 node, snapshot.boot_id, [finding_of_snapshot(f) for f in latched], now
@@ -610,11 +700,16 @@ class Pipeline:
             # Held by the engine until the node reboots; on the node at once.
             self._emit(self.health.update(node, "rule", [finding_of_snapshot(f) for f in latched], now))
         log.info(
-            "node restored from the cluster",
+            "quarantine carried over across the restart"
+            if snapshot.state in ("quarantined", "probation")
+            else "node restored across the restart",
             extra={
                 "node": node,
+                "source": source,
                 "state": snapshot.state,
+                "since": snapshot.since,
                 "tainted": snapshot.tainted,
+                "held": snapshot.held,
                 "findings": len(snapshot.findings),
             },
         )
@@ -622,6 +717,13 @@ class Pipeline:
     def _emit(self, decision: Decision | None) -> None:
         if decision is None:
             return
+        if not self._cluster_ready and decision.subject == "node":
+            h = self.health.get(decision.node)
+            if decision.node in self._deferred_nodes or (h is not None and h.pending):
+                # Queued, in order, until the view is whole: then judged and recorded.
+                self._deferred.append(decision)
+                self._deferred_nodes.add(decision.node)
+                return
         self.decisions.append(decision)
         log.info(
             "decision",
@@ -776,6 +878,29 @@ class Pipeline:
             }
             for sw in self.switches
         ]
+
+
+def _judged(d: Decision, verdict: tuple[str, str | None] | None) -> Decision:
+    """A queued quarantine decision with the action the gate gave it once the view was whole;
+    ``none`` when no verdict was needed (our taint was on the cluster already, or it is back in)."""
+    if verdict is None:
+        return msgspec.structs.replace(d, action="none")
+    if verdict[0] == "taint":
+        return d
+    hold = Reason(
+        detector=d.reasons[0].detector if d.reasons else "rule",
+        rule="safety-limit",
+        severity="critical",
+        summary=f"not tainted: {verdict[1]}",
+        evidence={"held": True},
+    )
+    return msgspec.structs.replace(d, action="held", reasons=[*d.reasons, hold])
+
+
+def _about_another_gpu(f: SnapshotFinding, uuids: Mapping[int, str]) -> bool:
+    """A snapshot finding about a GPU whose index the node now reports with another UUID."""
+    uuid, index = f.evidence.get("uuid"), f.evidence.get("gpu")
+    return isinstance(uuid, str) and isinstance(index, int) and uuids.get(index, uuid) != uuid
 
 
 def _summary(report: Report, received: float) -> dict[str, Any]:

@@ -954,3 +954,73 @@ def test_metrics_stay_off_the_global_registry() -> None:
         == 0
     )
     assert REGISTRY.get_sample_value("gpuwarden_remediation_queue_depth") is None
+
+
+# -- lifecycle rules other systems' users reported broken -------------------------------------------
+
+
+async def test_a_cordon_and_taints_someone_else_placed_are_never_removed(world: World) -> None:
+    # NVSentinel #1424: a taint or cordon placed by someone else must outlive our quarantine and
+    # our release, including a taint with our own key that nobody recorded us applying.
+    api = world.api
+    human = {"key": OURS, "value": "bad-fan", "effect": "NoExecute"}
+    api.add_node("n1", taints=[OTHER_TAINT, human])
+    api.update_node("n1", lambda n: n["spec"].__setitem__("unschedulable", True))  # kubectl cordon
+    act = world.actuator()
+    world.intents.by_node["n1"] = intent("n1")
+    await act.reconcile("n1")
+    assert taints(api, "n1") == [OTHER_TAINT, human, {"key": OURS, "value": "xid-79", "effect": "NoSchedule"}]
+
+    world.intents.by_node["n1"] = healthy("n1", since=T0 + 3600)
+    await act.reconcile("n1")
+    assert taints(api, "n1") == [OTHER_TAINT, human]
+    assert api.node("n1")["spec"].get("unschedulable") is True
+
+
+async def test_a_release_leaves_no_stale_annotation_or_label(world: World) -> None:
+    # NVSentinel #753, #1872: after a release the node says "healthy" and nothing of the
+    # quarantine is left: no taint record, no override, no label of ours; others' untouched.
+    api = world.api
+    labels = {"gpuwarden.io/pool": "h100-a", "team": "infra"}
+    api.add_node("n1", labels=labels, annotations={"other.io/owner": "alice"})
+    act = world.actuator()
+    world.intents.by_node["n1"] = intent("n1")
+    await act.reconcile("n1")
+    remove_our_taint(api, "n1")  # a human took it off: an override is recorded
+    await act.reconcile("n1")
+    assert {OVERRIDE, "gpuwarden.io/taint"} & node_annotations(api, "n1").keys()
+
+    world.intents.by_node["n1"] = healthy("n1", since=T0 + 3600)
+    await act.reconcile("n1")
+    ann = node_annotations(api, "n1")
+    ours_left = {k for k in ann if k.startswith("gpuwarden.io/")}
+    assert ours_left == {HEALTH, "gpuwarden.io/reason", "gpuwarden.io/decided-at"}
+    snap = decode_snapshot(ann[HEALTH])
+    assert snap is not None and (snap.state, snap.tainted, snap.held, snap.findings) == (
+        "healthy",
+        False,
+        False,
+        [],
+    )
+    assert ann["other.io/owner"] == "alice"
+    assert api.node("n1")["metadata"]["labels"] == labels
+    assert taints(api, "n1") == []
+
+
+async def test_a_held_verdict_never_removes_our_taint(world: World) -> None:
+    # A tripped breaker holds new quarantines; it never undoes one. Whatever says "held" about a
+    # node our taint is on (a decision taken on half a view after a restart), the taint stays.
+    api = world.api
+    api.add_node("n1")
+    act = world.actuator()
+    world.intents.by_node["n1"] = intent("n1")
+    await act.reconcile("n1")
+    world.intents.by_node["n1"] = intent("n1", effect=None, held=True, since=T0 + 60)
+    await act.reconcile("n1")
+
+    assert ours(api, "n1") == [{"key": OURS, "value": "xid-79", "effect": "NoSchedule"}]
+    snap = decode_snapshot(node_annotations(api, "n1")[HEALTH])
+    assert snap is not None and snap.tainted and not snap.held  # a restart restores it as out
+    cond = condition(api, "n1")
+    assert cond is not None and (cond["status"], cond["reason"]) == ("False", "Quarantined")
+    assert sample(world.registry, "gpuwarden_remediation_writes_total", kind="untaint", result="ok") == 0

@@ -85,7 +85,13 @@ def k8s_pool(labels: Mapping[str, str]) -> str | None:
 def placement_of(report: Report, k8s_labels: Mapping[str, str] | None = None) -> Placement:
     """The node's pool and failure domains from its report and its Kubernetes node labels."""
     own: Mapping[str, str] = report.labels if report.labels is not UNSET else {}
+    return place(own, gpu_model_pool(report), k8s_labels)
+
+
+def place(own: Mapping[str, str], model_pool: str | None, k8s_labels: Mapping[str, str] | None) -> Placement:
+    """``placement_of`` from what it reads of a report (its labels, its GPU model's pool), so a
+    node can be placed again when the Kubernetes labels arrive without keeping its report."""
     k8s: Mapping[str, str] = k8s_labels if k8s_labels is not None else {}
-    pool = own.get("pool") or _first(k8s, K8S_POOL_LABELS) or gpu_model_pool(report) or UNKNOWN_POOL
+    pool = own.get("pool") or _first(k8s, K8S_POOL_LABELS) or model_pool or UNKNOWN_POOL
     domains = {name: own.get(name) or _first(k8s, keys) for name, keys in K8S_DOMAIN_LABELS.items()}
     return Placement(pool, rack=domains["rack"], leaf=domains["leaf"], zone=domains["zone"])

@@ -156,8 +156,13 @@ class Actuator:
         is_leader: Callable[[], bool],
         metrics: ActuatorMetrics | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        ready: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
+        """``ready``: awaited after the first list, before any worker reconciles (the runtime's
+        "the rest of the view is rebuilt too": the breaker from the Lease, queued decisions
+        judged); None: the first list is enough."""
         self._api = api
+        self._ready = ready
         self._config = config
         self._intents = intents
         self._clock = clock
@@ -402,6 +407,8 @@ class Actuator:
 
     async def _worker(self) -> None:
         await self._synced.wait()
+        if self._ready is not None:
+            await self._ready()
         while True:
             node = await self._queue.get()
             try:

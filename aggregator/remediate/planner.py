@@ -21,6 +21,9 @@ The rules it encodes (docs/remediation.md):
   the node gets NoSchedule, upgraded by a later plan once the hour allows it;
 - the preflight taint goes once the node passed, or turns into ours on failure, in one patch;
   held and pending nodes keep it, and a pending one is announced once after the timeout;
+- our taint stays on a node that is still out (quarantined or probation) whatever else the intent
+  says: a held verdict stops a new quarantine, it never undoes one; only a release (or a human)
+  removes it;
 - a node labelled ``<managed_label>=false`` gets nothing; a node that already looks like its
   intent gets an empty plan (no write at all), including a snapshot another replica timed by its
   own clock for the same decision.
@@ -275,6 +278,20 @@ def plan(
         events.append(override_event)
     if intent.state == "healthy":
         new_override = None
+    if want is None and ours and intent.state in ("quarantined", "probation"):
+        # Our quarantine taint is on a node that is still out: only a release decision (or a
+        # human) takes it off. A held verdict (a limit, the breaker) stops new quarantines; it
+        # never undoes one, and the node says what it shows: tainted, not held.
+        want, value = ours[0].effect, ours[0].value or value
+        intent = msgspec.structs.replace(
+            intent, held=False, snapshot=msgspec.structs.replace(intent.snapshot, tainted=True, held=False)
+        )
+        warnings.append(
+            PlanWarning(
+                "quarantine held by a safety limit, but our taint is on the node: it stays",
+                {"node": intent.node, "state": intent.state, "taint": f"{value}:{want}"},
+            )
+        )
 
     # Preflight: the preflight taint goes once the node passed, or turns into ours on failure;
     # held and pending nodes keep it (they are out either way).

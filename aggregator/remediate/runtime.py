@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 BREAKER_ANNOTATION: Final = "gpuwarden.io/breaker"
 REMEDIATION_PATH: Final = "/api/v1/remediation"
 BREAKER_RESET_PATH: Final = "/api/v1/breaker/reset"
+LEASE_POLL_S: Final = 0.05  # how often a starting replica looks whether the Lease has been read
 
 
 class _ResetBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -111,6 +112,10 @@ class Remediation:
             on_started=self._leadership_changed,
             on_stopped=self._leadership_changed,
         )
+        # State first, decisions second: until the cluster view is rebuilt (``_rebuild``), no
+        # limit is judged and nothing is written to a Node.
+        self._ready = asyncio.Event()
+        pipeline.await_cluster()
         self.actuator = Actuator(
             api,
             config,
@@ -118,6 +123,7 @@ class Remediation:
             clock=clock,
             is_leader=lambda: self.elector.is_leader,
             metrics=ActuatorMetrics(registry),
+            ready=self._ready.wait,
         )
         self._leader_gauge = Gauge(
             "gpuwarden_remediation_leader",
@@ -174,6 +180,10 @@ class Remediation:
     def _leadership_changed(self) -> None:
         leading = self.elector.is_leader
         log.info("leadership changed", extra={"leader": leading})
+        if leading and self._ready.is_set():
+            # The Lease was just read to acquire it: its breaker is the newest there is, and the
+            # resync that follows must be judged by it, not by what we adopted a period ago.
+            self._adopt_breaker()
         self.actuator.leadership_changed()
         if leading:
             for hook in self._leadership_hooks:
@@ -195,11 +205,7 @@ class Remediation:
             # The Lease may hold an open breaker we have not seen yet: never write blind, or a
             # starting replica would close it by itself.
             return
-        text = self.elector.annotations.get(BREAKER_ANNOTATION)
-        stored = decode_breaker(text) if text else None
-        if stored is not None and stored != self._written:
-            self.pipeline.adopt_breaker(stored, self.clock.time())
-            self._written = stored
+        stored = self._adopt_breaker()
         mine = self.pipeline.limits.state
         if mine != self._written and (stored is None or _supersedes(mine, stored)):
             try:
@@ -218,6 +224,40 @@ class Remediation:
                     )
                 )
 
+    def _adopt_breaker(self) -> BreakerState | None:
+        """Take the breaker the Lease holds (as last read); returns it (None: none stored)."""
+        text = self.elector.annotations.get(BREAKER_ANNOTATION)
+        stored = decode_breaker(text) if text else None
+        if stored is not None and stored != self._written:
+            self.pipeline.adopt_breaker(stored, self.clock.time())
+            self._written = stored
+        return stored
+
+    async def _rebuild(self) -> None:
+        """State first, decisions second: wait for the first Node list (our taints, snapshots
+        and annotations restored into the pipeline) and the first read of the Lease (the
+        breaker), then let the pipeline judge what it queued meanwhile, then let the actuator
+        write."""
+        await self.actuator.synced()
+        while not self.elector.lease_read:
+            await self._sleep(LEASE_POLL_S)
+        self._adopt_breaker()
+        self.pipeline.cluster_synced(self.clock.time())
+        self._ready.set()
+        log.info(
+            "remediation state rebuilt from the cluster",
+            extra={
+                "nodes": len(self.actuator.cached_nodes()),
+                "breaker_open": self.pipeline.limits.open,
+                "held": sum(1 for h in self.pipeline.health.nodes().values() if h.held),
+            },
+        )
+
+    @property
+    def ready(self) -> bool:
+        """Whether the cluster view is rebuilt (decisions act, the leader writes)."""
+        return self._ready.is_set()
+
     # -- operator API ---------------------------------------------------------------------------
 
     def _authorized(self, request: web.Request) -> bool:
@@ -234,6 +274,7 @@ class Remediation:
             "identity": self.elector.identity,
             "leader": self.elector.leader,
             "is_leader": self.elector.is_leader,
+            "ready": self.ready,
             "breaker": {"open": self.pipeline.limits.open, **msgspec.to_builtins(self.pipeline.limits.state)},
             "held_nodes": held,
         }
@@ -281,6 +322,7 @@ class Remediation:
         """An aiohttp ``cleanup_ctx`` entry: start everything, then stop it at shutdown (the
         elector releases the Lease, so the other replica takes over at once)."""
         tasks = [
+            asyncio.create_task(self._rebuild(), name="remediation-rebuild"),
             asyncio.create_task(self.actuator.run(), name="remediation-actuator"),
             asyncio.create_task(self.elector.run(), name="remediation-leader"),
             asyncio.create_task(self._breaker_loop(), name="remediation-breaker"),
