@@ -323,7 +323,9 @@ async def build_aggregator(
     )
 
 
-def build_read_only_app(pipeline: Pipeline, config: Config, clock: Clock, *, banner: str) -> web.Application:
+def build_read_only_app(
+    pipeline: Pipeline, config: Config, clock: Clock, *, banner: str | None = None
+) -> web.Application:
     """The read-only views over a pipeline already driven to its state (``gpuwarden replay
     --serve``): the status page and the JSON read API, no ingest route, and no periodic
     ``advance`` (``clock`` is typically frozen at the end of a trace, so time does not move)."""

@@ -21,17 +21,15 @@ from pathlib import Path
 from typing import Final
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry
 
 from agent.clock import FakeClock
-from aggregator.app import build_pipeline
-from aggregator.auth import AuthError, Identity
+from aggregator.app import build_pipeline, build_read_only_app
 from aggregator.config import Config
 from aggregator.configload import parse_config
 from aggregator.pipeline import Pipeline
 from aggregator.probes.scheduler import ProbeScheduler
 from aggregator.rules import default_rules_dir, load_rules
-from aggregator.service import create_app, serve
+from aggregator.service import serve
 from sim.scenario import FaultSpec
 from tests.simfleet import fault, fleet, generate
 
@@ -82,19 +80,14 @@ def status_fleet(nodes: int = 32, *, minutes: float = 20.0, seed: int = 19) -> S
 # -- serving it, and looking at it with a real browser ---------------------------------------------
 
 
-class _NoAgents:
-    """The fleet is already in the pipeline: no agent may send more."""
-
-    async def authenticate(self, token: str) -> Identity:
-        raise AuthError("this aggregator takes no reports")
-
-
 @contextmanager
 def serving(f: StatusFleet) -> Iterator[Served]:
     """The aggregator's app on the fleet, on 127.0.0.1 (a free port), in a thread; every request
     path it answered is in ``Served.paths``."""
-    registry = CollectorRegistry()
-    app = create_app(f.pipeline, _NoAgents(), f.config, f.clock, registry, advance_interval_s=None)
+    # The read-only app the composition root builds for a pipeline already driven to its state
+    # (as `gpuwarden replay --serve`): no ingest route, reads open (tests/test_status_page_auth.py
+    # covers the viewer token on the live app).
+    app = build_read_only_app(f.pipeline, f.config, f.clock)
     served = Served("", [])
 
     @web.middleware
