@@ -33,7 +33,14 @@ import msgspec
 import pytest
 
 from aggregator.app import build_aggregator
-from aggregator.config import Config, HealthConfig, LeaderConfig, LimitsConfig, RemediationConfig
+from aggregator.config import (
+    Config,
+    HealthConfig,
+    LeaderConfig,
+    LimitsConfig,
+    RemediationConfig,
+    ServerConfig,
+)
 from aggregator.kube.api import KubeApi
 from aggregator.kube.client import KubeClient
 from aggregator.kube.objects import KubeGone, NodeList
@@ -86,6 +93,10 @@ def config() -> Config:
                 retry_period_seconds=0.5,
             ),
         ),
+        # Four replicas, the double and the foreign controller share one event loop here, so the
+        # loop runs behind now and then: the reports must all be taken (this test is about what
+        # remediation does with them), not shed as a loaded aggregator rightly sheds them.
+        server=ServerConfig(max_wait_seconds=60.0, max_in_flight=4096, max_in_flight_per_token=64),
     )
 
 
