@@ -191,8 +191,10 @@ async def test_synced_waits_for_the_fsync_and_one_fsync_covers_a_burst(tmp_path:
     assert log.appended == 200
     await log.synced(log.appended)
     assert log.durable_seq == 200
-    # One event-loop turn's appends share a handful of fsyncs, not one each.
-    assert 1 <= log.fsyncs <= 5
+    # One event-loop turn's appends share a few fsyncs, not one each. How few depends on how
+    # fast this disk syncs while the appends go on (a cached virtual disk syncs in 0.06 ms, and
+    # the syncer then runs several times in one turn: 8 were seen), so the bound is a tenth.
+    assert 1 <= log.fsyncs <= 20
     log.close()
 
 
