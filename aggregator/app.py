@@ -280,6 +280,7 @@ async def build_aggregator(
         readiness=readiness,
         advance_interval_s=advance_interval_s,
         admin_tokens=admin_tokens or (),
+        decisions=decision_log,
     )
     app.cleanup_ctx.append(notify.lifecycle)
     if scheduler is not None:

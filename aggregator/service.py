@@ -361,6 +361,8 @@ class _Ingest:
         config: Config,
         clock: Clock,
         metrics: Metrics,
+        *,
+        decisions: DecisionLog | None,
     ) -> None:
         self._pipeline = pipeline
         self._auth = authenticator
@@ -378,9 +380,9 @@ class _Ingest:
         self._body_timeout = server.body_timeout_seconds
         self._in_flight = 0
         self._per_token: dict[str, int] = {}  # subject -> requests in flight; only non-zero kept
-        # A 200 is a promise that the report's decisions survive a power loss: wait for their fsync.
-        decisions = getattr(pipeline, "decisions", None)
-        self._decisions = decisions if isinstance(decisions, DecisionLog) else None
+        # A 200 is a promise that the report's decisions survive a power loss: wait for their fsync
+        # (the log the pipeline writes to; None where there is no file to wait for).
+        self._decisions = decisions
 
     async def handle(self, request: web.Request) -> web.Response:
         if self._in_flight >= self._max_in_flight:
@@ -812,6 +814,7 @@ def create_app(
     advance_interval_s: float | None = 1.0,
     admin_tokens: Sequence[str] = (),
     banner: str | None = None,
+    decisions: DecisionLog | None = None,
 ) -> web.Application:
     """The aggregator's web application.
 
@@ -821,6 +824,8 @@ def create_app(
     is up (None: never, for a caller that drives it). Serve it with ``SERVER_KWARGS`` (``serve()``
     does). The authenticator is closed with the app if it has an ``async close()``; without one
     the app is read-only (no ingest route). ``banner``: a line atop every status page.
+    ``decisions``: the log the pipeline writes to; a report that caused decisions is answered
+    only once they are fsync'd.
     """
     if metrics is None:
         metrics = Metrics(registry)
@@ -842,7 +847,7 @@ def create_app(
     app[METRICS_KEY] = metrics
     app[SERVER_CONFIG_KEY] = config.server
     if authenticator is not None:
-        ingest = _Ingest(pipeline, authenticator, config, clock, metrics)
+        ingest = _Ingest(pipeline, authenticator, config, clock, metrics, decisions=decisions)
         app.router.add_post(REPORTS_PATH, ingest.handle)
     app.router.add_routes(_health(registry, readiness))
     app.router.add_routes(_read_api(pipeline))

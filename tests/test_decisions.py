@@ -347,6 +347,7 @@ async def test_a_report_is_answered_only_once_the_decisions_it_caused_are_on_dis
         FakeClock(start=NOW),
         CollectorRegistry(),
         advance_interval_s=None,
+        decisions=log,
     )
     server = TestServer(app)
     await server.start_server(**SERVER_KWARGS)
