@@ -26,17 +26,11 @@ import msgspec
 import pytest
 
 from agent.report import encode
+from tests.ports import free_port
 from tests.test_service import make_report
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = "gpu-0001"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -60,7 +54,7 @@ def start(tmp_path: Path) -> Iterator[Callable[..., Server]]:
         tokens = {n: _token(n) for n in names}
         (tmp_path / "tokens").write_text("".join(f"{n} {t}\n" for n, t in tokens.items()))
         (tmp_path / "config.yaml").write_text(config or "{}\n")
-        port = _free_port()
+        port = free_port()
         log = tmp_path / "aggregator.log"
 
         # The file limit is set inside the child before gpuwarden starts (no preexec_fn: the test

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.test_cli_end_to_end import _free_port
+from tests.ports import free_port
 
 GPWD = [sys.executable, "-m", "gpuwarden"]
 
@@ -30,7 +30,7 @@ def _breaker(*args: str) -> subprocess.CompletedProcess[str]:
 def aggregator_without_remediation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("breaker")
     (tmp / "tokens").write_text("node-1 3b8f0c2e9d7a4f61a5c0e2d4\n")
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [
             *GPWD,

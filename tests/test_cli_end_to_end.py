@@ -18,6 +18,7 @@ import pytest
 
 from agent.report import json_schema
 from tests.conftest import FIXTURES, RECORDED_SYSFS, REPO
+from tests.ports import free_port
 
 GPWD = [sys.executable, "-m", "gpuwarden"]
 NODE_TOKEN = "3b8f0c2e9d7a4f61a5c0e2d4"
@@ -143,15 +144,8 @@ def test_bad_flags_are_clear_errors() -> None:
     assert out.returncode == 2 and "node name" in out.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_agent_to_aggregator_over_http_quarantines_a_lost_gpu(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     write_node_token(tmp_path)
     decisions = tmp_path / "decisions.jsonl"
     server = subprocess.Popen(

@@ -14,7 +14,8 @@ from typing import Any
 
 from tests.conftest import FIXTURES, REPO
 from tests.kube_double import KubeApiDouble
-from tests.test_cli_end_to_end import GPWD, _free_port, agent_to, aggregator_args, write_node_token
+from tests.ports import free_port
+from tests.test_cli_end_to_end import GPWD, agent_to, aggregator_args, write_node_token
 
 ADMIN = "admin-token-0123456789abcdef"
 
@@ -63,7 +64,7 @@ async def test_the_aggregator_taints_through_the_real_client_and_the_breaker_cli
         write_node_token(tmp_path)
         (tmp_path / "admins").write_text(f"# on-call\n{ADMIN}\n")
         (tmp_path / "admin.token").write_text(f"{ADMIN}\n")
-        port = _free_port()
+        port = free_port()
         base = f"http://127.0.0.1:{port}"
         server = await asyncio.create_subprocess_exec(
             *GPWD,

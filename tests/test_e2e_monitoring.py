@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -48,6 +47,7 @@ import yaml
 
 from tests.conftest import FIXTURES, REPO
 from tests.kube_double import KubeApiDouble
+from tests.ports import free_port
 from tests.test_grafana import generate  # grafana/generate.py, loaded as a module
 
 GPWD = [sys.executable, "-m", "gpuwarden"]
@@ -112,13 +112,6 @@ def _binary(*names: str) -> str:
     if os.environ.get("CI") == "true":
         pytest.fail(f"{names[0]} is not installed (scripts/setup installs it)")
     pytest.skip(f"{names[0]} is not installed (apt-get install {names[0]})")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -394,7 +387,7 @@ def _write_yaml(path: Path, data: Any) -> Path:
 def stack(tmp_path: Path, processes: Processes, receiver: Receiver, kube: KubeServer) -> Stack:
     prometheus_bin = _binary("prometheus")
     alertmanager_bin = _binary("prometheus-alertmanager", "alertmanager")
-    agg_port, am_port, prom_port = _free_port(), _free_port(), _free_port()
+    agg_port, am_port, prom_port = free_port(), free_port(), free_port()
     s = Stack(
         procs=processes,
         workdir=tmp_path,
@@ -402,8 +395,8 @@ def stack(tmp_path: Path, processes: Processes, receiver: Receiver, kube: KubeSe
         alertmanager=f"http://127.0.0.1:{am_port}",
         prometheus=f"http://127.0.0.1:{prom_port}",
         decisions=tmp_path / "decisions.jsonl",
-        agent_ports={node: _free_port() for node in NODES},
-        probe_ports={node: _free_port() for node in NODES},
+        agent_ports={node: free_port() for node in NODES},
+        probe_ports={node: free_port() for node in NODES},
         probe_key=tmp_path / "probe-key",
         agents={},
     )

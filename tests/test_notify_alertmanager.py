@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from prometheus_client.registry import CollectorRegistry
 
 from aggregator.notify import NotifyConfig, make_dispatcher
+from tests.ports import free_port
 from tests.test_notify import T0, quarantine, release, systemic
 
 CONFIG = """\
@@ -41,13 +41,6 @@ def _binary() -> str:
     if os.environ.get("CI") == "true":
         pytest.fail("prometheus-alertmanager is not installed (scripts/setup installs it)")
     pytest.skip("prometheus-alertmanager is not installed (apt-get install prometheus-alertmanager)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Alertmanager:
@@ -120,7 +113,7 @@ class Alertmanager:
 
 @pytest.fixture
 def am(tmp_path: Path) -> Iterator[Alertmanager]:
-    manager = Alertmanager(_binary(), tmp_path, _free_port())
+    manager = Alertmanager(_binary(), tmp_path, free_port())
     yield manager
     manager.stop()
 

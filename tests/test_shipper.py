@@ -8,7 +8,6 @@ import itertools
 import logging
 import os
 import random
-import socket
 import ssl
 import threading
 import time
@@ -24,6 +23,7 @@ from agent.errors import ConfigError
 from agent.report import Report, decode
 from agent.shipper import RETRY_AFTER_MAX_S, Shipper, encode_body, parse_retry_after
 from tests import tls
+from tests.ports import free_port
 
 FAST = {"backoff_base_s": 0.01, "backoff_max_s": 0.05, "timeout_s": 2.0}
 
@@ -136,13 +136,6 @@ def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.005)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class TopOfRange(random.Random):
