@@ -246,37 +246,25 @@ class HealthMachine:
             # Not judged on half a view: neither tainted nor held until ``judge_pending``.
             h.pending = out
             h.tainted = h.held = False
-            h.state, h.since, h.clear_since, h.reasons = state, now, None, why
-            return Decision(
-                time=now,
-                subject="node",
-                node=h.node,
-                state=state,
-                previous=previous,
-                action=action,
-                reasons=why,
-            )
-        h.pending = False
-        if action == "taint" and self.gate is not None:
-            hold = self.gate(h, now)
-            if hold is not None:
-                action = "held"
-                why = [
-                    *why,
-                    Reason(
-                        detector=why[0].detector if why else "rule",
-                        rule="safety-limit",
-                        severity="critical",
-                        summary=f"not tainted: {hold}",
-                        evidence={"held": True},
-                    ),
-                ]
-        h.tainted = action == "taint" or (h.tainted and out)
-        h.held = out and (action == "held" or (h.held and action == "none"))
-        h.state = state
-        h.since = now
-        h.clear_since = None
-        h.reasons = why
+        else:
+            h.pending = False
+            if action == "taint" and self.gate is not None:
+                hold = self.gate(h, now)
+                if hold is not None:
+                    action = "held"
+                    why = [
+                        *why,
+                        Reason(
+                            detector=why[0].detector if why else "rule",
+                            rule="safety-limit",
+                            severity="critical",
+                            summary=f"not tainted: {hold}",
+                            evidence={"held": True},
+                        ),
+                    ]
+            h.tainted = action == "taint" or (h.tainted and out)
+            h.held = out and (action == "held" or (h.held and action == "none"))
+        h.state, h.since, h.clear_since, h.reasons = state, now, None, why
         return Decision(
             time=now,
             subject="node",
