@@ -55,6 +55,11 @@ class Reason(msgspec.Struct, kw_only=True, frozen=True):
     evidence: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+# The rule of the reason a decision carries when it was made before the cluster view was whole
+# after a start: recorded at once with action ``none``; a second record gives the action.
+AWAITING_CLUSTER: Final = "awaiting-cluster"
+
+
 class Decision(msgspec.Struct, kw_only=True, frozen=True):
     time: float
     subject: Literal["node", "link"]

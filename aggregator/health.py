@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from aggregator.config import HealthConfig
-from aggregator.decisions import Decision, Reason
+from aggregator.decisions import AWAITING_CLUSTER, Decision, Reason
 from aggregator.model import Finding, NodeState, RemediationAction
 from aggregator.remediate.model import MAX_SNAPSHOT_FINDINGS, HealthSnapshot, SnapshotFinding
 
@@ -510,7 +510,8 @@ def finding_of_snapshot(f: SnapshotFinding) -> Finding:
     )
 
 
-_NOT_EVIDENCE: Final = frozenset({"safety-limit", "lemon"})  # reasons that explain, not findings
+# Reasons that explain a decision, not findings about the node.
+_NOT_EVIDENCE: Final = frozenset({"safety-limit", "lemon", AWAITING_CLUSTER})
 
 
 def carried_over(decisions: Iterable[Decision]) -> dict[str, HealthSnapshot]:

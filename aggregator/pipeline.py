@@ -33,7 +33,7 @@ import msgspec
 
 from agent.report import Report
 from aggregator.config import Config
-from aggregator.decisions import Decision, DecisionLog, Reason
+from aggregator.decisions import AWAITING_CLUSTER, Decision, DecisionLog, Reason
 from aggregator.detect import BUILTIN_SOURCES, DETECTORS, Detector, DetectorSpec
 from aggregator.detect.base import MeasuresPairs, SwitchAlert
 from aggregator.fleet.frame import FleetFrames
@@ -444,7 +444,13 @@ class Pipeline:
         deferred, self._deferred = self._deferred, []
         self._deferred_nodes.clear()
         for queued in deferred:
-            self._emit(_judged(queued, verdicts.get(queued.node)) if queued.action == "taint" else queued)
+            # Each was recorded when it was decided (``_emit``); what is new now is the action.
+            verdict = verdicts.get(queued.node)
+            if queued.action == "taint" and verdict is not None:
+                acted = msgspec.structs.replace(queued, time=now, previous=queued.state)
+                self._emit(_judged(acted, verdict))
+            elif self._on_decision is not None:
+                self._on_decision(queued)
         log.info(
             "cluster view rebuilt: decisions act from now on",
             extra={"judged": sum(1 for v in verdicts.values() if v is not None), "queued": len(deferred)},
@@ -720,9 +726,13 @@ class Pipeline:
         if not self._cluster_ready and decision.subject == "node":
             h = self.health.get(decision.node)
             if decision.node in self._deferred_nodes or (h is not None and h.pending):
-                # Queued, in order, until the view is whole: then judged and recorded.
+                # Queued, in order, until the view is whole: then judged and acted on. The state
+                # change is recorded now, without an action: the report that caused it is answered
+                # 200 once this record is on disk, so a kill -9 before the first Node LIST loses
+                # nothing that was answered. The action follows as a second record.
                 self._deferred.append(decision)
                 self._deferred_nodes.add(decision.node)
+                self.decisions.append(_awaiting(decision))
                 return
         self.decisions.append(decision)
         log.info(
@@ -878,6 +888,19 @@ class Pipeline:
             }
             for sw in self.switches
         ]
+
+
+def _awaiting(d: Decision) -> Decision:
+    """A decision made before the cluster view was whole, as recorded at once: its state, no action
+    yet (``_judged`` gives the action once the view is rebuilt)."""
+    wait = Reason(
+        detector=d.reasons[0].detector if d.reasons else "rule",
+        rule=AWAITING_CLUSTER,
+        severity="info",
+        summary="no action yet: judged against the safety limits once the cluster view is rebuilt",
+        evidence={"intended": d.action},
+    )
+    return msgspec.structs.replace(d, action="none", reasons=[*d.reasons, wait])
 
 
 def _judged(d: Decision, verdict: tuple[str, str | None] | None) -> Decision:

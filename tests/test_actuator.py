@@ -124,10 +124,13 @@ class Recording(Intercepted):
         super().__init__(inner)
         self.clock = clock
         self.calls: list[tuple[float, str]] = []
+        self.informer: list[str] = []  # "list" and "watch", in order
 
     def before(self, op: str) -> None:
         if "lease" in op:
             raise AssertionError(f"the actuator never touches leases ({op})")
+        if op in ("list", "watch"):
+            self.informer.append(op)
         if op in ("get", "patch", "condition", "event"):
             self.calls.append((self.clock.monotonic(), op))
 
@@ -598,6 +601,7 @@ async def test_other_controller_and_actuator_never_lose_each_others_taints(world
                     and (w.effect is None or ours(api, "n1")[0]["value"] == w.reason_code)
                 ),
                 f"step {i}",
+                timeout=30.0,  # real time: each step is a few round trips, but the machine may be busy
             )
         done.set()
         await writer
@@ -938,6 +942,23 @@ async def test_informer_relists_after_410_and_survives_list_errors(world: World)
         api.add_node("n3")
         world.intents.by_node["n3"] = intent("n3")
         await until(lambda: bool(ours(api, "n3")), "n3 tainted from a watch event")
+
+
+async def test_a_throttled_watch_is_resumed_without_listing_again(world: World) -> None:
+    # API Priority and Fairness sheds the watch (429): as client-go's reflector does, the
+    # informer waits and resumes from the resourceVersion it had; listing every Node again
+    # would add to the load the API server is shedding, and nothing is missed meanwhile.
+    api = world.api
+    api.add_node("n1")
+    api.throttle(burst=3, verbs=["watch"], retry_after=1)
+    async with world.running(world.actuator()):
+        api.add_node("n2")  # while the watch is refused
+        world.intents.by_node["n2"] = intent("n2")
+        await until(lambda: api.throttled == 3, "three watches refused")
+        await until(lambda: bool(ours(api, "n2")), "n2 tainted from a watch event")
+    assert world.kube.informer[0] == "list"
+    assert world.kube.informer.count("list") == 1
+    assert world.kube.informer.count("watch") >= 4
 
 
 async def test_a_bug_for_one_node_does_not_stop_the_others(world: World) -> None:

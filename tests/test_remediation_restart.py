@@ -15,21 +15,27 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry
 
 from agent.clock import FakeClock
-from agent.report import Report
+from agent.report import Report, encode
 from aggregator.app import Aggregator, build_aggregator, build_pipeline
+from aggregator.auth import StaticTokens
 from aggregator.config import Config, HealthConfig, LimitsConfig, RemediationConfig
-from aggregator.decisions import Decision
+from aggregator.decisions import AWAITING_CLUSTER, Decision, DecisionLog, read_decisions
+from aggregator.health import carried_over
 from aggregator.kube.objects import Node
 from aggregator.pipeline import Pipeline
 from aggregator.remediate.limits import BreakerState
 from aggregator.remediate.model import HealthSnapshot, SnapshotFinding
 from aggregator.remediate.planner import plan, recorded
 from aggregator.rules import default_rules_dir, load_rules
+from aggregator.service import REPORTS_PATH, SERVER_KWARGS, create_app
 from tests.rulekit import T0, gpu, report, xid
 from tests.test_planner import applied
 
@@ -157,7 +163,9 @@ def test_a_report_before_the_first_list_never_releases_a_quarantined_node() -> N
     for n in FAULTY[:4]:
         intent = p.intent(n)
         assert intent is not None and (intent.effect, intent.held) == ("NoSchedule", False)
-        assert decisions(p, n) == []  # the cluster shows it out already: nothing to decide
+        # Recorded when decided, with no action (so a kill -9 before the list loses nothing
+        # answered); the cluster shows it out already: no second record.
+        assert [(d.action, d.reasons[-1].rule) for d in decisions(p, n)] == [("none", AWAITING_CLUSTER)]
         after = plan(first.nodes[n], intent, cfg, now=now + 4, monotonic=MONO)
         assert [t for t in after.taints if t.key == OURS] == [
             t for t in first.nodes[n].taints if t.key == OURS
@@ -165,7 +173,7 @@ def test_a_report_before_the_first_list_never_releases_a_quarantined_node() -> N
         assert after.empty, (after.annotations, after.condition, after.events)
     held = p.intent(FAULTY[4])
     assert held is not None and held.held and held.effect is None
-    assert [d.action for d in decisions(p, FAULTY[4])] == ["held"]
+    assert [d.action for d in decisions(p, FAULTY[4])] == ["none", "held"]
     assert out_in_pool(p) == FAULTY[:4]
 
 
@@ -188,7 +196,8 @@ def test_the_pool_limit_holds_across_a_restart_whatever_came_first(breaker: str)
     p.cluster_synced(now + 30)
 
     assert out_in_pool(p) == FAULTY[:4]
-    (d,) = decisions(p, FAULTY[4])
+    decided, d = decisions(p, FAULTY[4])
+    assert (decided.state, decided.action) == ("quarantined", "none")
     assert (d.state, d.action) == ("quarantined", "held")
     assert p.limits.open  # judged on the whole view: over the limit again, the breaker opens
 
@@ -222,13 +231,31 @@ def test_decisions_taken_before_the_view_is_whole_are_recorded_in_order_once_it_
     fresh = NAMES[10]  # a new fault, on a node the cluster shows healthy
     p.ingest(healthy(fresh, now, seq=2), now)
     p.ingest(dbe(fresh, now + 1, seq=3), now + 1)
-    assert decisions(p, fresh) == []
+    # Recorded at once (its report is answered only once the record is on disk), with no action.
+    (decided,) = decisions(p, fresh)
+    assert (decided.time, decided.state, decided.previous, decided.action) == (
+        now + 1,
+        "quarantined",
+        "healthy",
+        "none",
+    )
+    assert decided.reasons[-1].rule == AWAITING_CLUSTER
+    assert decided.reasons[-1].evidence == {"intended": "taint"}
     listed(p, cluster, first.nodes, now + 5)
     p.adopt_breaker(first.breaker, now + 5)
     p.cluster_synced(now + 5)
-    (d,) = decisions(p, fresh)
-    assert (d.time, d.state, d.previous, d.action) == (now + 1, "quarantined", "healthy", "held")
+    # Then the action, as a second record of the same state (no second quarantine counted).
+    first_record, d = decisions(p, fresh)
+    assert first_record == decided
+    assert (d.time, d.state, d.previous, d.action) == (now + 5, "quarantined", "quarantined", "held")
     assert any(r.rule == "safety-limit" for r in d.reasons)
+    carried = carried_over(decisions(p))[fresh]
+    assert (carried.state, carried.since, carried.held, len(carried.quarantines)) == (
+        "quarantined",
+        now + 1,
+        True,
+        1,
+    )
 
 
 def test_a_tripped_breaker_does_not_pause_releases() -> None:
@@ -374,3 +401,41 @@ async def test_with_remediation_off_a_restart_carries_quarantines_over_from_the_
 
     restored = [msgspec.json.decode(line) for line in log_path.read_bytes().splitlines()]
     assert restored[-1]["node"] == "mended" and restored[-1]["state"] == "healthy"
+
+
+async def test_a_decision_queued_before_the_first_list_is_on_disk_when_its_report_is_answered(
+    tmp_path: Path, aiohttp_client: Any
+) -> None:
+    # kill -9 between a report's 200 and the first Node LIST: the quarantine it caused is already
+    # in the decision log, so the next life carries it over (in enforce mode the cluster would
+    # tell it anyway; with its taint not yet written, only the log can).
+    token = "token-n07-xxxxxxxxxxxxxxxx"
+    (tmp_path / "tokens").write_text(f"n07 {token}\n")
+    log_path = tmp_path / "decisions.jsonl"
+    log = DecisionLog(log_path)
+    p = build_pipeline(config(), RULES, log, cluster=Cluster())
+    p.await_cluster()  # what the remediation runtime does when it is built: no action before the list
+    app = create_app(
+        p,
+        StaticTokens(tmp_path / "tokens"),
+        config(),
+        FakeClock(start=T0),
+        CollectorRegistry(),
+        advance_interval_s=None,
+        decisions=log,
+    )
+    server = TestServer(app)
+    await server.start_server(**SERVER_KWARGS)
+    client: TestClient[Any, Any] = await aiohttp_client(server)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {token}"}
+    for r in (healthy("n07", T0, seq=1), dbe("n07", T0 + 1, seq=2)):
+        answer = await client.post(REPORTS_PATH, data=encode(r), headers=headers)
+        assert answer.status == 200, await answer.text()
+    # What a kill -9 now leaves: the file as it is (no close, no flush beyond what the 200 waited for).
+    on_disk = list(read_decisions(log_path))
+    assert [(d.node, d.state, d.action, d.reasons[-1].rule) for d in on_disk] == [
+        ("n07", "quarantined", "none", AWAITING_CLUSTER)
+    ]
+    assert carried_over(on_disk)["n07"].state == "quarantined"
+    await client.close()
+    log.close()

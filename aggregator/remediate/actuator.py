@@ -56,6 +56,7 @@ from aggregator.kube.objects import (
     KubeError,
     KubeGone,
     KubeNotFound,
+    KubeUnavailable,
     Node,
     NodeEvent,
     Taint,
@@ -87,6 +88,9 @@ CONFLICT_BACKOFF_S: Final = 0.05
 # Informer: a failed list or watch is retried after this, doubling.
 INFORMER_BACKOFF_S: Final = 1.0
 INFORMER_BACKOFF_MAX_S: Final = 30.0
+# A watch refused with these (no answer: the connection was refused; 429: API Priority and Fairness
+# shed it) is resumed from its resourceVersion; any other failure lists again.
+WATCH_RETRY_STATUSES: Final = frozenset({0, 429})
 EVENT_MESSAGE_MAX: Final = 1024  # the API server rejects longer Event messages
 
 
@@ -296,11 +300,25 @@ class Actuator:
                 backoff = INFORMER_BACKOFF_S
                 rv = listed.resource_version
                 while True:
-                    # aclosing: a cancelled run() closes the watch's HTTP stream at once.
-                    async with aclosing(self._api.watch_nodes(resource_version=rv)) as events:
-                        async for event in events:
-                            self._on_event(event)
-                            rv = event.node.resource_version
+                    try:
+                        # aclosing: a cancelled run() closes the watch's HTTP stream at once.
+                        async with aclosing(self._api.watch_nodes(resource_version=rv)) as events:
+                            async for event in events:
+                                self._on_event(event)
+                                rv = event.node.resource_version
+                                backoff = INFORMER_BACKOFF_S
+                    except KubeUnavailable as e:
+                        if e.status not in WATCH_RETRY_STATUSES:
+                            raise
+                        # As client-go's reflector does: a throttled (429) or refused watch is
+                        # resumed from where it ended after a backoff. Listing 7,500 Nodes again
+                        # would add to the very load the API server is shedding.
+                        log.info(
+                            "node watch refused, resuming it",
+                            extra={"status": e.status, "resource_version": rv, "retry_in_s": backoff},
+                        )
+                        await self._sleep(backoff)
+                        backoff = min(backoff * 2, INFORMER_BACKOFF_MAX_S)
             except KubeGone:
                 log.info("node watch too old, listing again")
             except Exception as e:
