@@ -15,9 +15,11 @@ execution times and bandwidths that vary from record to record. Three formats:
 
 For each it measures this thread's CPU time (``time.thread_time``) of
 
-1. ``parse+summarize``: ``Stream.feed`` on the lines in 1 MiB pieces, as the collector feeds
-   them, then ``Summarizer.take()``;
-2. ``collector cycle``: ``NcclInspectorCollector.collect()`` on 8 files holding the records (the
+1. ``parse+summarize``: ``Stream.feed_chunk`` on 1 MiB chunks of whole lines, as the collector
+   feeds them, then ``Summarizer.take()``;
+2. ``JSON decode alone``: the msgspec call that decodes the same records into the same typed
+   structs, nothing else: the part no Python-side change can remove;
+3. ``collector cycle``: ``NcclInspectorCollector.collect()`` on 8 files holding the records (the
    directory listing, the ``stat`` and ``pread`` calls, the line splitting, the parse, the summary
    and building the report section), the files written before the cycle and not counted.
 
@@ -42,6 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agent import inspector
 from agent.clock import SystemClock
 from agent.collectors.base import CollectorContext
 from agent.collectors.nccl_inspector import InspectorOptions, NcclInspectorCollector
@@ -135,28 +138,45 @@ def _cpu(fn: Callable[[], object]) -> float:
 
 
 def bench_parse(lines: list[bytes]) -> float:
-    """CPU seconds to feed ``lines`` (in 1 MiB pieces) and take the summary."""
-    pieces: list[list[bytes]] = []
+    """CPU seconds to feed ``lines`` (as 1 MiB chunks of whole lines) and take the summary."""
+    pieces: list[bytes] = []
     piece: list[bytes] = []
     size = 0
     for ln in lines:
         piece.append(ln)
         size += len(ln) + 1
         if size >= 1 << 20:
-            pieces.append(piece)
+            pieces.append(b"\n".join(piece) + b"\n")
             piece, size = [], 0
-    pieces.append(piece)
+    if piece:
+        pieces.append(b"\n".join(piece) + b"\n")
+    expected = sum(1 for ln in lines if b"coll_perf" in ln)
+    out: list[Any] = []
 
     def run() -> None:
         summ = Summarizer()
         stream = Stream()
         for p in pieces:
-            errors = stream.feed(p, summ)
-            assert not errors, errors[:1]
-        jobs = summ.take()
-        assert jobs.records == len([ln for ln in lines if b"coll_perf" in ln]), jobs.records
+            out.extend(stream.feed_chunk(p, summ))
+        out.append(summ.take())
 
-    return _cpu(run)
+    cpu = _cpu(run)
+    *errors, jobs = out
+    assert not errors and jobs.records == expected, (errors[:1], jobs.records)
+    return cpu
+
+
+def bench_decode(lines: list[bytes]) -> float:
+    """CPU seconds of the msgspec decode alone (the same typed decoder, the same chunks): the floor."""
+    blob = b"".join((b"[", b",".join(lines), b",null]"))
+    return _cpu(lambda: inspector._BATCH.decode(blob))  # the parser's own decoder
+
+
+def _load() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "?"
 
 
 def bench_cycle(fmt: str, records: int, root: Path, run: int) -> tuple[float, int]:
@@ -195,39 +215,48 @@ def main() -> int:
     args = ap.parse_args()
     results: dict[str, Any] = {"records": args.records, "runs": args.runs, "formats": {}}
     rows = []
+    refs: list[float] = []
+    loads = [_load()]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         for fmt in ("v4.0", "v4.0 verbose", "v4.3"):
             lines = make_lines(fmt, args.records, rank=0)
             avg_bytes = sum(map(len, lines)) / len(lines) + 1
-            parse = []
-            cycle = []
+            parse: list[float] = []
+            cycle: list[float] = []
+            floor: list[float] = []
             for run in range(args.runs):
                 print(f"{fmt}: run {run + 1}/{args.runs}", file=sys.stderr)
+                refs.append(reference_us())
                 parse.append(bench_parse(lines) / args.records * 1e6)
+                floor.append(bench_decode(lines) / args.records * 1e6)
                 cpu, n = bench_cycle(fmt, args.records, root, run)
                 cycle.append(cpu / n * 1e6)
-            p, cy = statistics.median(parse), statistics.median(cycle)
+            p, cy, fl = statistics.median(parse), statistics.median(cycle), statistics.median(floor)
             results["formats"][fmt] = {
                 "bytes_per_line": avg_bytes,
                 "parse_ms_per_1000": parse,
                 "cycle_ms_per_1000": cycle,
+                "decode_only_ms_per_1000": floor,
                 "parse_median": p,
                 "cycle_median": cy,
+                "decode_only_median": fl,
             }
-            rows.append((fmt, avg_bytes, p, min(parse), cy, min(cycle)))
-    ref = reference_us()
-    load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
-    results["reference_sum_range_1000_us"] = ref
-    results["loadavg_1min"] = load
+            rows.append((fmt, avg_bytes, fl, p, min(parse), cy, min(cycle)))
+    ref = statistics.median(refs)
+    results["reference_sum_range_1000_us"] = refs
+    results["loadavg"] = loads[0], _load()
     print(f"CPU per 1,000 records, median of {args.runs} runs of {args.records} records (min in brackets).")
-    print(f"This machine: sum(range(1000)) takes {ref:.1f} us (best of 5); load average {load}; ")
-    print(f"{os.cpu_count()} CPUs.\n")
-    print("| format | bytes/line | parse+summarize | collector cycle | target < 1 ms |")
-    print("|---|---:|---:|---:|---|")
-    for fmt, avg, p, pmin, cy, cmin in rows:
+    print(
+        f"This machine: {os.cpu_count()} CPUs; sum(range(1000)) took {ref:.1f} us (median over the runs, "
+        f"{min(refs):.1f}-{max(refs):.1f}); load average {loads[0]} before, {_load()} after.\n"
+    )
+    print("| format | bytes/line | JSON decode alone | parse+summarize | collector cycle | target < 1 ms |")
+    print("|---|---:|---:|---:|---:|---|")
+    for fmt, avg, fl, p, pmin, cy, cmin in rows:
         verdict = "met" if cy < TARGET_MS_PER_1000 else "**missed**"
-        print(f"| {fmt} | {avg:.0f} | {p:.3f} ms ({pmin:.3f}) | {cy:.3f} ms ({cmin:.3f}) | {verdict} |")
+        cells = [fmt, f"{avg:.0f}", f"{fl:.3f} ms", f"{p:.3f} ms ({pmin:.3f})", f"{cy:.3f} ms ({cmin:.3f})"]
+        print("| " + " | ".join([*cells, verdict]) + " |")
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0
