@@ -341,7 +341,52 @@ def test_files_over_the_cap_are_named_and_idle_files_are_not_followed(tmp_path: 
         p = tmp_path / f"h-pid{i}.log"
         os.utime(p, ns=(0, 1_764_441_600_000_000_000 - 90_000 * 10**9))
     jobs, errors = jobs_of(c)
-    assert errors == () and jobs.records == 0 and c._files == {}
+    assert errors == () and jobs.records == 0
+    # A finished job's file that is written again goes on from where it was, not from its start.
+    append(tmp_path / "h-pid1.log", line("0x1"))
+    jobs, errors = jobs_of(c)
+    assert errors == () and counts(jobs) == {"0x1": 1}
+
+
+def test_a_file_that_falls_behind_the_cap_and_comes_back_is_not_read_twice(tmp_path: Path) -> None:
+    c = started(tmp_path, max_files=2)
+    paths = [tmp_path / f"h-pid{i}.log" for i in range(3)]
+    for i, p in enumerate(paths):
+        p.write_bytes(line(f"0x{i}") * 5)
+        os.utime(p, ns=(0, 1_764_441_600_000_000_000 + i * 10**9))  # pid2 is the newest
+    jobs, _ = jobs_of(c)
+    assert counts(jobs) == {"0x1": 5, "0x2": 5}
+    append(paths[0], line("0x0"))
+    os.utime(paths[0], ns=(0, 1_764_441_600_000_000_000 + 10 * 10**9))  # pid0 newest: pid1 drops out
+    jobs, _ = jobs_of(c)
+    assert counts(jobs) == {"0x0": 6}  # never read before: from its start
+    append(paths[1], line("0x1"))
+    os.utime(paths[1], ns=(0, 1_764_441_600_000_000_000 + 20 * 10**9))  # pid1 back in, pid2 out
+    jobs, _ = jobs_of(c)
+    assert counts(jobs) == {"0x1": 1}  # on from its offset
+
+
+def test_a_file_there_at_start_but_idle_then_is_read_from_its_end_later(tmp_path: Path) -> None:
+    old = tmp_path / "h-pid1.log"
+    old.write_bytes(line("0xold") * 5)
+    os.utime(old, ns=(0, 1_764_441_600_000_000_000 - 100_000 * 10**9))
+    c = started(tmp_path)
+    append(old, line("0xold"))  # its mtime is now
+    jobs, errors = jobs_of(c)
+    assert errors == () and counts(jobs) == {"0xold": 1}
+
+
+def test_a_renamed_file_goes_on_from_its_offset(tmp_path: Path) -> None:
+    c = started(tmp_path)
+    f = tmp_path / "h-pid1.log"
+    f.write_bytes(line("0xa") * 3)
+    assert jobs_of(c)[0].records == 3
+    moved = tmp_path / "job-1" / "h-pid1.log"
+    moved.parent.mkdir()
+    f.rename(moved)
+    append(moved, line("0xa"))
+    jobs, errors = jobs_of(c)
+    assert errors == () and jobs.records == 1
 
 
 def test_options_are_checked() -> None:

@@ -15,10 +15,11 @@ How the files are read:
   disk space is freed at once and a renamed one is never read under its old name.
 - **Truncated** (same inode, smaller than the offset): read again from the start.
 - **Rotated** (a new inode under the same name) or **deleted**: the old file's state is forgotten
-  and a new file is read from its start.
-- **Started late.** Files already there at the agent's first scan are read from their end: their
-  history was another agent run's cycle (``agent --once`` reads them, under the same caps). Files
-  that appear later are read from the start.
+  and a new file is read from its start. **Renamed** (the same inode under another name Inspector
+  would write, in the directory or a subdirectory): read on from its offset.
+- **Started late.** Files already there at the agent's first scan are read from where they ended
+  then: their history was another agent run's cycle (``agent --once`` reads them, under the same
+  caps). Files that appear later are read from the start.
 - **Bounded per cycle.** At most ``max_bytes`` and ``max_records`` lines a cycle, shared fairly
   (smallest backlog first, each file its share of what is left), in ``chunk_bytes`` reads; the rest
   waits for the next cycle. A file more than ``max_backlog_bytes`` behind (a job writing faster
@@ -26,7 +27,9 @@ How the files are read:
   skipped: a summary of minutes-old collectives would name the wrong moment.
 - **Bounded in memory.** At most ``max_files`` files are followed (the most recently modified;
   the report says how many more there were), files untouched for ``idle_seconds`` are not followed,
-  and the summary holds at most 1,024 rows of bounded samples.
+  and the summary holds at most 1,024 rows of bounded samples. The offsets of files that went idle
+  or fell behind the cap are remembered (``4 * max_files`` files in all, a few hundred bytes each),
+  so a file that comes back is not read again from its start.
 - **Prometheus files** are read whole (at most ``max_prom_bytes``) when their size or mtime changes,
   once per rewrite.
 
@@ -40,6 +43,7 @@ Symbolic links are not followed: a job could otherwise point one at the agent's 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import stat
@@ -141,6 +145,9 @@ class NcclInspectorCollector:
         self._clock = ctx.clock
         self._files: dict[tuple[int, int], _File] = {}
         self._first_scan = True
+        # Files that were there at the first scan and have not been read since, with their size
+        # then: read from there when they are (idle or over the cap at first, written to later).
+        self._preexisting: dict[tuple[int, int], int] = {}
         self._summary = (
             Summarizer(max_keys=self._options.max_keys, max_samples=self._options.max_samples)
             if self._options is not None
@@ -159,23 +166,33 @@ class NcclInspectorCollector:
         if opts is None:
             raise CollectorFailure("not enabled")
         try:
-            found, over_cap = self._scan(opts)
+            found, others, over_cap = self._scan(opts)
         except OSError as exc:
             raise CollectorFailure(f"cannot list {opts.directory}: {exc.strerror or exc}") from exc
         errors: list[str] = []
         problems: dict[str, _Problems] = {}
-        # Forget what is gone (deleted, renamed away, idle, over the cap); keep what is still here.
-        self._files = {k: v for k, v in self._files.items() if k in found}
-        first = self._first_scan
-        self._first_scan = False
+        if self._first_scan:
+            # Everything here now was written before this agent run: not this cycle's news.
+            self._first_scan = False
+            if not opts.read_existing:
+                everything = itertools.chain(found.values(), others.values())
+                self._preexisting = {f.ident: f.size for f in itertools.islice(everything, _max_known(opts))}
+        else:
+            for gone in self._preexisting.keys() - found.keys() - others.keys():
+                del self._preexisting[gone]
+        # Forget what is gone (deleted, renamed away). A file that went idle or fell behind the
+        # cap keeps its offset, up to a bound, so coming back it is not read again from the start.
+        parked = [k for k in others if k in self._files][: _max_known(opts) - len(found)]
+        self._files = {k: self._files[k] for k in itertools.chain(found, parked) if k in self._files}
         for ident, f in found.items():
             state = self._files.get(ident)
-            if state is None or state.path != f.path or state.kind != f.kind:
+            if state is None or state.kind != f.kind:
                 state = _File(path=f.path, kind=f.kind)
-                if first and f.kind == "json" and f.size > 0 and not opts.read_existing:
-                    # History from before this agent run is not this cycle's. The writer may be
-                    # inside a line or a batch: from one byte early, the first newline resyncs.
-                    state.offset = f.size - 1
+                start = self._preexisting.pop(ident, 0)
+                if f.kind == "json" and 0 < start <= f.size:
+                    # From where it ended at the first scan. The writer may have been inside a
+                    # line or a batch: from one byte before, the first newline resyncs.
+                    state.offset = start - 1
                     state.resync = True
                     state.stream = Stream(resyncing=True)
                 self._files[ident] = state
@@ -184,6 +201,7 @@ class NcclInspectorCollector:
                 state.offset = 0
                 state.stream = Stream()
                 state.resync = False
+            state.path = f.path  # renamed (same inode): the same file, read on from its offset
 
         budget_bytes, budget_lines = opts.max_bytes, opts.max_records
         prom = [f for f in found.values() if f.kind == "prom"]
@@ -217,11 +235,16 @@ class NcclInspectorCollector:
 
     # -- directory ----------------------------------------------------------------------------
 
-    def _scan(self, opts: InspectorOptions) -> tuple[dict[tuple[int, int], _Found], int]:
+    def _scan(
+        self, opts: InspectorOptions
+    ) -> tuple[dict[tuple[int, int], _Found], dict[tuple[int, int], _Found], int]:
+        """The files to read this cycle (at most ``max_files``, the most recently written), the
+        other Inspector files there (idle, or over the cap), and how many are over the cap."""
         root = os.fspath(opts.directory)
         now_ns = int(self._clock.time() * 1e9)
         idle_ns = int(opts.idle_seconds * 1e9)
         candidates: list[_Found] = []
+        idle: list[_Found] = []
         for entry, rel in _entries(root):
             name = entry.name
             if name.endswith(JSON_SUFFIXES):
@@ -236,13 +259,13 @@ class NcclInspectorCollector:
                 continue  # deleted between the listing and the stat
             if not stat.S_ISREG(st.st_mode):
                 continue
-            if now_ns - st.st_mtime_ns > idle_ns:
-                continue
             ident = (st.st_dev, st.st_ino)
-            candidates.append(_Found(entry.path, rel, kind, ident, st.st_size, st.st_mtime_ns))
+            found = _Found(entry.path, rel, kind, ident, st.st_size, st.st_mtime_ns)
+            (idle if now_ns - st.st_mtime_ns > idle_ns else candidates).append(found)
         candidates.sort(key=lambda f: f.mtime_ns, reverse=True)
         kept = candidates[: opts.max_files]
-        return {f.ident: f for f in kept}, len(candidates) - len(kept)
+        rest = candidates[opts.max_files :]
+        return {f.ident: f for f in kept}, {f.ident: f for f in rest + idle}, len(rest)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -340,6 +363,11 @@ class NcclInspectorCollector:
         finally:
             os.close(fd)
         return used_bytes, used_lines, skipped
+
+
+def _max_known(opts: InspectorOptions) -> int:
+    """Files whose state (offset) is remembered, followed or not: a few hundred bytes each."""
+    return 4 * opts.max_files
 
 
 def _entries(root: str) -> Iterator[tuple[os.DirEntry[str], str]]:
