@@ -176,6 +176,75 @@ class CollectorError(_Base, frozen=True):
     gpu: Annotated[int, Meta(ge=0, le=63)] | UnsetType = UNSET
 
 
+# -- Job data: what the jobs' own collectives showed (NCCL Inspector), and which pod holds which GPU.
+# Added within v1: a report without these sections is as valid as before (docs/jobs.md).
+
+JOBS_FORMAT: Final = "gpuwarden/jobs/v1"
+MAX_COLLECTIVES: Final = 1024  # rows of ``Jobs.collectives`` per report
+NonNegative = Annotated[float, Meta(ge=0)]
+
+
+class Stat(_Base, frozen=True):
+    """Quantiles of one measure over the records summarized (all >= 0, finite)."""
+
+    min: NonNegative
+    p10: NonNegative
+    p50: NonNegative
+    p90: NonNegative
+    max: NonNegative
+
+
+class Collective(_Base, frozen=True):
+    """One communicator's rank, one collective kind, one message-size bucket, over one agent cycle."""
+
+    # Inspector's header.id ("0xad56c683b0c4ef"); comm_name in Prometheus mode (it has no id).
+    comm: Str64
+    # As written: AllReduce, AllGather, ReduceScatter, Broadcast, Reduce, Send, Recv.
+    collective: Str32
+    # The bucket: 2**floor(log2(message size in bytes)), 0 for empty messages.
+    size_bytes: Count
+    n_ranks: Annotated[int, Meta(ge=1)]
+    nnodes: Annotated[int, Meta(ge=1)]
+    # Records summarized into this row this cycle.
+    count: Annotated[int, Meta(ge=1, extra_json_schema={"maximum": U64_MAX}, extra={_U64_BOUND: U64_MAX})]
+    # coll_timing_source as written: kernel_gpu | kernel_cpu | collective_cpu.
+    timing_source: Str32
+    busbw_gbs: Stat
+    exec_time_us: Stat
+    # header.rank; absent in Prometheus mode.
+    rank: Annotated[int, Meta(ge=0)] | UnsetType = UNSET
+    # metadata.hostname (in a pod: the pod's name).
+    hostname: Str253 | UnsetType = UNSET
+    # metadata.pid (in the job's PID namespace).
+    pid: Count | UnsetType = UNSET
+    # Local GPU index where known (Prometheus ``gpu="GPU3"``, or attribution).
+    gpu: Annotated[int, Meta(ge=0, le=63)] | UnsetType = UNSET
+
+
+class Jobs(_Base, frozen=True):
+    """What the jobs' own collectives showed this cycle (NCCL Inspector), summarized by the agent."""
+
+    # The section's own version: it can change without a report v2.
+    format: Literal["gpuwarden/jobs/v1"]
+    collectives: Annotated[list[Collective], Meta(max_length=MAX_COLLECTIVES)]
+    # Records read this cycle.
+    records: Count
+    # Records read but not summarized (caps, unknown kinds, malformed).
+    dropped: Count
+
+
+class GpuAllocation(_Base, frozen=True):
+    """One container's GPUs, from the kubelet's PodResources API (List)."""
+
+    namespace: Str253
+    pod: Str253
+    container: Str253
+    # e.g. "nvidia.com/gpu".
+    resource: Str253
+    # Device IDs as the device plugin names them: GPU (or MIG) UUIDs for NVIDIA's.
+    devices: Annotated[list[Str96], Meta(max_length=64)]
+
+
 class Report(_Base, frozen=True):
     schema: Literal["gpuwarden/report/v1"]
     node: NodeName
@@ -195,6 +264,11 @@ class Report(_Base, frozen=True):
     events: Annotated[list[Event], Meta(max_length=1024)] | UnsetType = UNSET
     probes: Annotated[list[Probe], Meta(max_length=256)] | UnsetType = UNSET
     errors: Annotated[list[CollectorError], Meta(max_length=64)] | UnsetType = UNSET
+    # Added within v1 (docs/jobs.md): absent = the Inspector collector is not enabled on this node;
+    # present with no collectives = enabled, nothing new this cycle.
+    jobs: Jobs | UnsetType = UNSET
+    # Absent = attribution not available (no kubelet socket); present and empty = no pod holds a GPU.
+    pods: Annotated[list[GpuAllocation], Meta(max_length=256)] | UnsetType = UNSET
 
 
 # -- The field catalogue ---------------------------------------------------------------------------
@@ -598,7 +672,8 @@ def error_gpu(error: CollectorError) -> int | None:
 
 # -- The 64-bit bound, enforced on decode -----------------------------------------------------------
 # A plan per struct type, read off the annotations: which of its integer fields carry the bound,
-# which maps have bounded values, which fields are lists of structs (their plans, recursively).
+# which maps have bounded values, which fields are lists of structs or one struct (their plans,
+# recursively).
 
 
 @dataclass(frozen=True)
@@ -607,6 +682,7 @@ class _Plan:
     get_ints: Callable[[Any], tuple[Any, ...]]
     maps: tuple[str, ...]
     lists: tuple[tuple[str, _Plan], ...]
+    structs: tuple[tuple[str, _Plan], ...] = ()
 
 
 def _bounded(hint: Any) -> bool:
@@ -639,6 +715,7 @@ def _plan(struct: type[msgspec.Struct]) -> _Plan:
     ints: list[str] = []
     maps: list[str] = []
     lists: list[tuple[str, _Plan]] = []
+    structs: list[tuple[str, _Plan]] = []
     for name, hint in typing.get_type_hints(struct, include_extras=True).items():
         members = _annotated_options(hint)
         if any(_bounded(m) for m in members):
@@ -650,6 +727,8 @@ def _plan(struct: type[msgspec.Struct]) -> _Plan:
                 maps.append(name)
             elif origin is list and isinstance(args[0], type) and issubclass(args[0], msgspec.Struct):
                 lists.append((name, _plan(args[0])))
+            elif isinstance(member, type) and issubclass(member, msgspec.Struct):
+                structs.append((name, _plan(member)))
     getter: Callable[[Any], tuple[Any, ...]]
     if len(ints) > 1:
         getter = operator.attrgetter(*ints)
@@ -658,7 +737,7 @@ def _plan(struct: type[msgspec.Struct]) -> _Plan:
         getter = lambda obj: (getattr(obj, one),)  # noqa: E731
     else:
         getter = lambda obj: ()  # noqa: E731
-    return _Plan(tuple(ints), getter, tuple(maps), tuple(lists))
+    return _Plan(tuple(ints), getter, tuple(maps), tuple(lists), tuple(structs))
 
 
 _REPORT_PLAN: Final = _plan(Report)
@@ -675,6 +754,10 @@ def _largest(plan: _Plan, items: list[Any]) -> int:
         children = list(itertools.chain.from_iterable(lists))
         if children:
             top = max(top, _largest(child, children))
+    for name, child in plan.structs:
+        present = [v for v in map(operator.attrgetter(name), items) if isinstance(v, msgspec.Struct)]
+        if present:
+            top = max(top, _largest(child, present))
     return top
 
 
@@ -690,6 +773,10 @@ def _oversized(plan: _Plan, obj: Any, path: str) -> Iterable[str]:
         items = getattr(obj, name)
         for i, item in enumerate(items if isinstance(items, list) else ()):
             yield from _oversized(child, item, f"{path}.{name}[{i}]")
+    for name, child in plan.structs:
+        value = getattr(obj, name)
+        if isinstance(value, msgspec.Struct):
+            yield from _oversized(child, value, f"{path}.{name}")
 
 
 def _check_u64(report: Report) -> None:

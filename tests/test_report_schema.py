@@ -111,6 +111,37 @@ def _valid() -> dict[str, Any]:
         "events": [{"kind": "xid", "time": 1764441629.0, "gpu": 0, "code": 79, "message": "x"}],
         "probes": [{"kind": "tcp_pair", "time": 1764441628.0, "ok": True, "peer": "gpu-0043"}],
         "errors": [{"collector": "nvml", "message": "GPU 3 is lost"}],
+        "jobs": {
+            "format": "gpuwarden/jobs/v1",
+            "records": 5,
+            "dropped": 1,
+            "collectives": [
+                {
+                    "comm": "0xad56c683b0c4ef",
+                    "collective": "AllReduce",
+                    "size_bytes": 2097152,
+                    "n_ranks": 3,
+                    "nnodes": 3,
+                    "count": 4,
+                    "timing_source": "kernel_gpu",
+                    "busbw_gbs": {"min": 0.5, "p10": 0.5, "p50": 0.55, "p90": 0.6, "max": 0.61},
+                    "exec_time_us": {"min": 5600, "p10": 5600, "p50": 5663.0, "p90": 5700, "max": 5800},
+                    "rank": 1,
+                    "hostname": "nanogpt-nccl-test-worker-0",
+                    "pid": 48,
+                    "gpu": 0,
+                }
+            ],
+        },
+        "pods": [
+            {
+                "namespace": "train",
+                "pod": "llama-0",
+                "container": "trainer",
+                "resource": "nvidia.com/gpu",
+                "devices": ["GPU-0f1e2d3c"],
+            }
+        ],
     }
 
 
@@ -180,6 +211,34 @@ CASES = {
     "error with an unknown code": _set("errors.0", {"collector": "nvml", "message": "m", "code": "on_fire"}),
     "error with a null code": _set("errors.0", {"collector": "nvml", "message": "m", "code": None}),
     "error gpu 64": _set("errors.0", {"collector": "nvml", "message": "m", "gpu": 64}),
+    "jobs without collectives": _set("jobs.collectives", []),
+    "collective without optional fields": lambda d: [
+        d["jobs"]["collectives"][0].pop(k) for k in ("rank", "hostname", "pid", "gpu")
+    ],
+    "pods empty": _set("pods", []),
+    "jobs null": _set("jobs", None),
+    "pods null": _set("pods", None),
+    "jobs wrong format": _set("jobs.format", "gpuwarden/jobs/v2"),
+    "jobs missing records": _set("jobs.records", _DELETE),
+    "jobs dropped over 64 bits": _set("jobs.dropped", 2**64),
+    "jobs unknown field": _set("jobs.extra", 1),
+    "collective count 0": _set("jobs.collectives.0.count", 0),
+    "collective count over 64 bits": _set("jobs.collectives.0.count", 2**64),
+    "collective size over 64 bits": _set("jobs.collectives.0.size_bytes", 2**64),
+    "collective n_ranks 0": _set("jobs.collectives.0.n_ranks", 0),
+    "collective nnodes 0": _set("jobs.collectives.0.nnodes", 0),
+    "collective negative rank": _set("jobs.collectives.0.rank", -1),
+    "collective null rank": _set("jobs.collectives.0.rank", None),
+    "collective gpu 64": _set("jobs.collectives.0.gpu", 64),
+    "collective comm too long": _set("jobs.collectives.0.comm", "c" * 65),
+    "collective kind too long": _set("jobs.collectives.0.collective", "k" * 33),
+    "collective missing busbw": _set("jobs.collectives.0.busbw_gbs", _DELETE),
+    "stat negative": _set("jobs.collectives.0.exec_time_us.p10", -1.0),
+    "stat missing p90": _set("jobs.collectives.0.busbw_gbs.p90", _DELETE),
+    "stat as string": _set("jobs.collectives.0.busbw_gbs.p50", "fast"),
+    "pod missing container": _set("pods.0.container", _DELETE),
+    "pod device too long": _set("pods.0.devices.0", "d" * 97),
+    "pod too many devices": _set("pods.0.devices", [f"GPU-{i}" for i in range(65)]),
 }
 
 
@@ -203,6 +262,9 @@ def test_jsonschema_and_msgspec_accept_the_same_documents(name: str) -> None:
             "nic null port",
             "counter of 64 bits",
             "error with a code",
+            "jobs without collectives",
+            "collective without optional fields",
+            "pods empty",
         }
     )
 
