@@ -315,3 +315,66 @@ def test_the_service_and_method_are_the_kubelet_s() -> None:
     assert service.methods_by_name["List"].input_type.full_name == "v1.ListPodResourcesRequest"
     assert f"/{service.full_name}/List" == LIST_METHOD
     assert pb.DESCRIPTOR.GetOptions().go_package == "k8s.io/kubelet/pkg/apis/podresources/v1"
+
+
+def test_the_agent_command_reports_the_pods_from_the_socket(kubelet: Kubelet) -> None:
+    """``gpuwarden agent --once --print`` with fake GPUs and the kubelet double: report.pods."""
+    import json
+    import subprocess
+    import sys
+
+    from agent.gpu.fake import default_gpu
+
+    uuid0, uuid3 = str(default_gpu(0)["uuid"]), str(default_gpu(3)["uuid"])
+    kubelet.behaviour = lambda _req, _ctx: pb.ListPodResourcesResponse(
+        pod_resources=[
+            pb.PodResources(
+                name="trainer-0",
+                namespace="ml",
+                containers=[
+                    pb.ContainerResources(
+                        name="pytorch",
+                        devices=[
+                            pb.ContainerDevices(resource_name="nvidia.com/gpu", device_ids=[uuid0, uuid3])
+                        ],
+                    )
+                ],
+            )
+        ]
+    )
+    argv = [
+        "agent",
+        "--once",
+        "--print",
+        "--node",
+        "node-1",
+        "--gpu-backend",
+        f"fake:{REPO / 'tests' / 'fixtures' / 'gpus' / 'h100x8.json'}",
+    ]
+
+    def run(*extra: str) -> dict[str, object]:
+        out = subprocess.run(
+            [sys.executable, "-m", "gpuwarden", *argv, *extra],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        report: dict[str, object] = json.loads(out.stdout)
+        return report
+
+    report = run("--pod-resources-socket", str(kubelet.path))
+    assert report["pods"] == [
+        {
+            "namespace": "ml",
+            "pod": "trainer-0",
+            "container": "pytorch",
+            "resource": "nvidia.com/gpu",
+            "devices": [uuid0, uuid3],
+        }
+    ]
+    # No socket there: no pods field, no error, and the agent still reports.
+    report = run("--pod-resources-socket", str(kubelet.path.parent / "absent.sock"))
+    assert "pods" not in report and "errors" not in report
