@@ -378,3 +378,16 @@ def test_the_agent_command_reports_the_pods_from_the_socket(kubelet: Kubelet) ->
     # No socket there: no pods field, no error, and the agent still reports.
     report = run("--pod-resources-socket", str(kubelet.path.parent / "absent.sock"))
     assert "pods" not in report and "errors" not in report
+
+
+def test_grpc_is_loaded_only_when_the_kubelet_is_asked() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pathlib import Path; from agent.podresources import KubeletPodResources; "
+        "c = KubeletPodResources(Path('/nonexistent/kubelet.sock')); assert not c.supported().supported; "
+        "print('grpc' in sys.modules, 'google.protobuf' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
