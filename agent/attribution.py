@@ -171,11 +171,14 @@ def resolve_device(
 
 
 def gpu_holders(
-    pods: Sequence[GpuAllocation], gpus: Sequence[Gpu], mig_parents: Mapping[str, str] | None = None
+    pods: Sequence[GpuAllocation], gpus: Mapping[int, str], mig_parents: Mapping[str, str] | None = None
 ) -> dict[int, list[GpuAllocation]]:
-    """GPU index to the allocations that hold it (several where a GPU is shared), in report order."""
-    uuids = {gpu.uuid: gpu.index for gpu in gpus}
-    indexes = frozenset(uuids.values())
+    """GPU index to the allocations that hold it (several where a GPU is shared), in report order.
+
+    ``gpus``: the node's GPUs, index to UUID (the report's, or what the aggregator kept of it).
+    """
+    uuids = {uuid: index for index, uuid in gpus.items()}
+    indexes = frozenset(gpus)
     held: dict[int, list[GpuAllocation]] = {}
     for alloc in pods:
         seen: set[int] = set()
@@ -188,7 +191,7 @@ def gpu_holders(
 
 
 def pod_gpus(
-    pods: Sequence[GpuAllocation], gpus: Sequence[Gpu], namespace: str | None, pod: str
+    pods: Sequence[GpuAllocation], gpus: Mapping[int, str], namespace: str | None, pod: str
 ) -> list[int]:
     """The indexes of the GPUs of this node that pod ``pod`` (in ``namespace``, or any) holds."""
     return sorted(

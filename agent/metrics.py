@@ -709,7 +709,7 @@ def _pod_families(report: Report) -> list[Metric]:
     )
     by_index = {gpu.index: gpu for gpu in report.gpus}
     seen: set[tuple[int, str, str, str]] = set()
-    for index, allocs in sorted(gpu_holders(report.pods, report.gpus).items()):
+    for index, allocs in sorted(gpu_holders(report.pods, {g.index: g.uuid for g in report.gpus}).items()):
         for alloc in allocs:
             key = (index, alloc.namespace, alloc.pod, alloc.container)
             if key in seen:  # one container holding the GPU through two resources: one series

@@ -41,6 +41,7 @@ from agent.runner import Agent
 UUIDS = [f"GPU-{i:08x}-1111-2222-3333-444444444444" for i in range(8)]
 GPUS = [Gpu(index=i, uuid=u) for i, u in enumerate(UUIDS)]
 BY_UUID = {g.uuid: g.index for g in GPUS}
+BY_INDEX = {g.index: g.uuid for g in GPUS}
 INDEXES = frozenset(BY_UUID.values())
 
 
@@ -109,14 +110,14 @@ def test_allocations_keep_gpus_and_leave_other_devices_out() -> None:
         ("ml", "trainer-0", "main", "nvidia.com/gpu", [UUIDS[0], UUIDS[1]]),
         ("serve", "infer", "triton", "gpu.nvidia.com", ["gpu-1"]),  # DRA: the driver's device names
     ]
-    assert {i: [a.pod for a in al] for i, al in gpu_holders(pods, GPUS).items()} == {
+    assert {i: [a.pod for a in al] for i, al in gpu_holders(pods, BY_INDEX).items()} == {
         0: ["trainer-0"],
         1: ["trainer-0"],
         2: ["renamed"],
     }
-    assert pod_gpus(pods, GPUS, "ml", "trainer-0") == [0, 1]
-    assert pod_gpus(pods, GPUS, None, "trainer-0") == [0, 1]
-    assert pod_gpus(pods, GPUS, "other-ns", "trainer-0") == []
+    assert pod_gpus(pods, BY_INDEX, "ml", "trainer-0") == [0, 1]
+    assert pod_gpus(pods, BY_INDEX, None, "trainer-0") == [0, 1]
+    assert pod_gpus(pods, BY_INDEX, "other-ns", "trainer-0") == []
 
 
 def test_a_shared_gpu_has_every_holder() -> None:
@@ -127,7 +128,7 @@ def test_a_shared_gpu_has_every_holder() -> None:
         )
     )
     pods, _ = allocations(listing, GPUS)
-    assert [a.pod for a in gpu_holders(pods, GPUS)[0]] == ["a", "b"]  # b once, for two replicas
+    assert [a.pod for a in gpu_holders(pods, BY_INDEX)[0]] == ["a", "b"]  # b once, for two replicas
 
 
 def test_allocations_respect_the_schema_s_bounds() -> None:
