@@ -26,7 +26,7 @@ from agent import __version__
 from agent.attribution import PodAttributor
 from agent.clock import Clock
 from agent.collectors.base import Collector, Problem
-from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, GpuAllocation, Nic, Probe, Report
+from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, GpuAllocation, Jobs, Nic, Probe, Report
 from agent.state import CollectorStatus, CycleResult
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class Agent:
         events: list[Event] = []
         errors: list[CollectorError] = []
         statuses: list[CollectorStatus] = []
+        jobs: Jobs | None = None
         for collector in self.collectors:
             start = time.perf_counter()
             support = collector.supported()
@@ -142,6 +143,8 @@ class Agent:
             gpus.extend(out.gpus)
             nics.extend(out.nics)
             events.extend(out.events)
+            if out.jobs is not None:
+                jobs = out.jobs
             errors.extend(_collector_error(collector.name, e) for e in out.errors)
             statuses.append(CollectorStatus(collector.name, True, "", True, time.perf_counter() - start))
 
@@ -196,6 +199,7 @@ class Agent:
             events=events if events else UNSET,
             probes=probes if probes else UNSET,
             errors=errors if errors else UNSET,
+            jobs=jobs if jobs is not None else UNSET,
             pods=pods if pods is not None else UNSET,
         )
         self._seq += 1

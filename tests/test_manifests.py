@@ -624,6 +624,7 @@ def test_the_host_is_mounted_read_only(name: str) -> None:
         assert host_paths == {
             "/sys": "Directory",
             "/dev/kmsg": "CharDevice",
+            "/var/log/nccl-inspector": "DirectoryOrCreate",
             "/var/lib/kubelet/pod-resources": "DirectoryOrCreate",
         }
 
@@ -642,6 +643,8 @@ def test_agent_arguments_match_the_mounts(name: str) -> None:
     assert args.gpu_backend == "nvml"
     assert volume(ds, mount_for(ctr, args.sysfs_root)["name"])["hostPath"]["path"] == "/sys"
     assert volume(ds, mount_for(ctr, args.kmsg_path)["name"])["hostPath"]["path"] == "/dev/kmsg"
+    inspector = volume(ds, mount_for(ctr, args.nccl_inspector_dir)["name"])["hostPath"]
+    assert inspector == {"path": "/var/log/nccl-inspector", "type": "DirectoryOrCreate"}
     # The kubelet's socket, wherever the agent's --pod-resources-socket sees it.
     socket = PurePosixPath(args.pod_resources_socket)
     mount = mount_for(ctr, Path(socket))
