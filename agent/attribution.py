@@ -37,10 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Protocol
 
+import msgspec
+
 from agent.clock import Clock
 from agent.collectors.base import Support
 from agent.errors import CollectorFailure
-from agent.report import Gpu, GpuAllocation
+from agent.report import Gpu, GpuAllocation, Jobs
 from agent.state import CollectorStatus
 
 log = logging.getLogger(__name__)
@@ -199,6 +201,45 @@ def pod_gpus(
         for index, allocs in gpu_holders(pods, gpus).items()
         if any(a.pod == pod and (namespace is None or a.namespace == namespace) for a in allocs)
     )
+
+
+def pod_hostname(pod: str) -> str:
+    """The hostname the kubelet gives a pod's containers (without ``spec.hostname``): the pod's
+    name, cut to 63 characters (one DNS label) and stripped of a trailing ``-`` or ``.``."""
+    return pod[:63].rstrip("-.")
+
+
+def attribute_collectives(jobs: Jobs, pods: Sequence[GpuAllocation], gpus: Mapping[int, str]) -> Jobs:
+    """``jobs`` with each Inspector row's ``gpu`` set where attribution tells it.
+
+    Inspector writes the process's hostname, which in a pod is the pod's (``pod_hostname``). A
+    row whose hostname is a pod of this node holding exactly one GPU ran on that GPU. A pod with
+    several GPUs says nothing about which of them a rank used (that is the job's
+    CUDA_VISIBLE_DEVICES and local rank), and a name two namespaces share says nothing either:
+    those rows, and rows that already have a ``gpu``, are left as they are.
+    """
+    holders = gpu_holders(pods, gpus)
+    by_host: dict[str, set[tuple[str, str]]] = {}
+    held: dict[tuple[str, str], set[int]] = {}
+    for index, allocs in holders.items():
+        for a in allocs:
+            by_host.setdefault(pod_hostname(a.pod), set()).add((a.namespace, a.pod))
+            held.setdefault((a.namespace, a.pod), set()).add(index)
+    single: dict[str, int] = {}
+    for host, owners in by_host.items():
+        if len(owners) == 1:
+            indexes = held[next(iter(owners))]
+            if len(indexes) == 1:
+                single[host] = next(iter(indexes))
+    if not single:
+        return jobs
+    rows = [
+        msgspec.structs.replace(row, gpu=single[row.hostname])
+        if row.gpu is msgspec.UNSET and isinstance(row.hostname, str) and row.hostname in single
+        else row
+        for row in jobs.collectives
+    ]
+    return msgspec.structs.replace(jobs, collectives=rows)
 
 
 def allocations(listing: PodListing, gpus: Sequence[Gpu]) -> tuple[list[GpuAllocation], list[str]]:

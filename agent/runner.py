@@ -23,7 +23,7 @@ from typing import Final, Protocol
 from msgspec import UNSET
 
 from agent import __version__
-from agent.attribution import PodAttributor
+from agent.attribution import PodAttributor, attribute_collectives
 from agent.clock import Clock
 from agent.collectors.base import Collector, Problem
 from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, GpuAllocation, Jobs, Nic, Probe, Report
@@ -162,6 +162,10 @@ class Agent:
                 pods = attribution.pods
                 statuses.append(attribution.status)
                 errors.extend(_collector_error(self.pods.name, e) for e in attribution.errors)
+
+        if jobs is not None and pods:
+            # The Inspector rows of a pod holding one GPU ran on that GPU.
+            jobs = attribute_collectives(jobs, pods, {g.index: g.uuid for g in gpus})
 
         if len(events) > MAX_EVENTS:
             # Collectors bound their own queues; this only guards the schema if several fill up.

@@ -27,6 +27,7 @@ from agent.attribution import (
     PodAttributor,
     PodListing,
     allocations,
+    attribute_collectives,
     gpu_holders,
     is_gpu_resource,
     pod_gpus,
@@ -35,7 +36,7 @@ from agent.attribution import (
 from agent.clock import FakeClock
 from agent.collectors.base import Collected, Support
 from agent.metrics import AgentMetrics, AgentSnapshot, make_registry
-from agent.report import Gpu, GpuAllocation, decode, encode
+from agent.report import Collective, Gpu, GpuAllocation, Jobs, Stat, decode, encode
 from agent.runner import Agent
 
 UUIDS = [f"GPU-{i:08x}-1111-2222-3333-444444444444" for i in range(8)]
@@ -313,3 +314,88 @@ def test_the_info_metric_has_one_series_per_gpu_and_container() -> None:
     if promtool is not None:
         out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, check=False)
         assert out.returncode == 0, out.stdout + out.stderr
+
+
+def _row(hostname: str | None, gpu: int | None = None) -> Collective:
+    stat = Stat(min=1.0, p10=1.0, p50=1.0, p90=1.0, max=1.0)
+    return Collective(
+        comm="0xad56c683b0c4ef",
+        collective="AllReduce",
+        size_bytes=1 << 20,
+        n_ranks=2,
+        nnodes=2,
+        count=10,
+        timing_source="kernel_gpu",
+        busbw_gbs=stat,
+        exec_time_us=stat,
+        hostname=hostname if hostname is not None else UNSET,
+        gpu=gpu if gpu is not None else UNSET,
+    )
+
+
+def test_inspector_rows_of_a_one_gpu_pod_get_its_gpu() -> None:
+    long_name = "w" * 62 + "-0"  # 64 characters: the hostname is cut to 63, then loses its "-"
+    pods = [
+        GpuAllocation(
+            namespace="ml", pod="one-gpu", container="c", resource="nvidia.com/gpu", devices=[UUIDS[4]]
+        ),
+        GpuAllocation(
+            namespace="ml", pod=long_name, container="c", resource="nvidia.com/gpu", devices=[UUIDS[6]]
+        ),
+        GpuAllocation(
+            namespace="ml", pod="eight", container="c", resource="nvidia.com/gpu", devices=UUIDS[:2]
+        ),
+        # The same pod name in two namespaces: nothing can be told.
+        GpuAllocation(
+            namespace="a", pod="twin", container="c", resource="nvidia.com/gpu", devices=[UUIDS[2]]
+        ),
+        GpuAllocation(
+            namespace="b", pod="twin", container="c", resource="nvidia.com/gpu", devices=[UUIDS[3]]
+        ),
+    ]
+    jobs = Jobs(
+        format="gpuwarden/jobs/v1",
+        records=5,
+        dropped=0,
+        collectives=[
+            _row("one-gpu"),
+            _row("w" * 62),  # the kubelet's hostname for that pod
+            _row("eight"),
+            _row("twin"),
+            _row("node-a"),  # hostNetwork: the node's name
+            _row(None),
+            _row("one-gpu", gpu=7),  # already known (Prometheus mode): kept
+        ],
+    )
+    out = attribute_collectives(jobs, pods, BY_INDEX)
+    assert [r.gpu for r in out.collectives] == [4, 6, UNSET, UNSET, UNSET, UNSET, 7]
+    assert attribute_collectives(jobs, [], BY_INDEX) is jobs
+
+
+def test_the_cycle_fills_in_the_gpu_of_the_jobs_rows() -> None:
+    class Inspector:
+        name = "nccl_inspector"
+
+        def supported(self) -> Support:
+            return Support(True)
+
+        def collect(self) -> Collected:
+            jobs = Jobs(format="gpuwarden/jobs/v1", records=1, dropped=0, collectives=[_row("trainer-0")])
+            return Collected(jobs=jobs)
+
+        def close(self) -> None:
+            pass
+
+    clock = FakeClock()
+    source = FakePodResources(PodListing(devices=(_dev("trainer-0", "nvidia.com/gpu", UUIDS[1]),)))
+    agent = Agent(
+        node="node-a",
+        collectors=[_Gpus(), Inspector()],
+        clock=clock,
+        boot_id="b",
+        pods=PodAttributor(source, clock),
+    )
+    report = agent.cycle().report
+    assert report.jobs is not UNSET
+    assert [r.gpu for r in report.jobs.collectives] == [1]
+    decode(encode(report))
