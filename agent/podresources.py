@@ -165,6 +165,10 @@ class KubeletPodResources:
         return socket_support(self.socket_path)
 
     def list(self) -> PodListing:
+        # gRPC's C core writes its own unstructured INFO lines to stderr (one per kubelet restart,
+        # "Got goaway"); the agent's log has the same facts as a structured line. Read once, when
+        # grpc is first imported; an operator's own GRPC_VERBOSITY wins.
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
         import grpc  # noqa: PLC0415 - see the module docstring: loaded where it is used
 
         from agent import podresources_v1_pb2 as pb  # noqa: PLC0415
