@@ -248,17 +248,24 @@ def test_support_says_why_not(sockdir: Path) -> None:
     assert "is not a unix socket" in socket_support(plain).reason
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may connect to a root-owned socket whatever its mode")
-def test_a_socket_this_user_may_not_write_is_unsupported_with_the_reason(sockdir: Path) -> None:
+def test_a_socket_this_user_may_not_write_is_unsupported_with_the_reason(
+    sockdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = sockdir / "kubelet.sock"
     srv = socket.socket(socket.AF_UNIX)
     srv.bind(str(path))
     try:
-        path.chmod(0o555)
+        path.chmod(0o755)
+        owner = path.stat().st_uid
+        # Seen by another user (the DaemonSet's uid 65532), whoever runs the tests.
+        monkeypatch.setattr(os, "geteuid", lambda: owner + 65532)
+        monkeypatch.setattr(os, "getegid", lambda: 65532)
+        monkeypatch.setattr(os, "getgroups", lambda: [])
         support = socket_support(path)
         assert not support.supported
         assert "permission denied" in support.reason
-        path.chmod(0o755)
+        assert "srwxr-xr-x" in support.reason and "docs/deploy.md" in support.reason
+        path.chmod(0o757)
         assert socket_support(path).supported
     finally:
         srv.close()
