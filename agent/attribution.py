@@ -314,7 +314,8 @@ class Attribution:
 class PodAttributor:
     """Asks the kubelet once per cycle (never per scrape) and says plainly when it cannot.
 
-    Not supported (no socket: not on Kubernetes, or the hostPath is not mounted) is a state,
+    Not supported (no socket: not on Kubernetes, or the hostPath is not mounted; or a socket this
+    agent may not connect to) is a state,
     logged once when it begins and once when it ends, never per cycle; the collector status
     (``gpuwarden_collector_supported{collector="podresources"}`` 0) says it on /metrics. A failed
     call is an error in that cycle's report; the next call waits (``RETRY_FIRST_S`` doubling up
