@@ -24,6 +24,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from agent.attribution import DEFAULT_SOCKET, PodAttributor
 from agent.clock import SystemClock
 from agent.collectors import build_collectors
 from agent.collectors.base import CollectorContext, Paths, XidEventSource
@@ -97,6 +98,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--probe-key-file", type=Path, help="the probe signing key shared with the aggregator")
     p.add_argument("--nccl-tests-path", type=Path, help="nccl-tests' all_reduce_perf (default: from PATH)")
+    p.add_argument(
+        "--pod-resources-socket",
+        default=str(DEFAULT_SOCKET),
+        metavar="PATH",
+        help="the kubelet's PodResources socket, for which pod holds which GPU; '' turns it off "
+        "(default: the kubelet's own path; where it is absent the agent says attribution is unavailable)",
+    )
     p.add_argument(
         "--nccl-inspector-dir",
         type=Path,
@@ -315,6 +323,11 @@ def run(args: argparse.Namespace) -> int:
         netdev_include=tuple(args.netdev_include),
         nccl_inspector=inspector_options(args),
     )
+    pods = None
+    if args.pod_resources_socket:
+        from agent.podresources import KubeletPodResources  # noqa: PLC0415 - grpc only when asked for
+
+        pods = PodAttributor(KubeletPodResources(Path(args.pod_resources_socket)), clock)
     poller = None
     if probes_on:
         poller = _build_poller(args, clock=clock, node=node, session=session, key=probe_key, urls=urls)
@@ -326,6 +339,7 @@ def run(args: argparse.Namespace) -> int:
         interval_seconds=args.interval,
         labels=labels,
         probes=poller.results if poller is not None else None,
+        pods=pods,
     )
 
     shipper: Shipper | ShipperFanout | None = None

@@ -23,6 +23,18 @@ Label choices, made to keep cardinality low and joins easy:
   the catalogue does not know to ``gpuwarden_nic_stat_total``. (Not ``..._counter_total``:
   promtool rejects a counter with "counter" in its name.)
 
+Pods: ``gpuwarden_gpu_pod_info{gpu, uuid, namespace, pod, container}`` (value 1) says which
+container holds which GPU, from the report's ``pods`` (the kubelet's PodResources API,
+agent/attribution.py). It is an info metric of its own instead of pod labels on every GPU series
+(dcgm-exporter's way) because: a GPU shared by N containers would need N copies of each of its
+~60 series; every job start and end would end every GPU series and start new ones (churn in the
+TSDB, broken rate() across the change); and a GPU no pod holds would need a second, label-less
+form of each series. One series per (GPU, container) instead, joined where wanted:
+``gpuwarden_gpu_pod_info * on(gpu, uuid) group_left gpuwarden_gpu_utilization_ratio`` (the info
+side is the "many" side, so a shared GPU joins too). Where attribution is not available (no
+kubelet socket) there is no such series, and ``gpuwarden_collector_supported{collector=
+"podresources"}`` is 0, with the reason in the agent's log.
+
 A field the report has as null produces no sample: absent, never 0. Families with no samples are
 left out.
 
@@ -75,6 +87,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from agent import __version__
+from agent.attribution import gpu_holders
 from agent.errors import ConfigError
 from agent.report import CLOCK_EVENT_REASONS as _REASONS
 from agent.report import (
@@ -678,9 +691,35 @@ def _cycle_families(cycle: CycleResult) -> list[Metric]:
         duration,
         supported,
         *_gpu_families(report.gpus, report.node),
+        *_pod_families(report),
         *_nic_families(report.nics),
     ]
     return [fam for fam in families if fam.samples]
+
+
+def _pod_families(report: Report) -> list[Metric]:
+    if not report.pods:  # UNSET (not available) or empty (no pod holds a GPU): no series
+        return []
+    info = InfoMetricFamily(
+        "gpuwarden_gpu_pod",
+        "A container that holds the GPU (from the kubelet's PodResources API), value always 1; one "
+        "series per GPU and container, several where a GPU is shared. Join: gpuwarden_gpu_pod_info "
+        "* on(gpu, uuid) group_left <a GPU series>.",
+        labels=_GPU_LABELS,
+    )
+    by_index = {gpu.index: gpu for gpu in report.gpus}
+    seen: set[tuple[int, str, str, str]] = set()
+    for index, allocs in sorted(gpu_holders(report.pods, {g.index: g.uuid for g in report.gpus}).items()):
+        for alloc in allocs:
+            key = (index, alloc.namespace, alloc.pod, alloc.container)
+            if key in seen:  # one container holding the GPU through two resources: one series
+                continue
+            seen.add(key)
+            info.add_metric(
+                [str(index), by_index[index].uuid],
+                {"namespace": alloc.namespace, "pod": alloc.pod, "container": alloc.container},
+            )
+    return [info]
 
 
 def _report_families(report: Report) -> list[Metric]:

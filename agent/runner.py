@@ -23,9 +23,10 @@ from typing import Final, Protocol
 from msgspec import UNSET
 
 from agent import __version__
+from agent.attribution import PodAttributor, attribute_collectives
 from agent.clock import Clock
 from agent.collectors.base import Collector, Problem
-from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Jobs, Nic, Probe, Report
+from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, GpuAllocation, Jobs, Nic, Probe, Report
 from agent.state import CollectorStatus, CycleResult
 
 log = logging.getLogger(__name__)
@@ -90,9 +91,11 @@ class Agent:
         interval_seconds: float = 10.0,
         labels: Mapping[str, str] | None = None,
         probes: ProbeSource | None = None,
+        pods: PodAttributor | None = None,
     ) -> None:
         self.node = node
         self.probes = probes
+        self.pods = pods
         self.collectors = list(collectors)
         self.clock = clock
         self.boot_id = boot_id
@@ -145,6 +148,25 @@ class Agent:
             errors.extend(_collector_error(collector.name, e) for e in out.errors)
             statuses.append(CollectorStatus(collector.name, True, "", True, time.perf_counter() - start))
 
+        pods: list[GpuAllocation] | None = None
+        if self.pods is not None:
+            # After the collectors: attribution ties the kubelet's device IDs to these GPUs.
+            try:
+                attribution = self.pods.collect(gpus)
+            except Exception as exc:  # like a collector's: a bug here must not cost the report
+                message = f"{type(exc).__name__}: {exc}"
+                log.warning("pod attribution failed", extra={"error": message})
+                errors.append(CollectorError(collector=self.pods.name, message=message[:MAX_MESSAGE]))
+                statuses.append(CollectorStatus(self.pods.name, True, message, False, 0.0))
+            else:
+                pods = attribution.pods
+                statuses.append(attribution.status)
+                errors.extend(_collector_error(self.pods.name, e) for e in attribution.errors)
+
+        if jobs is not None and pods:
+            # The Inspector rows of a pod holding one GPU ran on that GPU.
+            jobs = attribute_collectives(jobs, pods, {g.index: g.uuid for g in gpus})
+
         if len(events) > MAX_EVENTS:
             # Collectors bound their own queues; this only guards the schema if several fill up.
             dropped = len(events) - MAX_EVENTS
@@ -182,6 +204,7 @@ class Agent:
             probes=probes if probes else UNSET,
             errors=errors if errors else UNSET,
             jobs=jobs if jobs is not None else UNSET,
+            pods=pods if pods is not None else UNSET,
         )
         self._seq += 1
         result = CycleResult(report=report, statuses=tuple(statuses))
@@ -227,6 +250,8 @@ class Agent:
             stop.wait(next_at - now)
 
     def close(self) -> None:
+        if self.pods is not None:
+            self.pods.close()
         for collector in self.collectors:
             try:
                 collector.close()

@@ -60,6 +60,18 @@ class Reason(msgspec.Struct, kw_only=True, frozen=True):
 AWAITING_CLUSTER: Final = "awaiting-cluster"
 
 
+class PodOnNode(msgspec.Struct, kw_only=True, frozen=True):
+    """A container that held GPUs on a decision's node, from the node's last GPU-to-pod attribution
+    (the agent's report ``pods``, from the kubelet's PodResources API)."""
+
+    namespace: str
+    pod: str
+    container: str
+    gpus: list[int]  # GPU indexes; empty where the device IDs name no GPU the node reports (DRA)
+    # The fault hurts it: it holds a GPU a reason names, or no reason names a GPU (a node fault).
+    hit: bool
+
+
 class Decision(msgspec.Struct, kw_only=True, frozen=True):
     time: float
     subject: Literal["node", "link"]
@@ -69,6 +81,9 @@ class Decision(msgspec.Struct, kw_only=True, frozen=True):
     action: Literal["taint", "untaint", "none", "held"]
     reasons: list[Reason]
     peer: str | None = None
+    # Node decisions to quarantine: the pods it hurts. Absent (not null) where the node's agent
+    # has no attribution, so every other record is byte for byte what it was before.
+    pods: list[PodOnNode] | msgspec.UnsetType = msgspec.UNSET
 
 
 class TornLine(msgspec.Struct, frozen=True):

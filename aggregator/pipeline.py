@@ -31,9 +31,10 @@ from typing import Any, Final, Literal, Protocol
 
 import msgspec
 
-from agent.report import Report
+from agent.attribution import gpu_holders
+from agent.report import GpuAllocation, Report
 from aggregator.config import Config
-from aggregator.decisions import AWAITING_CLUSTER, Decision, DecisionLog, Reason
+from aggregator.decisions import AWAITING_CLUSTER, Decision, DecisionLog, PodOnNode, Reason
 from aggregator.detect import BUILTIN_SOURCES, DETECTORS, Detector, DetectorSpec
 from aggregator.detect.base import MeasuresPairs, SwitchAlert
 from aggregator.fleet.frame import FleetFrames
@@ -139,6 +140,10 @@ class _NodeRecord:
     clean_reports: int = 0  # reports in a row with the node healthy and no finding at all
     clean_since: float | None = None
     preflight_passed: bool = False
+    # The last GPU-to-pod attribution the node sent (reports without one keep it: a kubelet that
+    # did not answer once says nothing about who holds the GPUs), and when it was received.
+    pods: tuple[GpuAllocation, ...] | None = None
+    pods_received: float | None = None
 
 
 class Pipeline:
@@ -236,6 +241,8 @@ class Pipeline:
         rec.recent.append(_summary(report, received))
         rec.boot_id = report.boot_id
         rec.gpu_uuids = {g.index: g.uuid for g in report.gpus if g.uuid}
+        if report.pods is not msgspec.UNSET:
+            rec.pods, rec.pods_received = tuple(report.pods), received
         self._restored_placement.pop(report.node, None)
         self._restored_boot.pop(report.node, None)
 
@@ -723,6 +730,8 @@ class Pipeline:
     def _emit(self, decision: Decision | None) -> None:
         if decision is None:
             return
+        if decision.subject == "node" and decision.state == "quarantined" and decision.pods is msgspec.UNSET:
+            decision = self._with_pods(decision)
         if not self._cluster_ready and decision.subject == "node":
             h = self.health.get(decision.node)
             if decision.node in self._deferred_nodes or (h is not None and h.pending):
@@ -747,6 +756,54 @@ class Pipeline:
         )
         if self._on_decision is not None:
             self._on_decision(decision)
+
+    def _with_pods(self, decision: Decision) -> Decision:
+        """The decision naming the pods that held GPUs on its node (the decision is unchanged
+        otherwise: state, action and reasons are the health machine's)."""
+        rec = self._nodes.get(decision.node)
+        if rec is None or rec.pods is None:
+            return decision
+        named = {r.evidence["gpu"] for r in decision.reasons if isinstance(r.evidence.get("gpu"), int)}
+        holders = gpu_holders(rec.pods, rec.gpu_uuids)
+        pods = []
+        for alloc in rec.pods:
+            gpus = sorted(i for i, allocs in holders.items() if alloc in allocs)
+            hit = not named or bool(named.intersection(gpus))
+            pods.append(
+                PodOnNode(
+                    namespace=alloc.namespace, pod=alloc.pod, container=alloc.container, gpus=gpus, hit=hit
+                )
+            )
+        return msgspec.structs.replace(decision, pods=_merge_containers(pods))
+
+    def pods_on(self, node: str) -> dict[str, Any] | None:
+        """Who holds each GPU of ``node``, from its last attribution; None when it never sent one."""
+        rec = self._nodes.get(node)
+        if rec is None or rec.pods is None:
+            return None
+        holders = gpu_holders(rec.pods, rec.gpu_uuids)
+        mapped = {id(a) for allocs in holders.values() for a in allocs}
+        return {
+            "received": rec.pods_received,
+            "gpus": [
+                {
+                    "gpu": index,
+                    "uuid": rec.gpu_uuids[index],
+                    "holders": [
+                        {
+                            "namespace": a.namespace,
+                            "pod": a.pod,
+                            "container": a.container,
+                            "resource": a.resource,
+                        }
+                        for a in holders.get(index, [])
+                    ],
+                }
+                for index in sorted(rec.gpu_uuids)
+            ],
+            # Allocations whose devices name no GPU the node reports (DRA device names, MIG UUIDs).
+            "unmapped": [msgspec.to_builtins(a) for a in rec.pods if id(a) not in mapped],
+        }
 
     # -- read API -------------------------------------------------------------------------------
 
@@ -812,6 +869,7 @@ class Pipeline:
                 for t in (h.active() if h else [])
             ],
             "history": list(rec.recent),
+            "pods": self.pods_on(name),
             "decisions": [msgspec.to_builtins(d) for d in self.decisions.recent() if d.node == name][-50:],
         }
 
@@ -901,6 +959,20 @@ def _awaiting(d: Decision) -> Decision:
         evidence={"intended": d.action},
     )
     return msgspec.structs.replace(d, action="none", reasons=[*d.reasons, wait])
+
+
+def _merge_containers(pods: list[PodOnNode]) -> list[PodOnNode]:
+    """One entry per container (a container may hold GPUs through two resources)."""
+    merged: dict[tuple[str, str, str], PodOnNode] = {}
+    for p in pods:
+        key = (p.namespace, p.pod, p.container)
+        held = merged.get(key)
+        if held is None:
+            merged[key] = p
+        else:
+            gpus = sorted({*held.gpus, *p.gpus})
+            merged[key] = msgspec.structs.replace(held, gpus=gpus, hit=held.hit or p.hit)
+    return list(merged.values())
 
 
 def _judged(d: Decision, verdict: tuple[str, str | None] | None) -> Decision:

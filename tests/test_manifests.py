@@ -625,6 +625,7 @@ def test_the_host_is_mounted_read_only(name: str) -> None:
             "/sys": "Directory",
             "/dev/kmsg": "CharDevice",
             "/var/log/nccl-inspector": "DirectoryOrCreate",
+            "/var/lib/kubelet/pod-resources": "DirectoryOrCreate",
         }
 
 
@@ -644,6 +645,12 @@ def test_agent_arguments_match_the_mounts(name: str) -> None:
     assert volume(ds, mount_for(ctr, args.kmsg_path)["name"])["hostPath"]["path"] == "/dev/kmsg"
     inspector = volume(ds, mount_for(ctr, args.nccl_inspector_dir)["name"])["hostPath"]
     assert inspector == {"path": "/var/log/nccl-inspector", "type": "DirectoryOrCreate"}
+    # The kubelet's socket, wherever the agent's --pod-resources-socket sees it.
+    socket = PurePosixPath(args.pod_resources_socket)
+    mount = mount_for(ctr, Path(socket))
+    host_dir = PurePosixPath(volume(ds, mount["name"])["hostPath"]["path"])
+    host = host_dir / socket.relative_to(mount["mountPath"])
+    assert host == PurePosixPath("/var/lib/kubelet/pod-resources/kubelet.sock")
     # boot_id and btime are not namespaced: the pod's own /proc has the host's.
     assert args.procfs_root == Path("/proc")
     # The node comes from the downward API; a --node would override it with a constant.

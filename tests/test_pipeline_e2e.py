@@ -56,6 +56,8 @@ DECISION_SCHEMA: dict[str, Any] = {
         "subject": {"enum": ["node", "link"]},
         "node": {"type": "string", "minLength": 1},
         "peer": {"type": ["string", "null"]},
+        # Only where the node's agent sends attribution (tests/test_podresources_aggregator.py).
+        "pods": {"type": "array"},
         "state": {"type": "string"},
         "previous": {"type": "string"},
         "action": {"enum": ["taint", "untaint", "none", "held"]},
