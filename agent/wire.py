@@ -30,14 +30,16 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import json
 import math
 import operator
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import IO, Annotated, Any, Final, cast, get_args
+from typing import IO, Annotated, Any, Final, Protocol, get_args
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
@@ -87,12 +89,13 @@ NVLINK_COLUMNS: Final[tuple[str, ...]] = _columns(NvLink)
 NIC_COLUMNS: Final[tuple[str, ...]] = _columns(Nic)
 NIC_COUNTER_COLUMNS: Final[tuple[str, ...]] = tuple(NIC_COUNTER_CATALOGUE)
 # The two columns of a NIC's ``counters`` cell.
-COUNTER_CELL_COLUMNS: Final[tuple[str, ...]] = ("values", "other")
+COUNTER_CELL_COLUMNS: Final[tuple[str, ...]] = ("present", "values", "other")
 TABLES: Final[Mapping[str, tuple[str, ...]]] = types.MappingProxyType(
     {
         "gpu": GPU_COLUMNS,
         "nvlink": NVLINK_COLUMNS,
         "nic": NIC_COLUMNS,
+        "counter_cell": COUNTER_CELL_COLUMNS,
         "nic_counter": NIC_COUNTER_COLUMNS,
     }
 )
@@ -114,13 +117,19 @@ LAYOUT: Final = _layout_digest(TABLES)
 # JSON (``Gpu.nvlink``, ``Nic.counters``) is nil on the wire where absent, and UNSET once decoded.
 
 
-class CounterCell(msgspec.Struct, array_like=True, frozen=True, gc=False, forbid_unknown_fields=True):
-    """A NIC's ``counters`` on the wire: a value (or nil) per NIC counter table column, and a map of
-    the counters the table does not name (nil when there are none). Never seen once decoded."""
+# Which NIC counter table columns a NIC has: bit i (byte i // 8, bit i % 8, least significant
+# first) set for column i. Like Arrow's validity bitmaps: a NIC has some 50 of the table's columns,
+# and the values of those alone follow, in table order.
+PRESENT_BYTES: Final = (len(NIC_COUNTER_COLUMNS) + 7) // 8
 
-    values: Annotated[
-        list[Count | None], Meta(min_length=len(NIC_COUNTER_COLUMNS), max_length=len(NIC_COUNTER_COLUMNS))
-    ]
+
+class CounterCell(msgspec.Struct, array_like=True, frozen=True, gc=False, forbid_unknown_fields=True):
+    """A NIC's ``counters`` on the wire: the bitmap of the table columns it has, their values in
+    table order, and a map of the counters the table does not name (nil when there are none).
+    Never seen once decoded: it becomes the ``counters`` dict."""
+
+    present: Annotated[bytes, Meta(min_length=PRESENT_BYTES, max_length=PRESENT_BYTES)]
+    values: Annotated[list[Count], Meta(max_length=len(NIC_COUNTER_COLUMNS))]
     other: Annotated[dict[str, Count], Meta(max_length=256)] | None
 
 
@@ -141,6 +150,7 @@ def _swap(hint: Any, subs: Mapping[Any, Any]) -> Any:
 def _row_type(base: type[msgspec.Struct], subs: Mapping[Any, Any]) -> type[msgspec.Struct]:
     hints = typing.get_type_hints(base, include_extras=True)
     fields = [(name, _swap(hints[name], {**subs, UnsetType: type(None)})) for name in base.__struct_fields__]
+    doc = f"A {base.__name__} as a row; its columns, in order: {', '.join(base.__struct_fields__)}."
     row = msgspec.defstruct(
         f"{base.__name__}Row",
         fields,
@@ -148,6 +158,7 @@ def _row_type(base: type[msgspec.Struct], subs: Mapping[Any, Any]) -> type[msgsp
         array_like=True,
         frozen=True,
         module=__name__,
+        namespace={"__doc__": doc},
     )
     if row.__struct_fields__ != base.__struct_fields__ or row.__struct_defaults__:
         raise TypeError(f"{row.__name__}: the row must have every column of {base.__name__}, none optional")
@@ -186,6 +197,10 @@ def _wire_report_type() -> type[msgspec.Struct]:
         gc=False,
         forbid_unknown_fields=True,
         module=__name__,
+        namespace={
+            "__doc__": "The v1 report in the compact encoding: a map of the report's fields, GPUs and "
+            f"NICs as rows, and the layout of their columns ({LAYOUT!r} in this build)."
+        },
     )
 
 
@@ -201,6 +216,7 @@ _COUNTER_INDEX: Final[Mapping[str, int]] = types.MappingProxyType(
     {name: i for i, name in enumerate(NIC_COUNTER_COLUMNS)}
 )
 _N_COUNTERS: Final = len(NIC_COUNTER_COLUMNS)
+_COUNTER_NAMES: Final = frozenset(NIC_COUNTER_COLUMNS)
 if GPU_COLUMNS[-1] != "nvlink" or NIC_COLUMNS[-1] != "counters":
     raise TypeError("the compact rows expect Gpu.nvlink and Nic.counters as their last columns")
 
@@ -212,20 +228,24 @@ def _gpu_row(gpu: Gpu) -> tuple[Any, ...]:
 
 def _counter_cell(
     counters: dict[str, int] | UnsetType,
-) -> tuple[list[int | None], dict[str, int] | None] | None:
+) -> tuple[bytes, list[int], dict[str, int] | None] | None:
     if isinstance(counters, UnsetType):
         return None
-    values: list[int | None] = [None] * _N_COUNTERS
+    columns: list[tuple[int, int]] = []
     other: dict[str, int] | None = None
     for name, value in counters.items():
         i = _COUNTER_INDEX.get(name)
         if i is not None:
-            values[i] = value
+            columns.append((i, value))
         elif other is None:
             other = {name: value}
         else:
             other[name] = value
-    return values, other
+    columns.sort()
+    bits = 0
+    for i, _ in columns:
+        bits |= 1 << i
+    return bits.to_bytes(PRESENT_BYTES, "little"), [value for _, value in columns], other
 
 
 def _nic_row(nic: Nic) -> tuple[Any, ...]:
@@ -279,7 +299,7 @@ class NotCompactError(ReportError):
 
 
 # What a name in a msgspec path is: a list of rows (its next index is a row, the one after a
-# column), or the counters cell (its index is a column; the values' indices are counter names).
+# column), or the counters cell (its index is a column).
 _ROW_LISTS: Final[Mapping[str, tuple[str, ...]]] = types.MappingProxyType(
     {"gpus": GPU_COLUMNS, "nvlink": NVLINK_COLUMNS, "nics": NIC_COLUMNS}
 )
@@ -310,10 +330,7 @@ def _named_path(path: str) -> str:
             out.append(f".{column}")
             state = _after(column)
         elif index and state is not None and state[0] == "cell" and int(index) < len(COUNTER_CELL_COLUMNS):
-            # The cell is the JSON report's map: values are named by their counter, other by key.
-            state = ("values", "") if COUNTER_CELL_COLUMNS[int(index)] == "values" else None
-        elif index and state is not None and state[0] == "values" and int(index) < _N_COUNTERS:
-            out.append(f".{NIC_COUNTER_COLUMNS[int(index)]}")
+            out.append(f".{COUNTER_CELL_COLUMNS[int(index)]}")
             state = None
         else:
             out.append(f"[{index}]" if index else other)
@@ -321,22 +338,29 @@ def _named_path(path: str) -> str:
     return "$" + "".join(out)
 
 
+_ROW_LENGTH: Final = re.compile(r"Expected `array` of at (?:least|most) length (\d+), got (\d+)")
+
+
 def _refusal(exc: msgspec.ValidationError) -> str:
     text = str(exc)
     head, sep, path = text.rpartition(" - at `")
     if not sep or not path.endswith("`"):
         return text
+    # A row's length is its column count: say so, in the layout's terms.
+    head = _ROW_LENGTH.sub(r"wrong column count: \1 columns in this layout, got \2", head)
     return f"{head} - at `{_named_path(path[:-1])}`"
 
 
 def _check_layout(data: bytes) -> None:
     """Raise the error that says why ``data`` is not this build's compact report, if it is not."""
+    if not data or not (0x80 <= data[0] <= 0x8F or data[0] in (0xDE, 0xDF)):
+        raise NotCompactError("the body is not a compact report: it does not start with a msgpack map")
     try:
         head = _LAYOUT_ONLY.decode(data)
     except msgspec.DecodeError:
         return  # not even msgpack: the caller's error says so
-    except msgspec.ValidationError:
-        return  # not a map: likewise
+    except msgspec.ValidationError as exc:
+        raise NotCompactError(f"the body is not a compact report (not a msgpack map): {exc}") from exc
     if isinstance(head.schema, str) and head.schema != SCHEMA_ID:
         raise WrongSchemaError(
             f"report schema {head.schema[:64]!r} is not supported; this aggregator accepts {SCHEMA_ID!r}"
@@ -427,20 +451,33 @@ def _first_non_finite(plan: _FloatPlan, obj: Any, path: str) -> str:
     return ""
 
 
+@functools.lru_cache(maxsize=4096)
+def _present_columns(present: bytes) -> tuple[str, ...] | None:
+    """The column names a bitmap marks (None if it marks a bit past the table). A fleet has a few
+    kinds of NIC, so this runs a few times; every report after that is one cache lookup."""
+    bits = int.from_bytes(present, "little")
+    if bits >> _N_COUNTERS:
+        return None
+    return tuple(name for i, name in enumerate(NIC_COUNTER_COLUMNS) if bits >> i & 1)
+
+
 def _counters(cell: CounterCell, i: int) -> dict[str, int]:
+    names = _present_columns(cell.present)
     values = cell.values
-    present = map(_IS_NOT, values, itertools.repeat(None))
-    # Only the columns that have a value (nil: the NIC has no such counter); C loops throughout.
-    counters = cast(
-        dict[str, int], dict(itertools.compress(zip(NIC_COUNTER_COLUMNS, values, strict=True), present))
-    )
+    if names is None or len(names) != len(values):
+        marked = "past the table" if names is None else f"{len(names)} columns"
+        raise ReportError(
+            f"compact report does not match {SCHEMA_ID}: wrong column count: the bitmap marks {marked}, "
+            f"{len(values)} values follow - at `$.nics[{i}].counters`"
+        )
+    counters = dict(zip(names, values, strict=True))
     if cell.other:
-        for name in cell.other:
-            if name in _COUNTER_INDEX:
-                raise ReportError(
-                    f"compact report does not match {SCHEMA_ID}: counter {name!r} has a column of its "
-                    f"own and must not be in the other map - at `$.nics[{i}].counters`"
-                )
+        if not _COUNTER_NAMES.isdisjoint(cell.other):
+            name = min(_COUNTER_NAMES.intersection(cell.other))
+            raise ReportError(
+                f"compact report does not match {SCHEMA_ID}: counter {name!r} has a column of its "
+                f"own and must not be in the other map - at `$.nics[{i}].counters`"
+            )
         counters.update(cell.other)
         if len(counters) > _MAX_COUNTERS:
             raise ReportError(
@@ -454,7 +491,6 @@ _REPORT_FIELDS: Final = Report.__struct_fields__
 _REPORT_VALUES: Final = operator.attrgetter(*_REPORT_FIELDS)
 _MAX_COUNTERS: Final = 256  # Nic.counters' max_length
 _SET_ATTR: Final = msgspec.structs.force_setattr
-_IS_NOT: Final = operator.is_not
 
 
 def decode_compact(data: bytes) -> Report:
@@ -537,7 +573,11 @@ def write_trace(stream: IO[bytes], reports: Iterable[Report]) -> int:
     return n
 
 
-def read_frames(stream: IO[bytes]) -> Iterator[bytes]:
+class Readable(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+def read_frames(stream: Readable) -> Iterator[bytes]:
     """The records of a compact trace, in order. Raises ``ValueError`` where the stream is not
     one (a byte that starts no bin object, a record cut short)."""
     while True:
@@ -555,3 +595,62 @@ def read_frames(stream: IO[bytes]) -> Iterator[bytes]:
         if len(body) != size:
             raise ValueError(f"the trace ends inside a record ({len(body)} of {size} bytes)")
         yield body
+
+
+# -- The published description ------------------------------------------------------------------------
+
+
+def compact_json_schema() -> dict[str, Any]:
+    """A JSON Schema of the compact report as a msgpack reader decodes it (maps, arrays; ``bin`` as
+    a string): what ``agent/schema/report-compact-v1.schema.json`` publishes."""
+    generated = msgspec.json.schema(CompactReport)
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": "gpuwarden/report/v1/compact",
+        "title": "gpuwarden node report, version 1, compact encoding (application/msgpack)",
+        "description": (
+            "The v1 report (report-v1.schema.json) as msgpack, with GPUs, NVLinks and NICs as arrays "
+            "whose columns are listed in each row's description, and a NIC's counters as "
+            "[present, values, other]: a bitmap of the NIC counter table columns present (bit i of "
+            "byte i // 8, least significant bit first), their values in table order, and a map of the "
+            "counters the table does not name (or nil). nil in a row is JSON's null; for nvlink and "
+            "counters it means absent. This schema describes the decoded shape; msgpack's bin is the "
+            "bitmap's type (a string here). docs/spec.md, section Compact encoding."
+        ),
+        "x-layout": LAYOUT,
+        "x-columns": {table: list(columns) for table, columns in TABLES.items()},
+        **generated,
+    }
+
+
+def column_table_markdown() -> str:
+    """The column tables of docs/spec.md (generated: ``python -m agent.wire --spec-table``)."""
+    lines = [f"Layout `{LAYOUT}`.", ""]
+    names = {
+        "gpu": "GPU row (`gpus[]`)",
+        "nvlink": "NVLink row (a GPU's `nvlink` column)",
+        "nic": "NIC row (`nics[]`)",
+        "counter_cell": "A NIC's `counters` column (nil where the NIC reports no counters)",
+        "nic_counter": "NIC counter table (bits of a NIC's `counters` bitmap)",
+    }
+    for table, columns in TABLES.items():
+        lines += [f"{names[table]}, {len(columns)} columns:", ""]
+        lines += ["| column | field |", "| ---: | --- |"]
+        lines += [f"| {i} | `{name}` |" for i, name in enumerate(columns)]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _main(argv: list[str]) -> int:
+    if argv == ["--schema"]:
+        print(json.dumps(compact_json_schema(), indent=2))
+        return 0
+    if argv == ["--spec-table"]:
+        print(column_table_markdown(), end="")
+        return 0
+    print("usage: python -m agent.wire --schema | --spec-table", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
