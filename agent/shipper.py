@@ -260,10 +260,25 @@ class _TlsConnection(http.client.HTTPSConnection):
         super().__init__(host, port, timeout=timeout, context=context)
         self._tls = context
         self._session = session
+        # What the handshake gave, read before the socket goes (getresponse() closes it on
+        # Connection: close, and a closed socket has no session to give).
+        self.session: ssl.SSLSession | None = None
+        self.resumed = False
 
     def connect(self) -> None:
         http.client.HTTPConnection.connect(self)
         self.sock = self._tls.wrap_socket(self.sock, server_hostname=self.host, session=self._session)
+
+    def note_session(self) -> None:
+        sock = self.sock
+        if isinstance(sock, ssl.SSLSocket):
+            self.resumed = self.resumed or bool(sock.session_reused)
+            # TLS 1.3 sends its tickets after the handshake: the session is resumable once read.
+            self.session = sock.session or self.session
+
+    def close(self) -> None:
+        self.note_session()
+        super().close()
 
 
 def _classify(status: int) -> _Outcome:
@@ -737,7 +752,7 @@ class Shipper:
                 if reused and not retry:
                     continue
                 raise
-            if not reused:
+            if not reused and isinstance(conn, _TlsConnection):
                 self._note_tls(conn)
             if len(raw) > _DRAIN_MAX_BYTES or not resp.isclosed() or resp.will_close or conn.sock is None:
                 # Connection: close, HTTP/1.0, or an answer not read to its end.
@@ -770,17 +785,15 @@ class Shipper:
             self._connections += 1
         return conn, False
 
-    def _note_tls(self, conn: http.client.HTTPConnection) -> None:
+    def _note_tls(self, conn: _TlsConnection) -> None:
         """After a new connection's first answer: was its session resumed, and keep the session
-        (TLS 1.3 sends its ticket after the handshake) for the next reconnect."""
-        sock = conn.sock
-        if not isinstance(sock, ssl.SSLSocket):
-            return
-        if sock.session_reused:
+        for the next reconnect."""
+        conn.note_session()
+        if conn.resumed:
             with self._cond:
                 self._tls_resumed += 1
-        if sock.session is not None:
-            self._tls_session = sock.session
+        if conn.session is not None:
+            self._tls_session = conn.session
 
     def _drop_connection(self) -> None:
         conn, self._conn = self._conn, None
