@@ -15,6 +15,7 @@ What an answer means for the report at the head:
   (``credentials_final``) has no later to wait for: the refusal is final, the report is dropped
   and ``refusal()`` gives the status and the aggregator's message at once.
 - 408, 429, 5xx, network errors, timeouts: kept, back off, retry (``Retry-After`` is honoured).
+- 415 to a compact report: sent again at once as JSON (see the negotiation below).
 - any other 4xx (a schema error, 413): refused for good. Retrying could never succeed and would
   block every later report, so it is logged with the server's reason, counted, and dropped.
 - anything else (1xx, 3xx: a wrong URL, most likely): kept and retried, so a configuration mistake
@@ -32,8 +33,8 @@ resends that report as JSON at once rather than dropping it as any other 4xx. A 
 compact while the aggregator changed is re-encoded as JSON before it is sent.
 
 One connection per aggregator is kept alive between reports (HTTP/1.1; over TLS the session is
-resumed on reconnect): at thousands of nodes a handshake per report is most of what the aggregator
-and the network do. It is dropped on any error, on ``Connection: close``, on an answer too long to
+resumed on reconnect): a TLS handshake per report costs both ends more CPU than the report itself
+(docs/performance.md, "Wire format"). It is dropped on any error, on ``Connection: close``, on an answer too long to
 read to its end; a request that fails on a reused connection (the server closed it while idle,
 ``server.idle_timeout_seconds``) is sent once more at once on a fresh one before it counts as a
 failure.
