@@ -374,3 +374,9 @@ def test_tls_sessions_are_resumed_on_reconnect(
 )
 def test_what_counts_as_an_offer(header: str | None, offered: bool) -> None:
     assert offers_compact(header) is offered
+
+
+def test_the_service_keeps_an_idle_connection_longer_than_an_agents_default_interval() -> None:
+    # The agent reports every 10 s by default (agent/cli.py): a keep-alive timeout below that
+    # would close every connection between two reports and bring a handshake per report back.
+    assert server_kwargs(Config().server)["keepalive_timeout"] > 10.0
