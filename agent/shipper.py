@@ -34,10 +34,10 @@ compact while the aggregator changed is re-encoded as JSON before it is sent.
 
 One connection per aggregator is kept alive between reports (HTTP/1.1; over TLS the session is
 resumed on reconnect): a TLS handshake per report costs both ends more CPU than the report itself
-(docs/performance.md, "Wire format"). It is dropped on any error, on ``Connection: close``, on an answer too long to
-read to its end; a request that fails on a reused connection (the server closed it while idle,
-``server.idle_timeout_seconds``) is sent once more at once on a fresh one before it counts as a
-failure.
+(docs/performance.md, "Wire format"). It is dropped on any error, on ``Connection: close``, on an
+answer too long to read to its end; a request that fails on a reused connection (the server
+closed it while idle, ``server.idle_timeout_seconds``) is sent once more at once on a fresh one
+before it counts as a failure.
 
 Backoff is exponential with full jitter, capped. Delivery is at least once: a request that timed
 out may have reached the aggregator, which tells duplicates apart by ``(node, boot_id, seq)``.

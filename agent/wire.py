@@ -88,7 +88,7 @@ GPU_COLUMNS: Final[tuple[str, ...]] = _columns(Gpu)
 NVLINK_COLUMNS: Final[tuple[str, ...]] = _columns(NvLink)
 NIC_COLUMNS: Final[tuple[str, ...]] = _columns(Nic)
 NIC_COUNTER_COLUMNS: Final[tuple[str, ...]] = tuple(NIC_COUNTER_CATALOGUE)
-# The two columns of a NIC's ``counters`` cell.
+# The columns of a NIC's ``counters`` cell (``CounterCell``).
 COUNTER_CELL_COLUMNS: Final[tuple[str, ...]] = ("present", "values", "other")
 TABLES: Final[Mapping[str, tuple[str, ...]]] = types.MappingProxyType(
     {
