@@ -29,7 +29,9 @@ The encoding is negotiated per aggregator (docs/spec.md, "Compact encoding"): re
 gzip'd JSON until an answer's ``Accept-Post`` names ``application/msgpack`` with this build's
 column layout (``agent.wire.LAYOUT``); from then on they go compact, and back to JSON as soon as an
 answer stops naming it (an older aggregator rolled in) or a compact report is answered 415, which
-resends that report as JSON at once rather than dropping it as any other 4xx. A report spooled
+resends that report as JSON at once rather than dropping it as any other 4xx, and is remembered:
+offers are not believed for ``COMPACT_HOLD_OFF_S`` after it, so an aggregator that offers what it
+then refuses costs one extra request every few minutes, not one per report. A report spooled
 compact while the aggregator changed is re-encoded as JSON before it is sent.
 
 One connection per aggregator is kept alive between reports (HTTP/1.1; over TLS the session is
@@ -93,6 +95,9 @@ _REASON_MAX_BYTES: Final = 2048
 _DRAIN_MAX_BYTES: Final = 64 * 1024
 # Whether compact reports are gzip'd: docs/performance.md ("Wire format") has the measurements.
 COMPACT_GZIP: Final = False
+
+# After a 415 to a compact report, how long the aggregator's offers of it are not believed.
+COMPACT_HOLD_OFF_S: Final = 600.0
 
 WireChoice = Literal["auto", "json"]
 # Bounds the exponent so 2**n stays a small float however long an outage lasts.
@@ -425,6 +430,7 @@ class Shipper:
         self._negotiate = wire == "auto"
         # Learned from the aggregator's answers; JSON until one says otherwise.
         self._compact = False
+        self._refused_until = -math.inf  # monotonic time; see COMPACT_HOLD_OFF_S
         # The kept-alive connection (sender thread only), and what it has cost.
         self._conn: http.client.HTTPConnection | None = None
         self._tls_session: ssl.SSLSession | None = None
@@ -697,8 +703,9 @@ class Shipper:
             reply = self._post(item, token)
             if reply.status == 415 and item.compact:
                 # The aggregator does not take this compact form after all (it was replaced by one
-                # of another build): the same report as JSON, now, and JSON from here on.
+                # of another build): the same report as JSON, now, and JSON for a while.
                 self._compact = False
+                self._refused_until = self._clock.monotonic() + COMPACT_HOLD_OFF_S
                 item = self._as_json(item)
                 reply = self._post(item, token)
             status, retry_after, reason = reply.status, reply.retry_after, reply.reason
@@ -761,7 +768,8 @@ class Shipper:
             reason = "" if 200 <= resp.status < 300 else raw[:_REASON_MAX_BYTES].decode("utf-8", "replace")
             accept_post = resp.getheader(ACCEPT_POST_HEADER)
             if self._negotiate:
-                self._compact = offers_compact(accept_post)
+                believed = self._clock.monotonic() >= self._refused_until
+                self._compact = believed and offers_compact(accept_post)
             return _Reply(resp.status, resp.getheader("Retry-After"), reason.strip(), accept_post)
         raise AssertionError("unreachable: the second try returns or raises")
 

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from agent import wire
 from agent.clock import FakeClock
 from agent.report import Report, decode
-from agent.shipper import Shipper, offers_compact
+from agent.shipper import COMPACT_HOLD_OFF_S, Shipper, offers_compact
 from aggregator.auth import StaticTokens
 from aggregator.config import Config
 from aggregator.service import create_app, server_kwargs
@@ -279,25 +279,40 @@ def test_an_aggregator_from_before_the_compact_encoding_only_ever_gets_json(
     assert old.connections == 1 and not shipper.sends_compact()
 
 
-def test_a_415_to_a_compact_report_resends_it_as_json_at_once_and_stays_json(
-    doubles: list[Double], make_shipper: Callable[..., Shipper]
+def test_a_415_to_a_compact_report_resends_it_as_json_at_once_and_is_remembered(
+    doubles: list[Double], token_file: Path, shippers: list[Shipper]
 ) -> None:
     # It offers the compact form but refuses it: a replica of another build behind one Service.
     odd = double(doubles, accept_post=OFFER, refuse_compact=True)
-    shipper = make_shipper(odd.url())
+    clock = FakeClock(NOW)
+    shipper = Shipper(odd.url(), token_file, clock, **FAST)
+    shippers.append(shipper)
     shipper.submit(make_report(NODE, 1))
     assert shipper.flush(10.0)
-    wait_until(shipper.sends_compact)
-    seqs = send_all(shipper, 5)
-    assert odd.accepted == [1, *seqs]  # nothing lost, nothing out of order
+    assert shipper.sends_compact()  # the answer offered it
+    shipper.submit(make_report(NODE, 2))
+    assert shipper.flush(10.0)
+    # Refused, sent again as JSON at once; then JSON, though every answer still offers it.
+    for seq in range(3, 7):
+        shipper.submit(make_report(NODE, seq))
+        assert shipper.flush(10.0)
+    types = [ctype for ctype, _ in odd.requests]
+    assert types == ["application/json", wire.COMPACT_MEDIA_TYPE] + ["application/json"] * 5
+    assert odd.accepted == [1, 2, 3, 4, 5, 6]  # nothing lost, nothing out of order
     stats = shipper.stats()
     assert (stats.rejected_total, stats.failed_attempts_total) == (0, 0)
-    types = [ctype for ctype, _ in odd.requests]
-    assert types.count(wire.COMPACT_MEDIA_TYPE) >= 1
-    # Each 415 is followed by the same report as JSON; the offer is believed again each answer.
-    for i, ctype in enumerate(types):
-        if ctype == wire.COMPACT_MEDIA_TYPE:
-            assert types[i + 1] == "application/json"
+    # Past the hold-off the offer is believed again (and refused again, once).
+    clock.advance(COMPACT_HOLD_OFF_S)
+    for seq in (7, 8, 9):
+        shipper.submit(make_report(NODE, seq))
+        assert shipper.flush(10.0)
+    assert [ctype for ctype, _ in odd.requests][7:] == [
+        "application/json",
+        wire.COMPACT_MEDIA_TYPE,
+        "application/json",
+        "application/json",
+    ]
+    assert odd.accepted[-3:] == [7, 8, 9]
 
 
 def test_an_offer_of_another_layout_is_not_taken(
