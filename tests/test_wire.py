@@ -158,16 +158,9 @@ def test_as_v1_keeps_a_plain_report_as_it_is() -> None:
 # -- the same refusals as JSON ----------------------------------------------------------------------
 
 # Documents JSON can say and a compact report cannot: an unknown GPU field has no column, a null
-# nvlink or counters is what nil means in a row (absent), msgpack has no integers past 64 bits.
-_NOT_EXPRESSIBLE = {
-    "gpu unknown field",
-    "gpu null nvlink",
-    "nic null counters",
-    "counter over 64 bits",
-    "nvlink counter over 64 bits",
-    "nic counter over 64 bits",
-    "seq over 64 bits",
-}
+# nvlink or counters is what nil means in a row (absent). (Nor can msgpack hold an integer past 64
+# bits: those cases are skipped where they cannot be encoded.)
+_NOT_EXPRESSIBLE = {"gpu unknown field", "gpu null nvlink", "nic null counters"}
 
 
 def compact_doc(doc: dict[str, Any]) -> dict[str, Any]:
@@ -209,7 +202,11 @@ def test_compact_accepts_and_refuses_what_json_does(name: str) -> None:
         json_ok = True
     except ReportError:
         json_ok = False
-    data = msgspec.msgpack.encode(compact_doc(doc))
+    try:
+        data = msgspec.msgpack.encode(compact_doc(doc))
+    except OverflowError:
+        assert not json_ok, f"{name}: JSON takes it, msgpack cannot say it"
+        pytest.skip("msgpack has no integers past 64 bits: no compact report can carry this one")
     try:
         back = wire.decode_compact(data)
         compact_ok = True
