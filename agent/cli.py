@@ -85,6 +85,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--spool-max-reports", type=int, default=360, help="reports kept while undeliverable")
     p.add_argument(
+        "--wire",
+        choices=("auto", "json"),
+        default="auto",
+        help="report encoding: auto (compact msgpack where the aggregator offers it) or json",
+    )
+    p.add_argument(
         "--probes",
         choices=("off", "auto"),
         default="off",
@@ -353,6 +359,7 @@ def run(args: argparse.Namespace) -> int:
                 clock,
                 max_spool_reports=args.spool_max_reports,
                 ca_file=args.ca_file,
+                wire=args.wire,
                 # One report, no later: a refused token cannot get better by waiting.
                 credentials_final=args.once,
             )

@@ -1,4 +1,4 @@
-"""Delivers reports to the aggregator: gzip over HTTP, in order, through outages.
+"""Delivers reports to the aggregator: over one kept-alive HTTP connection, in order, through outages.
 
 ``submit`` never blocks the collection loop: it encodes and compresses the report and puts it at
 the back of a bounded in-memory spool. One sender thread POSTs the spool's head to
@@ -15,6 +15,7 @@ What an answer means for the report at the head:
   (``credentials_final``) has no later to wait for: the refusal is final, the report is dropped
   and ``refusal()`` gives the status and the aggregator's message at once.
 - 408, 429, 5xx, network errors, timeouts: kept, back off, retry (``Retry-After`` is honoured).
+- 415 to a compact report: sent again at once as JSON (see the negotiation below).
 - any other 4xx (a schema error, 413): refused for good. Retrying could never succeed and would
   block every later report, so it is logged with the server's reason, counted, and dropped.
 - anything else (1xx, 3xx: a wrong URL, most likely): kept and retried, so a configuration mistake
@@ -23,6 +24,22 @@ What an answer means for the report at the head:
 With several aggregator replicas (``--aggregator`` repeated) ``ShipperFanout`` gives each its
 own ``Shipper``: its own spool and sender thread, so a replica that is down or slow never delays
 the reports to the others, and each replica sees the same reports in the same order.
+
+The encoding is negotiated per aggregator (docs/spec.md, "Compact encoding"): reports go as
+gzip'd JSON until an answer's ``Accept-Post`` names ``application/msgpack`` with this build's
+column layout (``agent.wire.LAYOUT``); from then on they go compact, and back to JSON as soon as an
+answer stops naming it (an older aggregator rolled in) or a compact report is answered 415, which
+resends that report as JSON at once rather than dropping it as any other 4xx, and is remembered:
+offers are not believed for ``COMPACT_HOLD_OFF_S`` after it, so an aggregator that offers what it
+then refuses costs one extra request every few minutes, not one per report. A report spooled
+compact while the aggregator changed is re-encoded as JSON before it is sent.
+
+One connection per aggregator is kept alive between reports (HTTP/1.1; over TLS the session is
+resumed on reconnect): a TLS handshake per report costs both ends more CPU than the report itself
+(docs/performance.md, "Wire format"). It is dropped on any error, on ``Connection: close``, on an
+answer too long to read to its end; a request that fails on a reused connection (the server
+closed it while idle, ``server.idle_timeout_seconds``) is sent once more at once on a fresh one
+before it counts as a failure.
 
 Backoff is exponential with full jitter, capped. Delivery is at least once: a request that timed
 out may have reached the aggregator, which tells duplicates apart by ``(node, boot_id, seq)``.
@@ -48,13 +65,22 @@ from dataclasses import dataclass
 from datetime import UTC
 from enum import Enum
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 from agent import __version__
 from agent.clock import Clock
-from agent.errors import ConfigError
+from agent.errors import ConfigError, ReportError
 from agent.report import Report, encode
 from agent.state import ShipperStats
+from agent.wire import (
+    ACCEPT_POST_HEADER,
+    COMPACT_MEDIA_TYPE,
+    JSON_MEDIA_TYPE,
+    LAYOUT,
+    as_v1,
+    decode_compact,
+    encode_compact,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +90,53 @@ REPORTS_PATH: Final = "/v1/reports"
 RETRY_AFTER_MAX_S: Final = 300.0
 # Enough of an error body to log the server's reason, never a whole HTML error page.
 _REASON_MAX_BYTES: Final = 2048
+# An answer is read to its end so the connection can carry the next report; one longer than this
+# (no aggregator answer is: a proxy's error page) costs the connection instead.
+_DRAIN_MAX_BYTES: Final = 64 * 1024
+# Whether compact reports are gzip'd: docs/performance.md ("Wire format") has the measurements.
+COMPACT_GZIP: Final = False
+
+# After a 415 to a compact report, how long the aggregator's offers of it are not believed.
+COMPACT_HOLD_OFF_S: Final = 600.0
+
+WireChoice = Literal["auto", "json"]
 # Bounds the exponent so 2**n stays a small float however long an outage lasts.
 _BACKOFF_MAX_EXPONENT: Final = 32
 
 
-def encode_body(report: Report) -> bytes:
-    """The report as it goes on the wire: compact JSON, gzip-compressed."""
+def encode_body(report: Report, *, compact: bool = False) -> bytes:
+    """The report as it goes on the wire: JSON, gzip-compressed; or the compact msgpack encoding
+    (``agent.wire``), gzip'd only if ``COMPACT_GZIP``."""
+    if compact:
+        body = encode_compact(report)
+        return _gzip(body) if COMPACT_GZIP else body
+    return _gzip(encode(report))
+
+
+def _gzip(data: bytes) -> bytes:
     # mtime=0: the same report always compresses to the same bytes.
-    return gzip.compress(encode(report), compresslevel=6, mtime=0)
+    return gzip.compress(data, compresslevel=6, mtime=0)
+
+
+def _as_json_body(body: bytes) -> bytes:
+    """A compact body re-encoded as JSON (the aggregator no longer takes the compact form)."""
+    raw = gzip.decompress(body) if body[:2] == b"\x1f\x8b" else body
+    return encode_body(as_v1(decode_compact(raw)))
+
+
+def offers_compact(accept_post: str | None) -> bool:
+    """Whether an ``Accept-Post`` value names ``application/msgpack`` in this build's layout."""
+    if not accept_post:
+        return False
+    for media_range in accept_post.split(","):
+        kind, *params = (part.strip() for part in media_range.split(";"))
+        if kind.lower() != COMPACT_MEDIA_TYPE:
+            continue
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "layout" and value.strip().strip('"') == LAYOUT:
+                return True
+    return False
 
 
 def parse_retry_after(value: str | None, now: float) -> float | None:
@@ -175,6 +240,51 @@ class _Spooled:
     body: bytes
     node: str
     seq: int
+    compact: bool = False
+
+
+@dataclass(frozen=True)
+class _Reply:
+    status: int
+    retry_after: str | None
+    reason: str
+    accept_post: str | None
+
+
+class _TlsConnection(http.client.HTTPSConnection):
+    """An HTTPS connection that resumes the previous connection's TLS session, if it has one."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int | None,
+        *,
+        timeout: float,
+        context: ssl.SSLContext,
+        session: ssl.SSLSession | None,
+    ) -> None:
+        super().__init__(host, port, timeout=timeout, context=context)
+        self._tls = context
+        self._session = session
+        # What the handshake gave, read before the socket goes (getresponse() closes it on
+        # Connection: close, and a closed socket has no session to give).
+        self.session: ssl.SSLSession | None = None
+        self.resumed = False
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._tls.wrap_socket(self.sock, server_hostname=self.host, session=self._session)
+
+    def note_session(self) -> None:
+        sock = self.sock
+        if isinstance(sock, ssl.SSLSocket):
+            self.resumed = self.resumed or bool(sock.session_reused)
+            # TLS 1.3 sends its tickets after the handshake: the session is resumable once read.
+            self.session = sock.session or self.session
+
+    def close(self) -> None:
+        self.note_session()
+        super().close()
 
 
 def _classify(status: int) -> _Outcome:
@@ -282,8 +392,10 @@ class Shipper:
         ca_file: Path | None = None,
         backoff_wait: Callable[[float], None] | None = None,
         credentials_final: bool = False,
+        wire: WireChoice = "auto",
     ) -> None:
-        """``credentials_final``: a 401 or 403 drops the report instead of retrying (``--once``)."""
+        """``credentials_final``: a 401 or 403 drops the report instead of retrying (``--once``).
+        ``wire``: "auto" negotiates the compact encoding (module docstring), "json" never uses it."""
         self._target = _parse_url(url)
         self._url = url
         if not timeout_s > 0:
@@ -313,6 +425,17 @@ class Shipper:
         self._backoff_wait = backoff_wait
         self._credentials_final = credentials_final
         self._refusal: Refusal | None = None
+        if wire not in ("auto", "json"):
+            raise ConfigError(f"wire encoding must be auto or json, got {wire!r}")
+        self._negotiate = wire == "auto"
+        # Learned from the aggregator's answers; JSON until one says otherwise.
+        self._compact = False
+        self._refused_until = -math.inf  # monotonic time; see COMPACT_HOLD_OFF_S
+        # The kept-alive connection (sender thread only), and what it has cost.
+        self._conn: http.client.HTTPConnection | None = None
+        self._tls_session: ssl.SSLSession | None = None
+        self._connections = 0
+        self._tls_resumed = 0
 
         # One lock guards the spool, the in-flight report and the counters.
         self._cond = threading.Condition()
@@ -350,7 +473,10 @@ class Shipper:
 
     def submit(self, report: Report) -> None:
         """Queue one report for delivery; never blocks on the network."""
-        item = _Spooled(body=encode_body(report), node=report.node, seq=report.seq)
+        compact = self._compact
+        item = _Spooled(
+            body=encode_body(report, compact=compact), node=report.node, seq=report.seq, compact=compact
+        )
         with self._cond:
             if self._closing:
                 self._dropped += 1
@@ -412,6 +538,20 @@ class Shipper:
         with self._cond:
             return self._refusal
 
+    def connections_opened(self) -> int:
+        """Connections (TCP, and TLS handshakes over https) opened so far."""
+        with self._cond:
+            return self._connections
+
+    def tls_sessions_resumed(self) -> int:
+        """Reconnects whose TLS session was resumed (an abbreviated handshake)."""
+        with self._cond:
+            return self._tls_resumed
+
+    def sends_compact(self) -> bool:
+        """Whether reports now go in the compact encoding (what the aggregator last offered)."""
+        return self._compact
+
     def stats(self) -> ShipperStats:
         with self._cond:
             return ShipperStats(
@@ -456,6 +596,12 @@ class Shipper:
     # -- the sender thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._send_loop()
+        finally:
+            self._drop_connection()
+
+    def _send_loop(self) -> None:
         while True:
             with self._cond:
                 while not self._spool and not self._closing:
@@ -552,7 +698,17 @@ class Shipper:
     def _attempt(self, item: _Spooled) -> _Answer:
         token = self._token.current() if self._token is not None else None
         try:
-            status, retry_after, reason = self._post(item.body, token)
+            if item.compact and not self._compact:
+                item = self._as_json(item)
+            reply = self._post(item, token)
+            if reply.status == 415 and item.compact:
+                # The aggregator does not take this compact form after all (it was replaced by one
+                # of another build): the same report as JSON, now, and JSON for a while.
+                self._compact = False
+                self._refused_until = self._clock.monotonic() + COMPACT_HOLD_OFF_S
+                item = self._as_json(item)
+                reply = self._post(item, token)
+            status, retry_after, reason = reply.status, reply.retry_after, reply.reason
         except (OSError, http.client.HTTPException) as exc:
             # Connection refused, reset, DNS failure, timeout (TimeoutError is an OSError).
             return _Answer(_Outcome.RETRY, reason=f"{type(exc).__name__}: {exc}")
@@ -570,28 +726,87 @@ class Shipper:
             retry_after_s=parse_retry_after(retry_after, self._clock.time()),
         )
 
-    def _post(self, body: bytes, token: str | None) -> tuple[int, str | None, str]:
+    def _as_json(self, item: _Spooled) -> _Spooled:
+        """``item`` re-encoded as JSON; the in-flight report's size in the spool bound follows."""
+        try:
+            body = _as_json_body(item.body)
+        except (OSError, EOFError, ReportError) as exc:  # our own bytes: never, but never fatal
+            raise http.client.HTTPException(f"cannot re-encode a spooled report: {exc}") from exc
+        json_item = _Spooled(body=body, node=item.node, seq=item.seq, compact=False)
+        with self._cond:
+            if self._inflight is item:
+                self._inflight = json_item
+        return json_item
+
+    def _post(self, item: _Spooled, token: str | None) -> _Reply:
+        headers = {
+            "Content-Type": COMPACT_MEDIA_TYPE if item.compact else JSON_MEDIA_TYPE,
+            "User-Agent": f"gpuwarden-agent/{__version__}",
+        }
+        if not item.compact or COMPACT_GZIP:
+            headers["Content-Encoding"] = "gzip"
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        for retry in (False, True):
+            conn, reused = self._connection()
+            try:
+                conn.request("POST", self._target.path, body=item.body, headers=headers)
+                resp = conn.getresponse()
+                raw = resp.read(_DRAIN_MAX_BYTES + 1)
+            except (OSError, http.client.HTTPException):
+                self._drop_connection()
+                # A kept-alive connection the server closed while it idled fails on first use:
+                # that is no failure of the aggregator, so once more on a fresh connection.
+                if reused and not retry:
+                    continue
+                raise
+            if not reused and isinstance(conn, _TlsConnection):
+                self._note_tls(conn)
+            if len(raw) > _DRAIN_MAX_BYTES or not resp.isclosed() or resp.will_close or conn.sock is None:
+                # Connection: close, HTTP/1.0, or an answer not read to its end.
+                self._drop_connection()
+            reason = "" if 200 <= resp.status < 300 else raw[:_REASON_MAX_BYTES].decode("utf-8", "replace")
+            accept_post = resp.getheader(ACCEPT_POST_HEADER)
+            if self._negotiate:
+                believed = self._clock.monotonic() >= self._refused_until
+                self._compact = believed and offers_compact(accept_post)
+            return _Reply(resp.status, resp.getheader("Retry-After"), reason.strip(), accept_post)
+        raise AssertionError("unreachable: the second try returns or raises")
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        """The kept-alive connection, or a new one; and whether it has carried a request before."""
+        if self._conn is not None:
+            return self._conn, True
         conn: http.client.HTTPConnection
         if self._ssl is not None:
-            conn = http.client.HTTPSConnection(
-                self._target.host, self._target.port, timeout=self._timeout_s, context=self._ssl
+            conn = _TlsConnection(
+                self._target.host,
+                self._target.port,
+                timeout=self._timeout_s,
+                context=self._ssl,
+                session=self._tls_session,
             )
         else:
             conn = http.client.HTTPConnection(self._target.host, self._target.port, timeout=self._timeout_s)
-        headers = {
-            "Content-Type": "application/json",
-            "Content-Encoding": "gzip",
-            "User-Agent": f"gpuwarden-agent/{__version__}",
-        }
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        try:
-            conn.request("POST", self._target.path, body=body, headers=headers)
-            resp = conn.getresponse()
-            raw = resp.read(_REASON_MAX_BYTES)
-            reason = "" if 200 <= resp.status < 300 else raw.decode("utf-8", "replace").strip()
-            return resp.status, resp.getheader("Retry-After"), reason
-        finally:
+        # Connecting is left to the request, so a refused connection fails the attempt like before.
+        self._conn = conn
+        with self._cond:
+            self._connections += 1
+        return conn, False
+
+    def _note_tls(self, conn: _TlsConnection) -> None:
+        """After a new connection's first answer: was its session resumed, and keep the session
+        for the next reconnect."""
+        conn.note_session()
+        if conn.resumed:
+            with self._cond:
+                self._tls_resumed += 1
+        if conn.session is not None:
+            self._tls_session = conn.session
+
+    def _drop_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
             conn.close()
 
 

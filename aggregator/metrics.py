@@ -50,6 +50,7 @@ REJECT_REASONS: Final = (
     "decompressed_too_large",
     "bad_gzip",
     "bad_json",
+    "bad_msgpack",
     "wrong_schema_version",
     "schema_violation",
     "implausible_value",

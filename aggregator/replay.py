@@ -1,6 +1,9 @@
 """``gpuwarden replay TRACE --out DECISIONS [--serve HOST:PORT]``: the live pipeline over a
 recorded trace.
 
+A trace is JSON Lines of reports, or a compact trace (``agent.wire``: a msgpack stream of
+records, each one compact report); either may be gzip'd. The first byte tells them apart.
+
 The clock is the reports' own ``time`` (no sleeping), remediation is in dry-run (decisions say
 what would be done), and the result is deterministic. Reports a little out of order across nodes,
 as live ingestion sees them, are put back in time order through a short reorder buffer.
@@ -17,6 +20,7 @@ import asyncio
 import contextlib
 import gzip
 import heapq
+import io
 import logging
 import math
 import os
@@ -35,6 +39,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from agent.errors import ConfigError, GpuwardenError, ReportError
 from agent.report import Report, decode
+from agent.wire import TRACE_MARKERS, decode_compact, read_frames
 from aggregator.config import Config
 from aggregator.decisions import Decision, DecisionLog
 from aggregator.model import IngestOutcome
@@ -116,6 +121,25 @@ class _Stamp(msgspec.Struct):
 
 
 _STAMP = msgspec.json.Decoder(_Stamp)
+_COMPACT_STAMP = msgspec.msgpack.Decoder(_Stamp)
+
+
+def _is_compact(stream: IO[bytes] | gzip.GzipFile) -> bool:
+    """Whether the (decompressed) stream is a compact trace; reads nothing it does not put back."""
+    head = stream.peek(1)[:1] if isinstance(stream, gzip.GzipFile | io.BufferedReader) else b""
+    return bool(head) and head[0] in TRACE_MARKERS
+
+
+def _records(stream: IO[bytes] | gzip.GzipFile, compact: bool) -> Iterator[bytes]:
+    """The trace's records: lines of JSON, or the frames of a compact trace (a frame that breaks
+    the stream ends it with ``OSError``, as a broken gzip stream does)."""
+    if not compact:
+        yield from stream
+        return
+    try:
+        yield from read_frames(stream)
+    except ValueError as exc:
+        raise OSError(str(exc)) from exc
 
 
 def estimate_skew(path: Path) -> dict[tuple[str, str], float]:
@@ -132,9 +156,11 @@ def estimate_skew(path: Path) -> dict[tuple[str, str], float]:
     stamps: list[_Stamp] = []
     with _open(path) as stream:
         try:
-            for line in stream:
+            compact = _is_compact(stream)
+            stamp = _COMPACT_STAMP if compact else _STAMP
+            for line in _records(stream, compact):
                 try:
-                    stamps.append(_STAMP.decode(line))
+                    stamps.append(stamp.decode(line))
                 except msgspec.DecodeError:
                     continue  # the main pass reports bad lines
         except (OSError, EOFError, gzip.BadGzipFile):
@@ -163,7 +189,8 @@ def estimate_skew(path: Path) -> dict[tuple[str, str], float]:
 
 
 def read_trace(path: Path, summary: ReplaySummary, progress: Progress | None = None) -> Iterator[Report]:
-    """Reports of a JSONL trace in file order. A line that is not a report, or one the live
+    """Reports of a trace (JSON Lines or compact; a record of a compact trace counts as a line)
+    in file order. A line that is not a report, or one the live
     service would refuse as implausible, is counted and skipped; a file whose first report line
     is not a report is unusable, and so is a stream that breaks (a truncated or corrupt gzip):
     its one error says how many lines were skipped before it broke."""
@@ -173,14 +200,16 @@ def read_trace(path: Path, summary: ReplaySummary, progress: Progress | None = N
         # The compressed file's position, for a gzip trace: how far through the file we are.
         raw: IO[bytes] = stream.fileobj if isinstance(stream, gzip.GzipFile) else stream  # type: ignore[assignment]
         try:
-            for lineno, line in enumerate(stream, 1):
+            compact = _is_compact(stream)
+            parse = decode_compact if compact else decode
+            for lineno, line in enumerate(_records(stream, compact), 1):
                 if progress is not None and lineno % PROGRESS_EVERY_LINES == 0:
                     progress(summary.reports_read, raw.tell() / size if size else 0.0)
-                if not line.strip():
+                if not compact and not line.strip():
                     continue
                 summary.reports_read += 1
                 try:
-                    report = decode(line)
+                    report = parse(line)
                 except ReportError as exc:
                     if summary.reports_read == 1:
                         raise TraceError(f"{path}:{lineno}: not a gpuwarden report: {exc}") from exc

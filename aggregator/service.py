@@ -2,8 +2,12 @@
 
 Endpoints:
 
-- ``POST /v1/reports``: one report (``Content-Type: application/json``, optionally
-  ``Content-Encoding: gzip``) with ``Authorization: Bearer <token>``. 200 ``{"status":
+- ``POST /v1/reports``: one report (``Content-Type: application/json``, or the compact encoding
+  ``application/msgpack`` of ``agent.wire``; optionally ``Content-Encoding: gzip``) with
+  ``Authorization: Bearer <token>``. Every answer, and ``OPTIONS /v1/reports``, carries
+  ``Accept-Post: application/json, application/msgpack; layout=<digest>``: an agent sends the
+  compact form only to an aggregator that names its own layout there, so a new agent and an old
+  aggregator (or two builds whose columns differ) speak JSON. 200 ``{"status":
   "accepted"}`` or ``{"status": "duplicate"}`` (same node, boot_id and seq seen before: nothing is
   processed twice, so an agent's retry is harmless). A report that caused decisions is answered
   once they are fsync'd (``aggregator.decisions``): a 200 survives a power loss.
@@ -26,14 +30,17 @@ reason codes are ``aggregator.metrics.REJECT_REASONS`` and count in
 401   missing_token, bad_token    no/unknown bearer token (agents keep the report and retry)
 403   forbidden                   a valid token that may not send reports
 403   node_mismatch, node_unbound the token is another node's, or bound to no node
-415   unsupported_media_type      not application/json (or a charset other than UTF-8)
+415   unsupported_media_type      not JSON or msgpack, a JSON charset other than UTF-8, or a
+                                  compact report in another build's column layout
 415   unsupported_encoding        a Content-Encoding other than gzip or identity
 413   body_too_large              over ``ingest.max_body_bytes`` as received
 413   decompressed_too_large      gzip inflating past ``ingest.max_decompressed_bytes``
 400   incomplete_body             the connection broke before the whole body arrived
 400   bad_gzip, bad_json          not gzip / not JSON (NaN and Infinity are not JSON)
+400   bad_msgpack                 a compact report that is not msgpack
 400   wrong_schema_version        ``schema`` is not ``gpuwarden/report/v1``
-422   schema_violation            valid JSON that breaks the schema; the message names the field
+422   schema_violation            valid JSON or msgpack that breaks the schema (a compact row with the
+                                  wrong number of columns, NaN in msgpack); the message names the field
 422   implausible_value           in the schema, but not physically possible (``plausibility_errors``)
 422   over_cap                    more NICs, GPUs, NVLinks or probe peers than one node can hold
 408   body_timeout                the body did not arrive within ``server.body_timeout_seconds``
@@ -82,6 +89,17 @@ from prometheus_client.registry import CollectorRegistry
 from agent.clock import Clock
 from agent.errors import ReportError
 from agent.report import CATALOGUE, SCHEMA_ID, Gpu, Nic, Probe, Report, decode
+from agent.wire import (
+    ACCEPT_POST_HEADER,
+    COMPACT_MEDIA_TYPE,
+    COMPACT_MEDIA_TYPES,
+    JSON_MEDIA_TYPE,
+    LAYOUT,
+    LayoutError,
+    NotCompactError,
+    WrongSchemaError,
+    decode_compact,
+)
 from aggregator.auth import (
     Authenticator,
     AuthError,
@@ -347,6 +365,8 @@ def _json(status: int, payload: object) -> web.Response:
     return web.Response(status=status, body=msgspec.json.encode(payload), content_type="application/json")
 
 
+# What POST /v1/reports takes, on every answer of it: agents choose their encoding by it.
+ACCEPT_POST: Final = f"{JSON_MEDIA_TYPE}, {COMPACT_MEDIA_TYPE}; layout={LAYOUT}"
 _ACCEPTED_BODY: Final = msgspec.json.encode({"status": IngestOutcome.ACCEPTED.value})
 _DUPLICATE_BODY: Final = msgspec.json.encode({"status": IngestOutcome.DUPLICATE.value})
 
@@ -385,6 +405,11 @@ class _Ingest:
         self._decisions = decisions
 
     async def handle(self, request: web.Request) -> web.Response:
+        resp = await self._handle_in_turn(request)
+        resp.headers[ACCEPT_POST_HEADER] = ACCEPT_POST
+        return resp
+
+    async def _handle_in_turn(self, request: web.Request) -> web.Response:
         if self._in_flight >= self._max_in_flight:
             # Shed before anything is read: the cheapest answer, and agents retry after the pause.
             return self._refuse(
@@ -420,7 +445,7 @@ class _Ingest:
         try:
             identity = await self._authenticate(request)
             subject = identity.subject
-            gzipped = self._check_headers(request)
+            compact, gzipped = self._check_headers(request)
             held = self._per_token.get(subject, 0)
             if held >= self._max_per_token:
                 raise _Reject(
@@ -436,7 +461,7 @@ class _Ingest:
                 else:
                     del self._per_token[subject]
             started = time.perf_counter()
-            report = self._parse(body, gzipped)
+            report = self._parse(body, gzipped, compact)
             node = report.node
             if identity.node is None:
                 raise _Reject(403, "node_unbound", f"the token of {identity.subject} is not bound to a node")
@@ -512,21 +537,24 @@ class _Ingest:
             raise _Reject(503, "auth_unavailable", f"the token cannot be checked now: {exc}") from exc
 
     @staticmethod
-    def _check_headers(request: web.Request) -> bool:
-        """True if the body is gzip; refuses what this endpoint does not speak."""
+    def _check_headers(request: web.Request) -> tuple[bool, bool]:
+        """(compact, gzip) of the body; refuses what this endpoint does not speak."""
         ctype = request.content_type.lower()
-        if ctype != "application/json":
+        compact = ctype in COMPACT_MEDIA_TYPES
+        if not compact and ctype != JSON_MEDIA_TYPE:
             raise _Reject(
-                415, "unsupported_media_type", f"Content-Type must be application/json, got {ctype!r}"
+                415,
+                "unsupported_media_type",
+                f"Content-Type must be {JSON_MEDIA_TYPE} or {COMPACT_MEDIA_TYPE}, got {ctype[:64]!r}",
             )
         charset = request.charset
-        if charset is not None and charset.lower() not in ("utf-8", "utf8"):
+        if not compact and charset is not None and charset.lower() not in ("utf-8", "utf8"):
             raise _Reject(415, "unsupported_media_type", f"the charset must be UTF-8, got {charset!r}")
         encoding = request.headers.get("Content-Encoding", "").strip().lower()
         if encoding in ("gzip", "x-gzip"):
-            return True
+            return compact, True
         if encoding in ("", "identity"):
-            return False
+            return compact, False
         raise _Reject(
             415, "unsupported_encoding", f"Content-Encoding must be gzip or absent, got {encoding[:64]!r}"
         )
@@ -563,7 +591,7 @@ class _Ingest:
             chunks.append(chunk)
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def _parse(self, body: bytes, gzipped: bool) -> Report:
+    def _parse(self, body: bytes, gzipped: bool, compact: bool) -> Report:
         if gzipped:
             if not body.startswith(_GZIP_MAGIC):
                 raise _Reject(400, "bad_gzip", "Content-Encoding is gzip but the body is not gzip data")
@@ -581,6 +609,8 @@ class _Ingest:
             raise _Reject(
                 413, "decompressed_too_large", f"the report is over the limit of {self._max_inflated} bytes"
             )
+        if compact:
+            return self._parse_compact(body)
         try:
             return decode(body)
         except ReportError as exc:
@@ -591,6 +621,25 @@ class _Ingest:
             # Whatever else the decoder raises on bytes from the network is the sender's fault:
             # never a 500 (with a trace in the log) for a body anyone can send.
             raise _Reject(400, "bad_json", f"the body could not be parsed: {type(exc).__name__}") from None
+
+    @staticmethod
+    def _parse_compact(body: bytes) -> Report:
+        try:
+            return decode_compact(body)
+        except LayoutError as exc:
+            # The agent falls back to JSON on a 415 (agent/shipper.py).
+            raise _Reject(415, "unsupported_media_type", str(exc)[:_MESSAGE_MAX_CHARS]) from None
+        except WrongSchemaError as exc:
+            raise _Reject(400, "wrong_schema_version", str(exc)[:_MESSAGE_MAX_CHARS]) from None
+        except NotCompactError as exc:
+            raise _Reject(400, "bad_msgpack", str(exc)[:_MESSAGE_MAX_CHARS]) from None
+        except ReportError as exc:
+            raise _Reject(422, "schema_violation", str(exc)[:_MESSAGE_MAX_CHARS]) from None
+        except RecursionError:
+            raise _Reject(400, "bad_msgpack", "the msgpack is nested too deeply") from None
+        except Exception as exc:
+            # As for JSON: bytes from the network never make a 500.
+            raise _Reject(400, "bad_msgpack", f"the body could not be parsed: {type(exc).__name__}") from None
 
     @staticmethod
     def _classify(body: bytes, exc: ReportError) -> _Reject:
@@ -613,6 +662,11 @@ class _Ingest:
 
 class _Version(msgspec.Struct):
     schema: object = None
+
+
+async def _options(request: web.Request) -> web.Response:
+    """What a POST to /v1/reports may carry, for an agent that asks before it sends."""
+    return web.Response(status=204, headers={ACCEPT_POST_HEADER: ACCEPT_POST, "Allow": "OPTIONS, POST"})
 
 
 # -- the read API, health and metrics -------------------------------------------------------------
@@ -849,6 +903,7 @@ def create_app(
     if authenticator is not None:
         ingest = _Ingest(pipeline, authenticator, config, clock, metrics, decisions=decisions)
         app.router.add_post(REPORTS_PATH, ingest.handle)
+        app.router.add_route("OPTIONS", REPORTS_PATH, _options)
     app.router.add_routes(_health(registry, readiness))
     app.router.add_routes(_read_api(pipeline))
     app.router.add_routes(status_routes(pipeline, config=config, clock=clock, banner=banner))

@@ -21,6 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent import wire
 from agent.clock import FakeClock
 from agent.report import SCHEMA_ID, Event, Gpu, Nic, NvLink, Probe, Report, encode, to_builtins
 from aggregator.auth import AuthUnavailable, Identity, StaticTokens
@@ -939,3 +940,117 @@ async def test_read_api_failure_is_a_json_500(
     resp = await client.get("/api/v1/nodes", headers=VIEWER)
     assert resp.status == 500
     assert (await resp.json())["error"] == "internal_error"
+
+
+# -- the compact encoding and its negotiation ---------------------------------------------------------
+
+
+def compact_headers(node: str = "gpu-0001", **extra: str) -> dict[str, str]:
+    out = {"Content-Type": wire.COMPACT_MEDIA_TYPE, "Authorization": f"Bearer {TOKENS[node]}"}
+    out.update(extra)
+    return out
+
+
+async def test_a_compact_report_is_ingested_as_the_same_report(
+    client: TestClient[web.Request, web.Application], pipeline: FakePipeline, clock: FakeClock
+) -> None:
+    report = make_report()
+    resp = await client.post(REPORTS_PATH, data=wire.encode_compact(report), headers=compact_headers())
+    assert (resp.status, await resp.json()) == (200, {"status": "accepted"})
+    (got, received), *_ = pipeline.ingested
+    assert wire.as_v1(got) == report and received == clock.time()
+    assert resp.headers["Accept-Post"] == f"application/json, application/msgpack; layout={wire.LAYOUT}"
+
+
+@pytest.mark.parametrize("ctype", sorted(wire.COMPACT_MEDIA_TYPES))
+async def test_compact_is_taken_gzipd_and_under_each_media_type_name(
+    client: TestClient[web.Request, web.Application], pipeline: FakePipeline, ctype: str
+) -> None:
+    report = make_report()
+    resp = await client.post(
+        REPORTS_PATH,
+        data=gz(wire.encode_compact(report)),
+        headers=compact_headers(**{"Content-Type": ctype, "Content-Encoding": "gzip"}),
+    )
+    assert resp.status == 200
+    assert [wire.as_v1(r) for r, _ in pipeline.ingested] == [report]
+
+
+async def test_an_old_json_agent_is_still_accepted_and_told_what_else_is_taken(
+    client: TestClient[web.Request, web.Application], pipeline: FakePipeline
+) -> None:
+    status, body = await post_report(client, make_report(seq=1))
+    assert (status, body) == (200, {"status": "accepted"})
+    resp = await client.post(REPORTS_PATH, data=gz(encode(make_report(seq=2))), headers=headers())
+    assert wire.LAYOUT in resp.headers["Accept-Post"]
+    assert [r.seq for r, _ in pipeline.ingested] == [1, 2]
+
+
+async def test_refusals_carry_accept_post_too(client: TestClient[web.Request, web.Application]) -> None:
+    resp = await client.post(REPORTS_PATH, data=b"{}", headers={"Content-Type": "application/json"})
+    assert resp.status == 401
+    assert wire.LAYOUT in resp.headers["Accept-Post"]
+
+
+async def test_options_says_what_a_post_may_carry(client: TestClient[web.Request, web.Application]) -> None:
+    resp = await client.options(REPORTS_PATH)
+    assert resp.status == 204
+    assert resp.headers["Accept-Post"] == f"application/json, application/msgpack; layout={wire.LAYOUT}"
+
+
+async def test_a_compact_report_of_another_layout_is_415(
+    client: TestClient[web.Request, web.Application], pipeline: FakePipeline, registry: CollectorRegistry
+) -> None:
+    doc = msgspec.msgpack.decode(wire.encode_compact(make_report()))
+    doc["layout"] = "0000000000000000"
+    resp = await client.post(REPORTS_PATH, data=msgspec.msgpack.encode(doc), headers=compact_headers())
+    assert resp.status == 415
+    answer = await resp.json()
+    assert answer["error"] == "unsupported_media_type" and "send JSON" in answer["message"]
+    assert rejected(registry, "unsupported_media_type") == 1
+    assert pipeline.ingested == []
+
+
+async def test_a_compact_row_with_the_wrong_column_count_is_422_naming_it(
+    client: TestClient[web.Request, web.Application], registry: CollectorRegistry
+) -> None:
+    doc = msgspec.msgpack.decode(wire.encode_compact(make_report()))
+    doc["gpus"][5][-1][3].append(0)
+    resp = await client.post(REPORTS_PATH, data=msgspec.msgpack.encode(doc), headers=compact_headers())
+    assert resp.status == 422
+    answer = await resp.json()
+    assert answer["error"] == "schema_violation"
+    assert "wrong column count" in answer["message"] and "$.gpus[5].nvlink[3]" in answer["message"]
+    assert rejected(registry, "schema_violation") == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "reason"),
+    [
+        (b"\xc1", 400, "bad_msgpack"),
+        (encode(make_report()), 400, "bad_msgpack"),  # JSON sent as msgpack
+        (msgspec.msgpack.encode({"schema": "gpuwarden/report/v2"}), 400, "wrong_schema_version"),
+    ],
+)
+async def test_bodies_that_are_no_compact_report_are_told_apart(
+    client: TestClient[web.Request, web.Application],
+    registry: CollectorRegistry,
+    data: bytes,
+    status: int,
+    reason: str,
+) -> None:
+    resp = await client.post(REPORTS_PATH, data=data, headers=compact_headers())
+    assert (resp.status, (await resp.json())["error"]) == (status, reason)
+    assert rejected(registry, reason) == 1
+
+
+async def test_a_compact_report_is_checked_for_plausibility_like_json(
+    client: TestClient[web.Request, web.Application],
+) -> None:
+    report = make_report()
+    hot = msgspec.structs.replace(report.gpus[0], temperature_celsius=900.0)
+    report = msgspec.structs.replace(report, gpus=[hot, *report.gpus[1:]])
+    resp = await client.post(REPORTS_PATH, data=wire.encode_compact(report), headers=compact_headers())
+    assert resp.status == 422
+    answer = await resp.json()
+    assert answer["error"] == "implausible_value" and "$.gpus[0].temperature_celsius" in answer["message"]
