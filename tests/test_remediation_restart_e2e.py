@@ -3,7 +3,8 @@
 40 nodes in two pools of 20, the aggregator in ``enforce`` (two replicas built by the composition
 root, against the API-server double through the real client), another controller writing its
 own taints and labels on every node all the time and slipping a write between our read and our
-patch. Five hard faults (uncorrectable ECC errors: in every report from then on), then 12 of
+patch, every kubelet posting its status, and API Priority and Fairness answering a share of
+every request with 429 throughout. Five hard faults (uncorrectable ECC errors: in every report from then on), then 12 of
 the 20 nodes of one pool at once: the pool limit (20 %, four nodes) holds, the rest are held and
 the breaker opens. Then both replicas stop (SIGTERM: the Lease is released) and two start again
 with their Node LISTs answered only after 0, 3 or 30 s while every agent's reports arrive (the
@@ -43,7 +44,7 @@ from aggregator.config import (
 )
 from aggregator.kube.api import KubeApi
 from aggregator.kube.client import KubeClient
-from aggregator.kube.objects import KubeGone, NodeList
+from aggregator.kube.objects import KubeGone, KubeUnavailable, NodeList
 from aggregator.service import REPORTS_PATH
 from tests.kube_double import KubeApiDouble
 from tests.rulekit import gpu, report
@@ -240,7 +241,7 @@ class Observer:
             self.peak[pool] = max(self.peak[pool], sum(self.tainted[n] for n in names))
 
     async def run(self, client: KubeClient) -> None:
-        listed = await client.list_nodes()
+        listed = await self._list(client)
         for n in listed.items:
             self.seen(n.name, any(t.key == OURS for t in n.taints))
         rv = listed.resource_version
@@ -251,10 +252,45 @@ class Observer:
                         rv = event.node.resource_version
                         self.seen(event.node.name, any(t.key == OURS for t in event.node.taints))
             except KubeGone:  # a forced watch restart compacted the history: list again
-                listed = await client.list_nodes()
+                listed = await self._list(client)
                 for n in listed.items:
                     self.seen(n.name, any(t.key == OURS for t in n.taints))
                 rv = listed.resource_version
+            except KubeUnavailable:  # throttled (429): resume from where the watch ended
+                await asyncio.sleep(0.05)
+
+    @staticmethod
+    async def _list(client: KubeClient) -> NodeList:
+        while True:
+            try:
+                return await client.list_nodes()
+            except KubeUnavailable:
+                await asyncio.sleep(0.05)
+
+
+class Kubelet:
+    """Every node's kubelet posting its status: the Ready condition's heartbeat, a Node write
+    (and a watch event for every informer) per node every few seconds, racing our writes."""
+
+    def __init__(self, double: KubeApiDouble) -> None:
+        self.double = double
+        self.beats = 0
+
+    def beat(self, name: str) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) + f"#{self.beats}"
+
+        def mutate(n: dict[str, Any]) -> None:
+            for c in n["status"].setdefault("conditions", []):
+                if c["type"] == "Ready":
+                    c["lastHeartbeatTime"] = stamp
+
+        self.beats += 1
+        self.double.update_node(name, mutate)
+
+    async def run(self) -> None:
+        for name in itertools.cycle(NODES):
+            self.beat(name)
+            await asyncio.sleep(0.1)  # every node every 4 s
 
 
 async def start(
@@ -347,12 +383,16 @@ async def test_a_storm_then_a_restart_racing_a_slow_list_undoes_nothing(
             double.add_node(n, labels={POOL_LABEL: POOL_OF[n]})
         (tmp_path / "tokens").write_text("".join(f"{n} {world.token(n)}\n" for n in NODES))
         foreign = Foreign(double)
+        kubelet = Kubelet(double)
         observer = Observer()
+        # API Priority and Fairness sheds a share of every request of ours (and the observer's)
+        # with 429 all through: list, watch, get, patch, the Lease and the events.
+        double.throttle(share=0.03, retry_after=1)
         watcher = await KubeClient.from_kubeconfig(double.write_kubeconfig(tmp_path / "observer.kubeconfig"))
         expect_tainted = sorted(FIRST_FAULTS + STORM[:2])
         expect_held = sorted(STORM[2:])
         try:
-            async with background(observer.run(watcher), foreign.run()):
+            async with background(observer.run(watcher), foreign.run(), kubelet.run()):
                 # -- the first life: five hard faults, then the storm -----------------------------
                 first = [await start(world, f"agg-{i}", foreign) for i in range(2)]
                 replicas = [r for r, _ in first]
@@ -443,6 +483,7 @@ async def test_a_storm_then_a_restart_racing_a_slow_list_undoes_nothing(
         assert observer.ever_tainted == set(expect_tainted)
         assert observer.peak == {"pool-a": LIMIT, "pool-b": 3}  # before and after the restart
         assert foreign.lost == [] and foreign.races > len(expect_tainted)  # no foreign taint lost
+        assert double.throttled > 0 and kubelet.beats > len(NODES)
         for n in NODES:  # and the foreign controller's last word is on every node
             labels = double.node(n)["metadata"]["labels"]
             assert FOREIGN_LABEL in labels and labels[POOL_LABEL] == POOL_OF[n]
