@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from agent.report import SCHEMA_ID, Report
 from aggregator.config import FleetConfig
@@ -18,6 +19,7 @@ from aggregator.detect.base import Verdict
 from aggregator.detect.jobs import CommVote, JobConfig, JobLocalizer, localize, robust_centre, straggler
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.pools import Placement
+from aggregator.metrics import Metrics
 from aggregator.model import Finding
 from sim.jobs import Hardware, JobFleet, JobSpec, NodeFaults
 
@@ -255,6 +257,14 @@ def test_the_slowest_communicators_and_stragglers_are_kept_for_metrics() -> None
     assert {s.node for s in det.stragglers} == {"gpu-0001"}
     assert len(det.slowest) <= JobConfig().top_n
     assert set(det.job_busbw) == {j.name for j in JOBS}
+    # Exported as top-N tables, at most top_n series per family.
+    registry = CollectorRegistry()
+    Metrics(registry).watch_jobs(lambda: [det.job_table()])
+    text = generate_latest(registry).decode()
+    assert 'gpuwarden_job_straggler_wait_ratio{communicator="' in text and 'host="gpu-0001"' in text
+    for family in ("busbw_gigabytes_per_second", "communicator_ratio", "straggler_wait_ratio"):
+        rows = [ln for ln in text.splitlines() if ln.startswith(f"gpuwarden_job_{family}{{")]
+        assert 0 < len(rows) <= JobConfig().top_n, family
 
 
 def test_rows_are_bounded_and_a_forgotten_node_takes_its_rows_along() -> None:

@@ -57,6 +57,7 @@ from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import Pair, Verdict
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.pools import Placement
+from aggregator.metrics import JobTable
 from aggregator.model import Finding
 
 log = logging.getLogger(__name__)
@@ -271,6 +272,7 @@ class JobLocalizer:
         self._workload: set[str] = set()  # jobs slow everywhere at the last run (logged on change)
         # What the last run saw, for metrics: per job its level and inter-node bandwidth.
         self.job_busbw: dict[str, float] = {}
+        self.job_level: dict[str, float] = {}  # job -> its level (not log)
         self.slowest: list[SlowComm] = []
         self.stragglers: list[StragglerRank] = []
 
@@ -348,6 +350,7 @@ class JobLocalizer:
         stragglers: list[StragglerRank] = []
         workload: set[str] = set()
         self.job_busbw = {}
+        self.job_level = {}
         for job, members in sorted(jobs.items()):
             judged = [m for m in members if id(m) in refs]
             if not judged:
@@ -356,6 +359,7 @@ class JobLocalizer:
             single = [ratio[id(m)] for m in judged if m.row.nnodes == 1]
             level = statistics.median(single if single else list(ratio.values()))
             inter = [m for m in judged if m.row.nnodes > 1]
+            self.job_level[job] = math.exp(level)
             if inter:
                 self.job_busbw[job] = statistics.median([m.transfer for m in inter])
             if level < math.log(cfg.low_ratio):
@@ -492,6 +496,16 @@ class JobLocalizer:
                 job, node=node, mine=mine, tp=tp.get(node), seen=seen[node], now=now
             )
         return out
+
+    def job_table(self) -> JobTable:
+        """The last run's top-N lists, for the metrics (``aggregator.metrics.JobTable``)."""
+        n = self.config.top_n
+        worst = sorted(self.job_level, key=lambda j: self.job_level[j])[:n]
+        return JobTable(
+            jobs=tuple((j, self.job_busbw[j], self.job_level[j]) for j in worst if j in self.job_busbw),
+            communicators=tuple((s.job, s.comm, s.collective, s.nnodes, s.ratio) for s in self.slowest),
+            stragglers=tuple((s.job, s.node, s.comm, s.rank, s.gap_ratio) for s in self.stragglers),
+        )
 
     # -- findings -------------------------------------------------------------------------------
 
