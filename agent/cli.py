@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from agent.clock import SystemClock
 from agent.collectors import build_collectors
 from agent.collectors.base import CollectorContext, Paths, XidEventSource
+from agent.collectors.nccl_inspector import InspectorOptions
 from agent.errors import ConfigError
 from agent.report import encode
 from agent.runner import Agent, read_boot_id
@@ -96,6 +97,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--probe-key-file", type=Path, help="the probe signing key shared with the aggregator")
     p.add_argument("--nccl-tests-path", type=Path, help="nccl-tests' all_reduce_perf (default: from PATH)")
+    p.add_argument(
+        "--nccl-inspector-dir",
+        type=Path,
+        help="read the jobs' NCCL Inspector files here (their NCCL_INSPECTOR_DUMP_DIR; docs/jobs.md)",
+    )
+    p.add_argument(
+        "--nccl-inspector-max-bytes",
+        type=int,
+        default=InspectorOptions.max_bytes,
+        help="Inspector bytes read per cycle, all files together (default %(default)s)",
+    )
+    p.add_argument(
+        "--nccl-inspector-max-records",
+        type=int,
+        default=InspectorOptions.max_records,
+        help="Inspector lines read per cycle (default %(default)s)",
+    )
+    p.add_argument(
+        "--nccl-inspector-max-files",
+        type=int,
+        default=InspectorOptions.max_files,
+        help="Inspector files followed at once, the most recently written (default %(default)s)",
+    )
 
 
 class _AppendAggregator(argparse.Action):
@@ -159,6 +183,25 @@ def parse_labels(items: list[str]) -> dict[str, str]:
     if len(labels) > 16:
         raise ConfigError("at most 16 --label values")
     return labels
+
+
+def inspector_options(args: argparse.Namespace) -> InspectorOptions | None:
+    """The NCCL Inspector collector's settings, or None where --nccl-inspector-dir is not given."""
+    if args.nccl_inspector_dir is None:
+        return None
+    try:
+        return InspectorOptions(
+            directory=args.nccl_inspector_dir,
+            max_bytes=args.nccl_inspector_max_bytes,
+            max_records=args.nccl_inspector_max_records,
+            max_files=args.nccl_inspector_max_files,
+            # Stay about four cycles behind at most, whatever the per-cycle cap.
+            max_backlog_bytes=max(4 * args.nccl_inspector_max_bytes, InspectorOptions.max_backlog_bytes),
+            # One report: of what the directory holds now, not of what a next cycle would add.
+            read_existing=args.once,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"--nccl-inspector-*: {exc}") from exc
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -270,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
         nvml=session,
         xid_source=xid_source,
         netdev_include=tuple(args.netdev_include),
+        nccl_inspector=inspector_options(args),
     )
     poller = None
     if probes_on:

@@ -25,7 +25,7 @@ from msgspec import UNSET
 from agent import __version__
 from agent.clock import Clock
 from agent.collectors.base import Collector, Problem
-from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Nic, Probe, Report
+from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Jobs, Nic, Probe, Report
 from agent.state import CollectorStatus, CycleResult
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class Agent:
         events: list[Event] = []
         errors: list[CollectorError] = []
         statuses: list[CollectorStatus] = []
+        jobs: Jobs | None = None
         for collector in self.collectors:
             start = time.perf_counter()
             support = collector.supported()
@@ -139,6 +140,8 @@ class Agent:
             gpus.extend(out.gpus)
             nics.extend(out.nics)
             events.extend(out.events)
+            if out.jobs is not None:
+                jobs = out.jobs
             errors.extend(_collector_error(collector.name, e) for e in out.errors)
             statuses.append(CollectorStatus(collector.name, True, "", True, time.perf_counter() - start))
 
@@ -178,6 +181,7 @@ class Agent:
             events=events if events else UNSET,
             probes=probes if probes else UNSET,
             errors=errors if errors else UNSET,
+            jobs=jobs if jobs is not None else UNSET,
         )
         self._seq += 1
         result = CycleResult(report=report, statuses=tuple(statuses))

@@ -621,7 +621,11 @@ def test_the_host_is_mounted_read_only(name: str) -> None:
             if "projected" in vol or "configMap" in vol or "secret" in vol:
                 assert m.get("readOnly") is True
     if name != "base" or host_paths:
-        assert host_paths == {"/sys": "Directory", "/dev/kmsg": "CharDevice"}
+        assert host_paths == {
+            "/sys": "Directory",
+            "/dev/kmsg": "CharDevice",
+            "/var/log/nccl-inspector": "DirectoryOrCreate",
+        }
 
 
 @pytest.mark.parametrize("name", RENDERED)
@@ -638,6 +642,8 @@ def test_agent_arguments_match_the_mounts(name: str) -> None:
     assert args.gpu_backend == "nvml"
     assert volume(ds, mount_for(ctr, args.sysfs_root)["name"])["hostPath"]["path"] == "/sys"
     assert volume(ds, mount_for(ctr, args.kmsg_path)["name"])["hostPath"]["path"] == "/dev/kmsg"
+    inspector = volume(ds, mount_for(ctr, args.nccl_inspector_dir)["name"])["hostPath"]
+    assert inspector == {"path": "/var/log/nccl-inspector", "type": "DirectoryOrCreate"}
     # boot_id and btime are not namespaced: the pod's own /proc has the host's.
     assert args.procfs_root == Path("/proc")
     # The node comes from the downward API; a --node would override it with a constant.

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from agent.collectors.base import Collector, CollectorContext
 from agent.collectors.infiniband import InfinibandCollector
+from agent.collectors.nccl_inspector import NcclInspectorCollector
 from agent.collectors.netdev import NetdevCollector
 from agent.collectors.nvml import NvmlCollector
 from agent.collectors.xid import XidCollector
@@ -15,6 +16,7 @@ COLLECTORS: tuple[Callable[[CollectorContext], Collector], ...] = (
     XidCollector,
     InfinibandCollector,
     NetdevCollector,
+    NcclInspectorCollector,
 )
 
 

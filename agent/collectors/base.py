@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from agent.clock import Clock, SystemClock
-from agent.report import ErrorCode, Event, Gpu, Nic
+from agent.report import ErrorCode, Event, Gpu, Jobs, Nic
 
 if TYPE_CHECKING:
+    from agent.collectors.nccl_inspector import InspectorOptions
     from agent.gpu.session import NvmlSession
 
 
@@ -44,6 +45,8 @@ class Collected:
     nics: tuple[Nic, ...] = ()
     events: tuple[Event, ...] = ()
     errors: tuple[str | Problem, ...] = ()
+    # The report's ``jobs`` section (NCCL Inspector); None from every other collector.
+    jobs: Jobs | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ class CollectorContext:
     xid_source: XidEventSource | None = None
     # Netdevs reported even though they look virtual (bond0, a bridge used by RoCE, ...).
     netdev_include: tuple[str, ...] = ()
+    # The NCCL Inspector directory and caps (--nccl-inspector-dir); None: that collector is off.
+    nccl_inspector: InspectorOptions | None = None
 
 
 _PCI_RE = re.compile(

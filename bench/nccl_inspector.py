@@ -1,0 +1,266 @@
+"""What reading NCCL Inspector output costs the agent: CPU per 1,000 records.
+
+Run from the repository root (about 30 seconds; writes only in a temporary directory)::
+
+    .venv/bin/python bench/nccl_inspector.py [--records 20000] [--runs 15] [--json out.json]
+
+Records are built like the Inspector's own (field names and order of its JSON writer): 8 ranks of
+one process each, 4 communicators (tensor-parallel inside the node, data-parallel across 4 nodes,
+two pipeline pairs), AllReduce, AllGather, ReduceScatter and Send/Recv over 5 message sizes, with
+execution times and bandwidths that vary from record to record. Three formats:
+
+- ``v4.0``: self-contained lines (header, metadata and ``coll_perf`` on every line, ~390 bytes);
+- ``v4.0 verbose``: the same with ``NCCL_INSPECTOR_DUMP_VERBOSE=1`` event traces (4 channels);
+- ``v4.3``: ``dump_stats`` markers and bare records (a marker per 64 records).
+
+For each it measures this thread's CPU time (``time.thread_time``) of
+
+1. ``parse+summarize``: ``Stream.feed_chunk`` on 1 MiB chunks of whole lines, as the collector
+   feeds them, then ``Summarizer.take()``;
+2. ``JSON decode alone``: the msgspec call that decodes the same records into the same typed
+   structs, nothing else: the part no Python-side change can remove;
+3. ``collector cycle``: ``NcclInspectorCollector.collect()`` on 8 files holding the records (the
+   directory listing, the ``stat`` and ``pread`` calls, the line splitting, the parse, the summary
+   and building the report section), the files written before the cycle and not counted.
+
+Each figure is the median of ``--runs`` runs, per 1,000 records. The target (from the issue) is
+under 1 ms of CPU per 1,000 records. So that a figure from a shared or slow machine can be read,
+the script also times a fixed pure-Python loop (``sum(range(1000))``, best of 5 x 5,000) and
+prints it with the load average: the per-record cost is almost all interpreter work and scales
+with it. Markdown goes to stdout, progress to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent import inspector
+from agent.clock import SystemClock
+from agent.collectors.base import CollectorContext
+from agent.collectors.nccl_inspector import InspectorOptions, NcclInspectorCollector
+from agent.inspector import Stream, Summarizer
+
+TARGET_MS_PER_1000: float = 1.0
+COMMS = (
+    ("0x7f8c496ae9f661", 8, 1),
+    ("0x9e7a479f95a66c", 32, 4),
+    ("0xe62dedaa97644a", 2, 2),
+    ("0xad56c683b0c4ef", 2, 2),
+)
+KINDS = ("AllReduce", "AllGather", "ReduceScatter")
+SIZES = (1 << 16, 1 << 20, 3 << 20, 1 << 26, 1 << 30)
+
+
+def _perf(rng: random.Random, sn: int, kind: str, size: int, verbose: bool) -> str:
+    exec_us = 50 + size / 2e5 * rng.uniform(0.9, 1.3)
+    busbw = size / exec_us / 1e3 * 1.75
+    coll = (
+        f'"coll":"{kind}","coll_sn":{sn},"coll_msg_size_bytes":{size},"coll_exec_time_us":{int(exec_us)},'
+        f'"coll_timing_source":"kernel_gpu","coll_algobw_gbs":{busbw / 1.75:.6f},"coll_busbw_gbs":{busbw:.6f}'
+    )
+    if verbose:
+        ts = 1752867229235059 + sn * 100
+        sn_events = ",".join(
+            f'{{"channel_id":{c},"kernel_start_sn":{3 + c},"kernel_stop_sn":{48 + c},'
+            f'"kernel_record_sn":{47 + c}}}'
+            for c in range(4)
+        )
+        ts_events = ",".join(
+            f'{{"channel_id":{c},"kernel_start_ts":{ts + 100},"kernel_stop_ts":{ts + 4000},'
+            f'"kernel_record_ts":{ts + 4000}}}'
+            for c in range(4)
+        )
+        coll += (
+            f',"event_trace_sn":{{"coll_start_sn":1,"coll_stop_sn":2,"kernel_events":[{sn_events}]}}'
+            f',"event_trace_ts":{{"coll_start_ts":{ts},"coll_stop_ts":{ts + 5},'
+            f'"kernel_events":[{ts_events}]}}'
+        )
+    return coll
+
+
+def _header(comm: str, rank: int, n_ranks: int, nnodes: int, *, version: str, pid: int) -> str:
+    return (
+        f'"header":{{"id":"{comm}","rank":{rank % n_ranks},"n_ranks":{n_ranks},"nnodes":{nnodes}}},'
+        f'"metadata":{{"inspector_output_format_version":"{version}","git_rev":"9019a1912",'
+        f'"rec_mechanism":"nccl_profiler_interface","dump_timestamp_us":1752867229276385,'
+        f'"hostname":"trainer-{rank}","pid":{pid}}}'
+    )
+
+
+def make_lines(fmt: str, n: int, rank: int, seed: int = 1) -> list[bytes]:
+    """``n`` records of one rank's process in format ``fmt``, as lines without newlines."""
+    rng = random.Random(seed * 1000 + rank)
+    out: list[bytes] = []
+    i = 0
+    while i < n:
+        comm, n_ranks, nnodes = COMMS[i // 64 % len(COMMS)]
+        batch = min(64, n - i)
+        if fmt == "v4.3":
+            out.append(
+                (
+                    "{"
+                    + _header(comm, rank, n_ranks, nnodes, version="v4.3", pid=100 + rank)
+                    + f',"dump_stats":{{"coll_records":{batch},"coll_dropped_total":0,'
+                    f'"coll_dropped_since_last_dump":0,"p2p_records":0,"p2p_dropped_total":0,'
+                    f'"p2p_dropped_since_last_dump":0}}}}'
+                ).encode()
+            )
+        for j in range(batch):
+            kind = KINDS[(i + j) % len(KINDS)]
+            size = SIZES[(i + j) // 3 % len(SIZES)]
+            perf = _perf(rng, i + j, kind, size, fmt == "v4.0 verbose")
+            if fmt == "v4.3":
+                # v4.3 writes the algorithm and protocol after the collective's name.
+                algo = f'"coll":"{kind}","coll_algo":"RING","coll_proto":"SIMPLE",'
+                perf = perf.replace(f'"coll":"{kind}",', algo, 1)
+                out.append(f'{{"coll_perf":{{{perf}}}}}'.encode())
+            else:
+                head = _header(comm, rank, n_ranks, nnodes, version="v4.0", pid=100 + rank)
+                out.append(("{" + head + f',"coll_perf":{{{perf}}}}}').encode())
+        i += batch
+    return out
+
+
+def _cpu(fn: Callable[[], object]) -> float:
+    start = time.thread_time()
+    fn()
+    return time.thread_time() - start
+
+
+def bench_parse(lines: list[bytes]) -> float:
+    """CPU seconds to feed ``lines`` (as 1 MiB chunks of whole lines) and take the summary."""
+    pieces: list[bytes] = []
+    piece: list[bytes] = []
+    size = 0
+    for ln in lines:
+        piece.append(ln)
+        size += len(ln) + 1
+        if size >= 1 << 20:
+            pieces.append(b"\n".join(piece) + b"\n")
+            piece, size = [], 0
+    if piece:
+        pieces.append(b"\n".join(piece) + b"\n")
+    expected = sum(1 for ln in lines if b"coll_perf" in ln)
+    out: list[Any] = []
+
+    def run() -> None:
+        summ = Summarizer()
+        stream = Stream()
+        for p in pieces:
+            out.extend(stream.feed_chunk(p, summ))
+        out.append(summ.take())
+
+    cpu = _cpu(run)
+    *errors, jobs = out
+    assert not errors and jobs.records == expected, (errors[:1], jobs.records)
+    return cpu
+
+
+def bench_decode(lines: list[bytes]) -> float:
+    """CPU seconds of the msgspec decode alone (the same typed decoder, the same chunks): the floor."""
+    blob = b"".join((b"[", b",".join(lines), b",null]"))
+    return _cpu(lambda: inspector._BATCH.decode(blob))  # the parser's own decoder
+
+
+def _load() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().split()[0]
+    except OSError:
+        return "?"
+
+
+def bench_cycle(fmt: str, records: int, root: Path, run: int) -> tuple[float, int]:
+    """CPU seconds of one collector cycle over 8 files of ``records / 8`` records each."""
+    for old in root.iterdir():
+        old.unlink()
+    opts = InspectorOptions(directory=root, max_bytes=1 << 30, max_records=10**7, max_backlog_bytes=1 << 30)
+    c = NcclInspectorCollector(CollectorContext(clock=SystemClock(), nccl_inspector=opts))
+    c.collect()  # the first scan: an empty directory
+    for rank in range(8):
+        data = b"\n".join(make_lines(fmt, records // 8, rank, seed=run)) + b"\n"
+        (root / f"trainer-{rank}-pid{100 + rank}.log").write_bytes(data)
+    out: list[Any] = []
+    cpu = _cpu(lambda: out.append(c.collect()))
+    jobs = out[0].jobs
+    assert jobs is not None and not out[0].errors, out[0].errors[:1]
+    return cpu, jobs.records
+
+
+def reference_us() -> float:
+    """Best of 5 x 5,000 runs of ``sum(range(1000))``, in microseconds: how fast this CPU runs Python."""
+    best = float("inf")
+    for _ in range(5):
+        start = time.thread_time()
+        for _ in range(5_000):
+            sum(range(1000))
+        best = min(best, (time.thread_time() - start) / 5_000 * 1e6)
+    return best
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", type=int, default=20_000, help="records per run (default 20000)")
+    ap.add_argument("--runs", type=int, default=15, help="runs per figure; the median is quoted (default 15)")
+    ap.add_argument("--json", type=Path, help="write every figure here")
+    args = ap.parse_args()
+    results: dict[str, Any] = {"records": args.records, "runs": args.runs, "formats": {}}
+    rows = []
+    refs: list[float] = []
+    loads = [_load()]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for fmt in ("v4.0", "v4.0 verbose", "v4.3"):
+            lines = make_lines(fmt, args.records, rank=0)
+            avg_bytes = sum(map(len, lines)) / len(lines) + 1
+            parse: list[float] = []
+            cycle: list[float] = []
+            floor: list[float] = []
+            for run in range(args.runs):
+                print(f"{fmt}: run {run + 1}/{args.runs}", file=sys.stderr)
+                refs.append(reference_us())
+                parse.append(bench_parse(lines) / args.records * 1e6)
+                floor.append(bench_decode(lines) / args.records * 1e6)
+                cpu, n = bench_cycle(fmt, args.records, root, run)
+                cycle.append(cpu / n * 1e6)
+            p, cy, fl = statistics.median(parse), statistics.median(cycle), statistics.median(floor)
+            results["formats"][fmt] = {
+                "bytes_per_line": avg_bytes,
+                "parse_ms_per_1000": parse,
+                "cycle_ms_per_1000": cycle,
+                "decode_only_ms_per_1000": floor,
+                "parse_median": p,
+                "cycle_median": cy,
+                "decode_only_median": fl,
+            }
+            rows.append((fmt, avg_bytes, fl, p, min(parse), cy, min(cycle)))
+    ref = statistics.median(refs)
+    results["reference_sum_range_1000_us"] = refs
+    results["loadavg"] = loads[0], _load()
+    print(f"CPU per 1,000 records, median of {args.runs} runs of {args.records} records (min in brackets).")
+    print(
+        f"This machine: {os.cpu_count()} CPUs; sum(range(1000)) took {ref:.1f} us (median over the runs, "
+        f"{min(refs):.1f}-{max(refs):.1f}); load average {loads[0]} before, {_load()} after.\n"
+    )
+    print("| format | bytes/line | JSON decode alone | parse+summarize | collector cycle | target < 1 ms |")
+    print("|---|---:|---:|---:|---:|---|")
+    for fmt, avg, fl, p, pmin, cy, cmin in rows:
+        verdict = "met" if cy < TARGET_MS_PER_1000 else "**missed**"
+        cells = [fmt, f"{avg:.0f}", f"{fl:.3f} ms", f"{p:.3f} ms ({pmin:.3f})", f"{cy:.3f} ms ({cmin:.3f})"]
+        print("| " + " | ".join([*cells, verdict]) + " |")
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
