@@ -31,7 +31,7 @@ import msgspec
 from agent.errors import ConfigError
 from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Jobs, Nic, NvLink, Probe, Report
 from aggregator.fleet.pools import Placement
-from sim.jobs import JobFleet, job_fleet
+from sim.jobs import JobFleet, busy_windows, job_fleet
 from sim.probing import PairProbe, plan_pair_probes
 from sim.profiles import (
     HGX_IPOIB_NETDEVS,
@@ -105,8 +105,7 @@ def _timeline(s: Scenario, name: str) -> _Timeline:
 def _timelines(s: Scenario) -> dict[str, _Timeline]:
     """Every node's timeline; a node of a multi-node job is busy for the job's span (sim.jobs)."""
     out = {name: _timeline(s, name) for name in s.node_names()}
-    fleet = job_fleet(s)
-    for name, (t0, t1) in (fleet.busy_windows() if fleet is not None else {}).items():
+    for name, (t0, t1) in busy_windows(s).items():
         out[name] = _Timeline([t0, t1], first_busy=False)
     return out
 

@@ -36,9 +36,9 @@ shortest while the others' kernels wait for it, as the Inspector's README says):
 
 The Inspector writes each dump interval (``DUMP_INTERVAL_S``) the latest completed operation per
 communicator and rank; the node's records for a cycle are the dumps in it, run through the
-agent's own ``agent.inspector.Summarizer`` into ``Report.jobs``. Every value of one collective
-comes from a generator seeded by the seed, the communicator and the dump, so every node of a
-communicator reports the same collective.
+agent's own ``agent.inspector`` parser and ``Summarizer`` into ``Report.jobs``. Every collective
+of one dump is drawn at once from a generator seeded by the seed and the dump, so every node of a
+communicator reports the same collective whatever order the nodes ask in.
 """
 
 from __future__ import annotations
@@ -519,15 +519,6 @@ class JobFleet:
         self._states: dict[tuple[bool, ...], tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]] = {}
         self._dumps: dict[int, npt.NDArray[np.float64]] = {}  # dump -> every rank's kernel time (s)
 
-    def busy_windows(self) -> dict[str, tuple[float, float]]:
-        """Each job node's busy stretch in true time (the job's span)."""
-        out = {}
-        for j in self.jobs.values():
-            end = math.inf if j.until_s is None else self.start + j.until_s
-            for n in j.node_names():
-                out[n] = (self.start + j.at_s, end)
-        return out
-
     def _state(self, rel: float) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
         """Per communicator its transfer time (s), per rank its lateness (transfer times), for the
         faults active at ``rel``; kept per set of active faults (they change a few times a run)."""
@@ -633,6 +624,16 @@ def pod_name(job: str, node: str) -> str:
 def pid_of(gpu: int) -> int:
     """One process per GPU; PIDs in the pod's namespace start after the launcher's."""
     return 100 + gpu
+
+
+def busy_windows(s: Scenario) -> dict[str, tuple[float, float]]:
+    """Each job node's busy stretch in true time: its job's span."""
+    out = {}
+    for j in s.multinode_jobs:
+        end = math.inf if j.until_s is None else s.start + j.until_s
+        for n in j.node_names():
+            out[n] = (s.start + j.at_s, end)
+    return out
 
 
 def job_fleet(s: Scenario) -> JobFleet | None:
