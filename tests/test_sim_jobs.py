@@ -278,3 +278,21 @@ def test_busy_jobs_localizes_from_job_data_alone(tmp_path: Path) -> None:
     link = next(d for d in raw if d["subject"] == "link" and d["state"] == "degraded")
     assert link["reasons"][0]["detector"] == "jobs"
     assert link["reasons"][0]["evidence"]["job"] == "llm-c"
+
+
+def test_a_slow_job_is_one_fault_in_the_truth_and_in_the_trace_check() -> None:
+    from sim.eval import TraceFacts, check_inputs
+    from sim.truth import Truth, TruthFault
+
+    seen = T0 + 11.0
+    entries = [TruthFault(3, "slow_job", "lookalike", f"gpu-000{i}", T0, seen, None) for i in range(4)]
+    entries.append(TruthFault(4, "slow_nic", "soft", "gpu-0009", T0, T0 + 21.0, None))
+    truth = Truth(1, T0, T0 + 600.0, tuple(f"gpu-{i:04d}" for i in range(10)), tuple(entries))
+    # The first report that showed the slow job is one node's; the slow NIC's is there too.
+    stamps = frozenset({("gpu-0002", seen), ("gpu-0009", T0 + 21.0)})
+    check_inputs(truth, [], TraceFacts([], frozenset(truth.nodes), stamps))
+    with pytest.raises(ConfigError, match="only 0 of the 2 reports"):
+        check_inputs(truth, [], TraceFacts([], frozenset(truth.nodes), frozenset()))
+    # A quarantine on a node of the slow job is a look-alike's false quarantine.
+    q = sim_eval.Decision(T0 + 300.0, "node", "gpu-0001", None, "quarantined", frozenset({"jobs"}))
+    assert sim_eval.score(truth, [q])["quarantines"]["false_by_cause"]["lookalike"] == 1
