@@ -11,7 +11,7 @@ when it was caught (seconds from its first showing report) and by which detector
 reasons name, and whether the job-data detector's evidence was on the node (or link) at the end;
 the false quarantines; any decision about a node of a job that is slow everywhere; the pair
 probes the trace holds (none can run on a busy fleet). Not a test: nothing here fails a build;
-the published table is in docs/detection.md ("Localization at the aggregator").
+the published table is in docs/jobs.md ("Localization at the aggregator").
 """
 
 from __future__ import annotations
