@@ -249,6 +249,7 @@ async def build_aggregator(
         on_systemic=notify.on_systemic,
     )
     metrics.watch_detectors(pipeline.detector_stats)
+    metrics.watch_jobs(pipeline.job_tables)
     if decisions is not None and config.remediation.mode != "enforce":
         _carry_over(pipeline, decisions, clock)
     if config.remediation.mode != "off":

@@ -102,7 +102,7 @@ class LinkHealth:
         if state == "degraded" and st.first_seen is not None:
             evidence.setdefault("persisted_seconds", round(now - st.first_seen, 1))
         reason = Reason(
-            detector="link",
+            detector=f.detector if f is not None else "link",  # the localizer that called it
             severity=(f.severity if f is not None else "warning") if state != "healthy" else "info",
             summary=summary,
             evidence=evidence,

@@ -10,7 +10,10 @@ so are the per-detector runs, run time and errors (``gpuwarden_detector_*_total{
 ``Pipeline.detector_stats``), as node_exporter exports them per collector.
 
 Label values come from closed sets (rejection reasons, node states, detectors), which keeps
-cardinality fixed whatever the fleet sends: no node name is ever a label here.
+cardinality fixed whatever the fleet sends: no node name is ever a label here, with one bounded
+exception: the job-data tables (``gpuwarden_job_*``), read at scrape time from the job localizer
+(``aggregator.detect.jobs``), are top-N lists (``detectors.jobs.top_n`` series per family, never
+one per communicator), and name the job, communicator and node that each row is about.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol, runtime_checkable
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,10 +31,13 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "DETECTOR_FAMILIES",
+    "JOB_FAMILIES",
     "NODE_STATES",
     "REJECT_REASONS",
     "TOKEN_REVIEW_RESULTS",
+    "JobTable",
     "Metrics",
+    "ReportsJobs",
 ]
 
 # Every reason code the ingest endpoint can answer with; each starts at 0 so a dashboard's rate()
@@ -176,6 +182,89 @@ class _Detectors(Collector):
         return list(self._families())
 
 
+@dataclass(frozen=True)
+class JobTable:
+    """What a job-data detector's last run saw, as top-N lists (each already cut to N)."""
+
+    # (job, the median bus bandwidth of its inter-node communicators in GB/s, its level: its
+    # single-node communicators' bandwidth over their class's), the slowest jobs first
+    jobs: tuple[tuple[str, float, float], ...] = ()
+    # (job, communicator, collective, nnodes, bandwidth over its job's level), slowest first
+    communicators: tuple[tuple[str, str, str, int, float], ...] = ()
+    # (job, node, communicator, rank, how much longer the others' kernels took), worst first
+    stragglers: tuple[tuple[str, str, str, int, float], ...] = ()
+
+
+@runtime_checkable
+class ReportsJobs(Protocol):
+    """A detector with job-data tables (the job localizer); the pipeline asks those that have it."""
+
+    def job_table(self) -> JobTable: ...
+
+
+JOB_FAMILIES: Final = (
+    "gpuwarden_job_busbw_gigabytes_per_second",
+    "gpuwarden_job_level_ratio",
+    "gpuwarden_job_communicator_ratio",
+    "gpuwarden_job_straggler_wait_ratio",
+)
+
+
+class _Jobs(Collector):
+    """``gpuwarden_job_*``: the job localizer's top-N tables, read when scraped. The job is the
+    ``workload`` label (``job`` is Prometheus's own target label), the node ``host`` (``node``
+    is the PodMonitor's)."""
+
+    def __init__(self, source: Callable[[], Iterable[JobTable]]) -> None:
+        self._source = source
+
+    def _families(self) -> tuple[GaugeMetricFamily, ...]:
+        return (
+            GaugeMetricFamily(
+                JOB_FAMILIES[0],
+                "Median bus bandwidth of a job's inter-node communicators over the job localizer's window "
+                "(the jobs whose level is lowest, detectors.jobs.top_n of them).",
+                labels=["workload"],
+            ),
+            GaugeMetricFamily(
+                JOB_FAMILIES[1],
+                "A job's level: its single-node communicators' bandwidth over their class's across the "
+                "fleet (under 1: slow everywhere, its workload; nothing is blamed for it).",
+                labels=["workload"],
+            ),
+            GaugeMetricFamily(
+                JOB_FAMILIES[2],
+                "The slowest inter-node communicators: bandwidth over their job's level (top-N).",
+                labels=["workload", "communicator", "collective", "nnodes"],
+            ),
+            GaugeMetricFamily(
+                JOB_FAMILIES[3],
+                "Ranks the others wait for: how much longer the others' kernels took than its own (top-N).",
+                labels=["workload", "host", "communicator", "rank"],
+            ),
+        )
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            tables = tuple(self._source())
+        except Exception:
+            log.exception("reading job tables for /metrics failed")
+            return []
+        busbw, level, comms, late = self._families()
+        for t in tables:
+            for job, gbs, ratio in t.jobs:
+                busbw.add_metric([job], gbs)
+                level.add_metric([job], ratio)
+            for job, comm, collective, nnodes, ratio in t.communicators:
+                comms.add_metric([job, comm, collective, str(nnodes)], ratio)
+            for job, host, comm, rank, wait in t.stragglers:
+                late.add_metric([job, host, comm, str(rank)], wait)
+        return [busbw, level, comms, late]
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families())
+
+
 class Metrics:
     """The aggregator's metric families, registered on ``registry``."""
 
@@ -244,6 +333,10 @@ class Metrics:
         """Export ``gpuwarden_detector_{runs,duration_seconds,errors}_total{detector}`` from
         ``source`` (the pipeline's ``detector_stats``) at every scrape."""
         self.registry.register(_Detectors(source))
+
+    def watch_jobs(self, source: Callable[[], Iterable[JobTable]]) -> None:
+        """Export ``gpuwarden_job_*`` from ``source`` (the pipeline's ``job_tables``) at every scrape."""
+        self.registry.register(_Jobs(source))
 
     def accepted(self) -> None:
         self._accepted.inc()

@@ -42,7 +42,7 @@ from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import UNKNOWN_POOL, Placement, gpu_model_pool, place
 from aggregator.health import HealthMachine, NodeHealth, carried_over, finding_of_snapshot
 from aggregator.links import LinkHealth
-from aggregator.metrics import DetectorStats
+from aggregator.metrics import DetectorStats, JobTable, ReportsJobs
 from aggregator.model import Finding, IngestOutcome
 from aggregator.ordering import SeqTracker
 from aggregator.probes.scheduler import ProbeScheduler, report_is_idle
@@ -366,6 +366,10 @@ class Pipeline:
     def detector_stats(self) -> tuple[DetectorStats, ...]:
         """Each detector's runs, their time and its failures so far (for its metrics)."""
         return tuple(DetectorStats(r.name, r.runs, r.seconds, r.errors) for r in self._detectors)
+
+    def job_tables(self) -> tuple[JobTable, ...]:
+        """What the job-data detectors' last runs saw (their top-N metrics)."""
+        return tuple(r.detector.job_table() for r in self._detectors if isinstance(r.detector, ReportsJobs))
 
     def _forget_long_gone(self, now: float) -> None:
         """Drop nodes silent for ``silence.forget_after_seconds`` (decommissioned, renamed), so

@@ -1032,6 +1032,62 @@ def node_drilldown() -> Json:
     )
 
 
+def _job_panels() -> list[Json]:
+    """The jobs' own collectives (NCCL Inspector), as the aggregator's job localizer last saw them.
+
+    Its tables are top-N lists (detectors.jobs.top_n): the slowest jobs, communicators and the
+    ranks others wait for, not one series per communicator. Every aggregator replica exports the
+    whole fleet's, so panels take the max over replicas, never a sum."""
+    return [
+        _row("Jobs (NCCL Inspector)"),
+        _timeseries(
+            "Bus bandwidth per job (the slowest jobs)",
+            [_target("max by (workload) (gpuwarden_job_busbw_gigabytes_per_second)", "{{workload}}")],
+            unit="GBs",
+            description="Median bus bandwidth of each job's inter-node communicators (data-parallel rings, "
+            "pipeline pairs) over the job localizer's window, for the jobs whose level is lowest.",
+            minimum=0,
+        ),
+        _timeseries(
+            "Job level (1 = like its peers)",
+            [_target("max by (workload) (gpuwarden_job_level_ratio)", "{{workload}}")],
+            description="A job's single-node (NVLink) communicators' bandwidth over the fleet's for the same "
+            "collective and size. Under 1 everywhere is the job's workload: nothing is blamed for it.",
+            minimum=0,
+        ),
+        _table(
+            "Slowest communicators",
+            [
+                _target(
+                    "bottomk(10, max by (workload, communicator, collective, nnodes) "
+                    "(gpuwarden_job_communicator_ratio))",
+                    "",
+                    instant=True,
+                    fmt="table",
+                )
+            ],
+            description="Inter-node communicators whose bandwidth is lowest against their job's level "
+            "(under 0.85: low; a NIC or a link is blamed only where they agree on one).",
+            transformations=_without_time_sorted_by("Value"),
+        ),
+        _table(
+            "Straggler ranks",
+            [
+                _target(
+                    "topk(10, max by (workload, host, communicator, rank) "
+                    "(gpuwarden_job_straggler_wait_ratio))",
+                    "",
+                    instant=True,
+                    fmt="table",
+                )
+            ],
+            description="Ranks the others wait for: with GPU kernel timing their own kernel is the shortest; "
+            "the value is how much longer the others' kernels took (0.5 = 50 %).",
+            transformations=_without_time_sorted_by("Value"),
+        ),
+    ]
+
+
 def network() -> Json:
     panels = [
         _row("Degraded links"),
@@ -1123,6 +1179,7 @@ def network() -> Json:
             minimum=0,
         ),
         *_pair_probe_panels(),
+        *_job_panels(),
         _row("NVLink"),
         _timeseries(
             "NVLink errors per second",

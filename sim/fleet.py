@@ -29,8 +29,9 @@ from typing import Final
 import msgspec
 
 from agent.errors import ConfigError
-from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Nic, NvLink, Probe, Report
+from agent.report import SCHEMA_ID, CollectorError, Event, Gpu, Jobs, Nic, NvLink, Probe, Report
 from aggregator.fleet.pools import Placement
+from sim.jobs import JobFleet, busy_windows, job_fleet
 from sim.probing import PairProbe, plan_pair_probes
 from sim.profiles import (
     HGX_IPOIB_NETDEVS,
@@ -99,6 +100,14 @@ def _timeline(s: Scenario, name: str) -> _Timeline:
         switches.append(t)
         busy = not busy
     return _Timeline(switches, first)
+
+
+def _timelines(s: Scenario) -> dict[str, _Timeline]:
+    """Every node's timeline; a node of a multi-node job is busy for the job's span (sim.jobs)."""
+    out = {name: _timeline(s, name) for name in s.node_names()}
+    for name, (t0, t1) in busy_windows(s).items():
+        out[name] = _Timeline([t0, t1], first_busy=False)
+    return out
 
 
 def _down_windows(faults: list[FaultSpec], s: Scenario) -> list[tuple[float, float]]:
@@ -276,8 +285,11 @@ class _Node:
         faults: list[tuple[int, FaultSpec]],
         timeline: _Timeline,
         pair_probes: list[PairProbe],
+        *,
+        jobs: JobFleet | None = None,
     ) -> None:
         self.s = s
+        self.jobs = jobs
         self.name = node_name(index)
         self.profile = s.pool_of(index).profile
         self.labels = s.labels_of(index)
@@ -430,6 +442,10 @@ class _Node:
             if g.lost
         ]
         events, self.pending_events = self.pending_events, []
+        jobs: Jobs | msgspec.UnsetType = msgspec.UNSET  # the Inspector collector is off without jobs
+        if self.jobs is not None:
+            jobs, seen = self.jobs.section(self.name, prev_t, t, self.skew(t), any(g.lost for g in self.gpus))
+            shows |= seen
         for idx, f in self.faults:
             if f.kind == "remap_failure" and idx in self.applied and not self.gpus[f.gpu or 0].lost:
                 shows.add(idx)
@@ -447,6 +463,7 @@ class _Node:
             events=events if events else msgspec.UNSET,
             probes=probes if probes else msgspec.UNSET,
             errors=errors if errors else msgspec.UNSET,
+            jobs=jobs,
         )
         self.seq += 1
         for index in self.lose_next:
@@ -677,8 +694,9 @@ def _node_stream(
     silences: list[FaultSpec],
     timeline: _Timeline,
     pair_probes: list[PairProbe],
+    jobs: JobFleet | None = None,
 ) -> Iterator[tuple[float, str, Delivery]]:
-    node = _Node(s, index, faults, timeline, pair_probes)
+    node = _Node(s, index, faults, timeline, pair_probes, jobs=jobs)
     net = random.Random(f"gpuwarden-sim-net:{s.seed}:{node.name}")
     quiet = _quiet_windows(silences, s)
     end = s.start + s.duration_s
@@ -750,7 +768,7 @@ def place(s: Scenario) -> Scenario:
     base = replace(s, faults=tuple(f for i, f in enumerate(s.faults) if i not in todo))
     by_node, silences = _faults_by_node(base)
     names = s.node_names()
-    timelines = {name: _timeline(s, name) for name in names}
+    timelines = _timelines(s)
     plans = _plan_pair_probes(base, timelines, by_node, silences)
     taken = set(by_node) | set(silences)
     faults = list(s.faults)
@@ -788,8 +806,9 @@ def simulate(s: Scenario) -> Iterator[Delivery]:
     s = place(s)
     names = s.node_names()
     by_node, silences = _faults_by_node(s)
-    timelines = {name: _timeline(s, name) for name in names}
+    timelines = _timelines(s)
     pairs = _plan_pair_probes(s, timelines, by_node, silences)
+    jobs = job_fleet(s)
     streams = [
         _node_stream(
             s,
@@ -798,6 +817,7 @@ def simulate(s: Scenario) -> Iterator[Delivery]:
             silences=silences.get(n, []),
             timeline=timelines[n],
             pair_probes=pairs.get(n, []),
+            jobs=jobs,
         )
         for i, n in enumerate(names)
     ]

@@ -15,6 +15,7 @@ from typing import Any, Final
 import yaml
 
 from agent.errors import ConfigError
+from sim.jobs import JobSpec, parse_jobs, validate_jobs
 from sim.profiles import PROFILES, NodeProfile
 
 START_TIME: Final = 1_764_000_000.0  # 2025-11-24 16:00:00 UTC
@@ -39,8 +40,12 @@ FAULT_KINDS: Final[Mapping[str, tuple[str, frozenset[str], Mapping[str, float]]]
     "app_xid": ("lookalike", frozenset({"node", "gpu"}), {"code": 13}),
     "reboot": ("lookalike", frozenset({"node"}), {"down_s": 180.0}),
     "clock_skew": ("lookalike", frozenset({"node"}), {"seconds": 30.0}),
+    # A multi-node job slow everywhere (its workload, not the hardware): sim.jobs.
+    "slow_job": ("lookalike", frozenset({"job"}), {"ratio": 0.6}),
 }
-_FAULT_FIELDS: Final = frozenset({"kind", "node", "peer", "gpu", "port", "rack", "leaf", "at_s", "until_s"})
+_FAULT_FIELDS: Final = frozenset(
+    {"kind", "node", "peer", "gpu", "port", "rack", "leaf", "job", "at_s", "until_s"}
+)
 # Kinds that may name a leaf switch instead of their nodes: the simulator then places the fault on
 # a pair of that leaf that the probes measure (``sim.fleet.place``).
 _BY_LEAF: Final = frozenset({"degraded_link"})
@@ -69,6 +74,7 @@ class FaultSpec:
     # A degraded link given by its leaf alone: placed per seed on two healthy nodes of the leaf
     # (one pool) that the probe plan measures after the onset; ``node``/``peer`` stay None until then.
     leaf: str | None = None
+    job: str | None = None  # a multinode_jobs name, for slow_job
 
     @property
     def fault_class(self) -> str:
@@ -103,6 +109,7 @@ class Scenario:
     pair_every_s: float = 600.0
     probe_size_bytes: int = 1 << 30
     faults: tuple[FaultSpec, ...] = ()
+    multinode_jobs: tuple[JobSpec, ...] = ()  # sim.jobs: jobs spanning nodes, and their collectives
 
     @property
     def node_count(self) -> int:
@@ -149,6 +156,7 @@ class Scenario:
                 raise ConfigError(f"delivery.{name} must be in [0, 1)")
         names = set(self.node_names())
         racks = {self.rack_of(i) for i in range(self.node_count)}
+        validate_jobs(self.multinode_jobs, self.node_count, lambda i: self.pool_of(i).name)
         for i, f in enumerate(self.faults):
             _validate_fault(f, f"faults[{i}] ({f.kind})", self, names, racks)
 
@@ -213,6 +221,8 @@ def _validate_fault(f: FaultSpec, where: str, s: Scenario, names: set[str], rack
             )
     if f.peer is not None and f.peer == f.node:
         raise ConfigError(f"{where}: peer must differ from node")
+    if f.job is not None and f.job not in {j.name for j in s.multinode_jobs}:
+        raise ConfigError(f"{where}: unknown job {f.job!r} (not in multinode_jobs)")
     if f.rack is not None and f.rack not in racks:
         raise ConfigError(f"{where}: unknown rack {f.rack!r}")
     if f.leaf is not None:
@@ -283,11 +293,11 @@ def _parse_fault(raw: Any, where: str) -> FaultSpec:
     if missing:
         raise ConfigError(f"{where} ({kind}): missing {', '.join(missing)}")
     stray = sorted(
-        k for k in ("node", "peer", "gpu", "port", "rack", "leaf") if k in raw and k not in required
+        k for k in ("node", "peer", "gpu", "port", "rack", "leaf", "job") if k in raw and k not in required
     )
     if stray:
         raise ConfigError(f"{where} ({kind}): {', '.join(stray)} does not apply to this kind")
-    for k in ("node", "peer", "rack", "leaf"):
+    for k in ("node", "peer", "rack", "leaf", "job"):
         if k in raw and not isinstance(raw[k], str):
             raise ConfigError(f"{where}: {k} must be a string")
     for k in ("gpu", "port"):
@@ -304,6 +314,7 @@ def _parse_fault(raw: Any, where: str) -> FaultSpec:
         port=raw.get("port"),
         rack=raw.get("rack"),
         leaf=raw.get("leaf"),
+        job=raw.get("job"),
         params={k: _number(raw, k, f"{where}.", v) for k, v in defaults.items()},
     )
 
@@ -325,6 +336,7 @@ def parse(data: Any) -> Scenario:
         "delivery",
         "probes",
         "faults",
+        "multinode_jobs",
     }
     _check_keys(data, top, "scenario")
     raw_pools = data.get("pools")
@@ -376,6 +388,7 @@ def parse(data: Any) -> Scenario:
         pair_every_s=_number(probes, "pair_every_s", "probes.", d.pair_every_s),
         probe_size_bytes=int(_number(probes, "size_bytes", "probes.", d.probe_size_bytes)),
         faults=tuple(_parse_fault(f, f"faults[{i}]") for i, f in enumerate(raw_faults)),
+        multinode_jobs=parse_jobs(data.get("multinode_jobs")),
     )
     scenario.validate()
     return scenario

@@ -90,6 +90,11 @@ def build(scenario: Scenario, first_seen: Mapping[int, float]) -> Truth:
             for name in silenced_nodes(s, f):
                 faults.append(TruthFault(idx, f.kind, f.fault_class, name, start, start, end, rack=f.rack))
             continue
+        if f.kind == "slow_job":  # one entry per node of the job, as for a silent rack
+            job = next(j for j in s.multinode_jobs if j.name == f.job)
+            for name in job.node_names():
+                faults.append(TruthFault(idx, f.kind, f.fault_class, name, start, first_seen.get(idx), end))
+            continue
         if f.node is None:  # a fault given by its leaf: sim.fleet.place names its nodes
             raise ValueError(f"faults[{idx}] ({f.kind}) on {f.leaf} is not placed: use sim.fleet.place first")
         faults.append(

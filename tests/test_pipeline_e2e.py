@@ -69,7 +69,9 @@ DECISION_SCHEMA: dict[str, Any] = {
                 "additionalProperties": False,
                 "required": ["detector", "rule", "severity", "summary", "evidence"],
                 "properties": {
-                    "detector": {"enum": ["rule", "peer", "trend", "forest", "probe", "link", "silence"]},
+                    "detector": {
+                        "enum": ["rule", "peer", "trend", "forest", "probe", "link", "jobs", "silence"]
+                    },
                     "rule": {"type": ["string", "null"]},
                     "severity": {"enum": ["info", "warning", "critical"]},
                     "summary": {"type": "string", "minLength": 1},

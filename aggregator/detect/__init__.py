@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from aggregator.detect.base import Detector, DetectorSpec, PoolDetector, Verdict, detectors_section
 from aggregator.detect.forest import ForestConfig, ForestDetector
+from aggregator.detect.jobs import JobConfig, JobLocalizer
 from aggregator.detect.links import LinkConfig, LinkLocalizer
 from aggregator.detect.localprobe import LocalProbeConfig, LocalProbeDetector
 from aggregator.detect.peers import PeerConfig, PeerDetector
@@ -27,6 +28,7 @@ DETECTORS: Final[tuple[DetectorSpec[Any], ...]] = (
     DetectorSpec(ForestConfig, ForestDetector),
     DetectorSpec(LinkConfig, LinkLocalizer),  # pair probes: a slow node, a degraded link, a switch
     DetectorSpec(LocalProbeConfig, LocalProbeDetector),  # local all-reduce probes against the pool
+    DetectorSpec(JobConfig, JobLocalizer),  # the jobs' own collectives (NCCL Inspector): GPU, NIC, link
 )
 
 # Sources of findings built into the pipeline: the rule engine and the silence detector.

@@ -1,0 +1,642 @@
+"""Job data: which GPU, NIC or link the jobs' own collectives blame (NCCL Inspector summaries).
+
+Each report's ``jobs`` section has, per communicator rank seen on the node, collective kind and
+message-size bucket, the cycle's bus bandwidth and kernel-time quantiles (``agent.inspector``).
+One communicator's id is the same on every rank, so rows of many nodes make up one communicator;
+communicators that share a node make up one job. Over a sliding window (``window_seconds``),
+per row the medians of the cycles' medians; then, every run:
+
+- **like with like**: a communicator is compared with the communicators of its *class* (the
+  same collective kind, size bucket, rank count, node count, timing source and pool) across the
+  fleet. Its transfer bandwidth is the *highest* of its ranks' (the rank that waited least: with
+  GPU kernel timing the others' kernels include their wait for the last to arrive); its ratio is
+  that over the class's median, in log space, and its class's robust spread (MAD, floored at
+  ``spread_floor``) says how far off is unusual;
+- **the job's own level**: the median ratio of the job's single-node (tensor-parallel)
+  communicators, or of all of them where it has none. A job slow everywhere (its workload: small
+  messages, its own contention) is slow on NVLink too, and every communicator is judged against
+  that level: nothing of it stands out, and nothing is blamed (``slow_everywhere`` in the log);
+- a communicator is **low** when its ratio to the job's level is under ``low_ratio`` and ``z``
+  spreads below it, **normal** when above ``normal_ratio`` (between the two: no vote either way);
+- **NIC (node)**: every inter-node communicator with a rank on the node is low (at least
+  ``min_comms``), and they do not all cross one same hop (else a link and the NIC cannot be told
+  apart): quarantine, the node's network;
+- **link**: every communicator crossing the hop between two nodes is low, each end has a normal
+  inter-node communicator (its NIC is fine), and every other hop of those communicators is
+  crossed by a normal one: the hop alone explains them (intersection over communicators). A link
+  finding for the link state machine, nothing on the nodes;
+- **straggler**: with ``kernel_gpu`` timing, a communicator whose ranks waited (its median rank's
+  bandwidth under ``1 - straggler_ratio`` of the class's transfer figure) and one rank's kernel
+  time is the shortest by ``straggler_ratio`` and ``z`` spreads of the others' times: that rank
+  arrived last. A node whose ranks are the stragglers of ``min_comms`` or more of its inter-node
+  communicators (and of most of those judged), or of its tensor-parallel communicator, is slow:
+  quarantine, naming the GPU (tensor-parallel rank) when its own communicator shows one;
+- **over time**: a blame must hold in ``confirm_runs`` consecutive runs (each on its own window)
+  before it becomes a finding; the health and link state machines then want it to persist as
+  they want any soft evidence (``suspect_for_seconds``), with the same safety limits.
+
+A communicator is judged only when every one of its ranks is in the window: a partial view can
+neither blame nor clear. Rows are kept per communicator, bounded (``max_comms``,
+``max_samples``); a node's rows go when it is forgotten.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from collections import defaultdict, deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Annotated, ClassVar, Final
+
+from msgspec import UNSET, Meta
+
+from agent.report import Report
+from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
+from aggregator.detect.base import Pair, Verdict
+from aggregator.fleet.frame import FleetFrames
+from aggregator.fleet.pools import Placement
+from aggregator.metrics import JobTable
+from aggregator.model import Finding
+
+log = logging.getLogger(__name__)
+
+MAD_SCALE: Final = 1.4826  # MAD x this estimates one standard deviation of normal data
+P2P: Final = frozenset({"Send", "Recv", "SendRecv"})  # a pair, not a ring
+KERNEL_GPU: Final = "kernel_gpu"
+
+
+class JobConfig(DetectorSettings, frozen=True):
+    """``detectors.jobs``."""
+
+    name: ClassVar[str] = "jobs"
+    every_seconds: PositiveSeconds = 60.0
+    # Rows this recent make a run's view: several agent cycles (10-30 s), so one lost report or
+    # one odd cycle cannot move a median, and short enough that a fault shows within minutes.
+    window_seconds: PositiveSeconds = 180.0
+    max_comms: Annotated[int, Meta(ge=1)] = 20_000  # communicator rows kept (oldest dropped first)
+    max_samples: Annotated[int, Meta(ge=1)] = 32  # cycles kept per communicator rank
+    # NCCL's run-to-run spread on a healthy ring is a few percent (nccl-tests); 15 % below its
+    # peers is the pair probes' line too (detectors.link node_ratio/pair_ratio).
+    low_ratio: Ratio = 0.85
+    # Above this a communicator vouches for the hops and NICs it crosses; between the two lines
+    # it neither blames nor vouches (a borderline ring must not clear a hop by noise).
+    normal_ratio: Ratio = 0.93
+    # A rank arriving this much later than its peers makes their kernels wait as long: a GPU
+    # 15 % slow in a step that spends three quarters computing is about 50 % late.
+    straggler_ratio: Ratio = 0.1
+    z: Annotated[float, Meta(ge=0)] = 3.0  # how many robust spreads off a verdict must be
+    spread_floor: Annotated[float, Meta(gt=0)] = 0.02  # lower bound of the spread of log bandwidth
+    min_class_comms: Annotated[int, Meta(ge=2)] = 4  # fewer communicators cannot say what is normal
+    min_comms: Annotated[int, Meta(ge=1)] = 2  # a node is blamed on this many communicators of its own
+    confirm_runs: Annotated[int, Meta(ge=1)] = 2  # consecutive runs a blame must hold
+    top_n: Annotated[int, Meta(ge=1)] = 10  # slowest communicators and stragglers kept for metrics
+
+    def __post_init__(self) -> None:
+        if not self.low_ratio < self.normal_ratio:
+            raise ValueError("low_ratio must be under normal_ratio")
+
+
+# ---------------------------------------------------------------------------------------------
+# The maths, on plain arrays
+
+
+def robust_centre(values: Sequence[float], floor: float) -> tuple[float, float]:
+    """Median and robust spread (MAD x 1.4826, at least ``floor``) of ``values``."""
+    med = statistics.median(values)
+    return med, max(MAD_SCALE * statistics.median([abs(x - med) for x in values]), floor)
+
+
+@dataclass(frozen=True)
+class Straggler:
+    index: int  # the rank (position in the input) that arrived last
+    gap: float  # log of the others' median kernel time over its own
+    z: float  # gap over the others' spread
+
+
+def straggler(exec_us: Sequence[float], *, ratio: float, z: float, floor: float) -> Straggler | None:
+    """The rank whose kernel time is the shortest by ``ratio`` and ``z`` robust spreads of the
+    others' (log) times, or None. With GPU kernel timing that rank arrived last: the others'
+    kernels started earlier and waited for it."""
+    if len(exec_us) < 2:
+        return None
+    t = [math.log(max(x, 1e-3)) for x in exec_us]
+    i = min(range(len(t)), key=t.__getitem__)
+    centre, spread = robust_centre(t[:i] + t[i + 1 :], floor)
+    gap = centre - t[i]
+    if gap < math.log1p(ratio) or gap < z * spread:
+        return None
+    return Straggler(i, gap, gap / spread)
+
+
+@dataclass(frozen=True)
+class CommVote:
+    """One communicator of a job, as localization sees it."""
+
+    comm: str
+    nodes: tuple[str, ...]  # distinct nodes, in rank order
+    hops: tuple[Pair, ...]  # the inter-node hops it crosses
+    state: str  # "low", "normal" or "unclear"
+    ratio: float  # its bandwidth over its job's level (not log)
+
+
+@dataclass(frozen=True)
+class Blame:
+    nics: dict[str, list[CommVote]]  # node -> the low communicators through it
+    links: dict[Pair, list[CommVote]]  # hop -> the low communicators crossing it
+    ambiguous: list[tuple[str, ...]]  # low communicators' candidate sets nothing pins down
+
+
+def localize(votes: Sequence[CommVote], *, min_comms: int) -> Blame:
+    """Which NICs and hops explain the low inter-node communicators of one job (module docstring).
+
+    ``votes`` are the job's inter-node communicators. A NIC: every communicator through the node
+    is low (``min_comms`` at least) and no one hop is common to all of them. A hop: every
+    communicator crossing it is low, each end has a normal communicator, and each other hop of
+    those communicators is crossed by a normal one."""
+    through: dict[str, list[CommVote]] = defaultdict(list)
+    crossing: dict[Pair, list[CommVote]] = defaultdict(list)
+    for v in votes:
+        for n in v.nodes:
+            through[n].append(v)
+        for h in v.hops:
+            crossing[h].append(v)
+    vouched_nodes = {n for n, vs in through.items() if any(v.state == "normal" for v in vs)}
+    vouched_hops = {h for h, vs in crossing.items() if any(v.state == "normal" for v in vs)}
+    nics: dict[str, list[CommVote]] = {}
+    for n, vs in sorted(through.items()):
+        if len(vs) < min_comms or any(v.state != "low" for v in vs):
+            continue
+        common = set(vs[0].hops).intersection(*(v.hops for v in vs[1:]))
+        if common:
+            continue  # all through one hop: that link or this NIC, the data cannot say which
+        nics[n] = vs
+    links: dict[Pair, list[CommVote]] = {}
+    for h, vs in sorted(crossing.items()):
+        if any(v.state != "low" for v in vs):
+            continue
+        if h[0] not in vouched_nodes or h[1] not in vouched_nodes:
+            continue
+        if h[0] in nics or h[1] in nics:
+            continue
+        if all(set(v.hops) - {h} <= vouched_hops for v in vs):
+            links[h] = vs
+    explained = {v.comm for vs in nics.values() for v in vs} | {v.comm for vs in links.values() for v in vs}
+    ambiguous = [v.nodes for v in votes if v.state == "low" and v.comm not in explained]
+    return Blame(nics, links, ambiguous)
+
+
+# ---------------------------------------------------------------------------------------------
+# The detector
+
+
+@dataclass
+class _Rank:
+    node: str
+    hostname: str | None
+    pid: int | None
+    gpu: int | None
+    samples: deque[tuple[float, float, float]]  # (our time, busbw GB/s p50, exec us p50)
+
+
+@dataclass
+class _Row:
+    """One (communicator, collective, size bucket): what its ranks reported."""
+
+    comm: str
+    collective: str
+    size_bytes: int
+    n_ranks: int
+    nnodes: int
+    timing: str
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    last: float = 0.0
+
+
+@dataclass(frozen=True)
+class _View:
+    """One row over the window, every rank present."""
+
+    row: _Row
+    pool: str
+    nodes: tuple[str, ...]  # per rank, in rank order
+    busbw: tuple[float, ...]  # per rank, GB/s
+    exec_us: tuple[float, ...]  # per rank
+
+    @property
+    def transfer(self) -> float:
+        return max(self.busbw)
+
+    @property
+    def distinct(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.nodes))
+
+    def hops(self) -> tuple[Pair, ...]:
+        d = self.distinct
+        if len(d) < 2:
+            return ()
+        if self.row.collective in P2P or len(d) == 2:
+            return ((min(d[0], d[1]), max(d[0], d[1])),)
+        return tuple(sorted({(min(a, b), max(a, b)) for a, b in zip(d, d[1:] + d[:1], strict=True)}))
+
+
+@dataclass(frozen=True)
+class SlowComm:
+    """A communicator among the slowest against its class (for metrics and the status page)."""
+
+    job: str
+    comm: str
+    collective: str
+    nnodes: int
+    ratio: float
+
+
+@dataclass(frozen=True)
+class StragglerRank:
+    job: str
+    node: str
+    comm: str
+    rank: int
+    gap_ratio: float
+
+
+class JobLocalizer:
+    def __init__(self, config: JobConfig | None = None) -> None:
+        self.config = config or JobConfig()
+        self.every_seconds = self.config.every_seconds
+        self._rows: dict[tuple[str, str, int], _Row] = {}
+        self._placements: dict[str, Placement] = {}
+        self._streaks: dict[tuple[str, ...], tuple[int, float]] = {}  # blame -> (runs, first run)
+        self._judged: set[str] = set()
+        self._workload: set[str] = set()  # jobs slow everywhere at the last run (logged on change)
+        # What the last run saw, for metrics: per job its level and inter-node bandwidth.
+        self.job_busbw: dict[str, float] = {}
+        self.job_level: dict[str, float] = {}  # job -> its level (not log)
+        self.slowest: list[SlowComm] = []
+        self.stragglers: list[StragglerRank] = []
+
+    # -- input ----------------------------------------------------------------------------------
+
+    def observe_report(self, report: Report, placement: Placement, received: float) -> None:
+        if report.jobs is UNSET:
+            return
+        self._placements[report.node] = placement
+        cfg = self.config
+        for c in report.jobs.collectives:
+            if c.rank is UNSET:
+                continue  # Prometheus mode: no rank, so no view across ranks
+            key = (c.comm, c.collective, c.size_bytes)
+            row = self._rows.get(key)
+            if row is None:
+                if len(self._rows) >= cfg.max_comms:
+                    del self._rows[min(self._rows, key=lambda k: self._rows[k].last)]
+                row = self._rows[key] = _Row(
+                    c.comm, c.collective, c.size_bytes, c.n_ranks, c.nnodes, c.timing_source
+                )
+            rank = row.ranks.get(c.rank)
+            if rank is None or rank.node != report.node:
+                rank = row.ranks[c.rank] = _Rank(
+                    report.node,
+                    None if c.hostname is UNSET else c.hostname,
+                    None if c.pid is UNSET else c.pid,
+                    None if c.gpu is UNSET else c.gpu,
+                    deque(maxlen=cfg.max_samples),
+                )
+            if rank.samples and abs(rank.samples[-1][0] - received) < 1.0:
+                continue  # the same cycle again (a redelivered report)
+            rank.samples.append((received, c.busbw_gbs.p50, c.exec_time_us.p50))
+            row.last = max(row.last, received)
+
+    def forget(self, node: str) -> None:
+        self._placements.pop(node, None)
+        for key in [k for k, r in self._rows.items() if any(x.node == node for x in r.ranks.values())]:
+            del self._rows[key]
+
+    # -- a run ----------------------------------------------------------------------------------
+
+    def _views(self, now: float) -> list[_View]:
+        lo = now - self.config.window_seconds
+        out = []
+        for key, row in list(self._rows.items()):
+            if row.last < lo:
+                del self._rows[key]
+                continue
+            if len(row.ranks) != row.n_ranks or set(row.ranks) != set(range(row.n_ranks)):
+                continue
+            bw, ex, nodes = [], [], []
+            for r in range(row.n_ranks):
+                rank = row.ranks[r]
+                recent = [(b, e) for t, b, e in rank.samples if lo <= t <= now]
+                if not recent:
+                    break
+                bw.append(statistics.median([b for b, _ in recent]))
+                ex.append(statistics.median([e for _, e in recent]))
+                nodes.append(rank.node)
+            else:
+                place = self._placements.get(nodes[0])
+                out.append(_View(row, place.pool if place else "", tuple(nodes), tuple(bw), tuple(ex)))
+        return out
+
+    def run(self, frames: FleetFrames, now: float) -> Verdict:
+        cfg = self.config
+        views = self._views(now)
+        jobs = _components(views)
+        refs = self._references(views, jobs)
+        out: dict[str, list[Finding]] = {n: [] for v in views for n in v.nodes}
+        links: dict[Pair, Finding] = {}
+        blamed: dict[tuple[str, ...], Finding] = {}
+        slowest: list[SlowComm] = []
+        stragglers: list[StragglerRank] = []
+        workload: set[str] = set()
+        self.job_busbw = {}
+        self.job_level = {}
+        for job, members in sorted(jobs.items()):
+            judged = [m for m in members if id(m) in refs]
+            if not judged:
+                continue
+            ratio = {id(m): math.log(max(m.transfer, 1e-9)) - refs[id(m)][0] for m in judged}
+            single = [ratio[id(m)] for m in judged if m.row.nnodes == 1]
+            level = statistics.median(single if single else list(ratio.values()))
+            inter = [m for m in judged if m.row.nnodes > 1]
+            self.job_level[job] = math.exp(level)
+            if inter:
+                self.job_busbw[job] = statistics.median([m.transfer for m in inter])
+            if level < math.log(cfg.low_ratio):
+                workload.add(job)
+            votes = self._votes(inter, ratio, refs, level)
+            for vote in votes:
+                slowest.append(SlowComm(job, vote.comm, _kind(inter, vote.comm), len(vote.nodes), vote.ratio))
+            blame = localize(votes, min_comms=cfg.min_comms)
+            for node, vs in blame.nics.items():
+                blamed[("nic", node)] = self._nic_finding(job, node, vs, now)
+            for hop, vs in blame.links.items():
+                blamed[("link", *hop)] = self._link_finding(job, hop, vs, now)
+            found = self._stragglers(job, judged, refs, now, stragglers)
+            for node, f in found.items():
+                blamed[("straggler", node)] = f
+        self._log_workload(workload)
+        # Over time: a blame must hold in confirm_runs consecutive runs.
+        streaks: dict[tuple[str, ...], tuple[int, float]] = {}
+        for key, f in blamed.items():
+            runs, first = self._streaks.get(key, (0, now))
+            streaks[key] = (runs + 1, first)
+            if runs + 1 < cfg.confirm_runs:
+                continue
+            dated = _since(f, first)
+            if key[0] == "link":
+                links[(key[1], key[2])] = dated
+            else:
+                out.setdefault(key[1], []).append(dated)
+        self._streaks = streaks
+        for node in self._judged - out.keys():
+            out[node] = []
+        self._judged = {n for n, fs in out.items() if fs}
+        slowest.sort(key=lambda s: s.ratio)
+        self.slowest = slowest[: cfg.top_n]
+        stragglers.sort(key=lambda s: -s.gap_ratio)
+        self.stragglers = stragglers[: cfg.top_n]
+        return Verdict(nodes=out, links=links)
+
+    def _references(
+        self, views: Sequence[_View], jobs: Mapping[str, list[_View]]
+    ) -> dict[int, tuple[float, float]]:
+        """Per view (by id): its class's median log transfer bandwidth and robust spread.
+
+        Like with like: the same collective, size bucket, rank and node count, timing source and
+        pool, across the fleet, where the class holds ``min_class_comms`` communicators of two
+        jobs or more: one job's communicators alone cannot tell its fault (half its rings slow)
+        from normal. Else the coarser class without the rank and node counts (bus bandwidth is
+        NCCL's figure made comparable across rank counts: nccl-tests' PERFORMANCE.md), on the
+        same condition; else the view is not judged."""
+        cfg = self.config
+        job_of = {id(v): job for job, members in jobs.items() for v in members}
+        fine: dict[tuple[object, ...], list[_View]] = defaultdict(list)
+        coarse: dict[tuple[object, ...], list[_View]] = defaultdict(list)
+        for v in views:
+            r = v.row
+            fine[(r.collective, r.size_bytes, r.n_ranks, r.nnodes, r.timing, v.pool)].append(v)
+            coarse[(r.collective, r.size_bytes, r.nnodes > 1, r.timing, v.pool)].append(v)
+        refs: dict[int, tuple[float, float]] = {}
+        for classes in (fine, coarse):
+            for members in classes.values():
+                todo = [m for m in members if id(m) not in refs]
+                if not todo or len({m.row.comm for m in members}) < cfg.min_class_comms:
+                    continue
+                if len({job_of[id(m)] for m in members}) < 2:
+                    continue
+                ref = robust_centre([math.log(max(m.transfer, 1e-9)) for m in members], cfg.spread_floor)
+                for m in todo:
+                    refs[id(m)] = ref
+        return refs
+
+    def _votes(
+        self,
+        inter: list[_View],
+        ratio: Mapping[int, float],
+        refs: Mapping[int, tuple[float, float]],
+        level: float,
+    ) -> list[CommVote]:
+        """One vote per inter-node communicator (its collectives' median ratio to the job's level)."""
+        cfg = self.config
+        by_comm: dict[str, list[_View]] = defaultdict(list)
+        for m in inter:
+            by_comm[m.row.comm].append(m)
+        votes = []
+        for comm, ms in sorted(by_comm.items()):
+            e = statistics.median([ratio[id(m)] - level for m in ms])
+            spread = statistics.median([refs[id(m)][1] for m in ms])
+            if e < math.log(cfg.low_ratio) and e < -cfg.z * spread:
+                state = "low"
+            elif e > math.log(cfg.normal_ratio):
+                state = "normal"
+            else:
+                state = "unclear"
+            votes.append(CommVote(comm, ms[0].distinct, ms[0].hops(), state, math.exp(e)))
+        return votes
+
+    def _stragglers(
+        self,
+        job: str,
+        judged: list[_View],
+        refs: Mapping[int, tuple[float, float]],
+        now: float,
+        top: list[StragglerRank],
+    ) -> dict[str, Finding]:
+        """Nodes whose ranks arrive last (module docstring), with the communicators that say so."""
+        cfg = self.config
+        late: dict[str, list[tuple[_View, Straggler]]] = defaultdict(list)
+        seen: dict[str, int] = defaultdict(int)  # node -> inter-node communicators judged
+        tp: dict[str, tuple[_View, Straggler]] = {}
+        for m in judged:
+            if m.row.timing != KERNEL_GPU:
+                continue
+            if m.row.nnodes > 1:
+                for n in m.distinct:
+                    seen[n] += 1
+            waited = math.log(max(statistics.median(m.busbw), 1e-9)) - refs[id(m)][0]
+            if waited > -math.log1p(cfg.straggler_ratio):
+                continue  # its ranks did not wait: nobody is late
+            s = straggler(m.exec_us, ratio=cfg.straggler_ratio, z=cfg.z, floor=cfg.spread_floor)
+            if s is None:
+                continue
+            node = m.nodes[s.index]
+            top.append(StragglerRank(job, node, m.row.comm, s.index, math.expm1(s.gap)))
+            if m.row.nnodes == 1:
+                tp[node] = (m, s)
+            else:
+                late[node].append((m, s))
+        out = {}
+        for node in sorted(set(late) | set(tp)):
+            mine = late.get(node, [])
+            dp = len({m.row.comm for m, _ in mine})
+            if node not in tp and not (dp >= cfg.min_comms and 2 * dp > seen[node]):
+                continue
+            out[node] = self._straggler_finding(
+                job, node=node, mine=mine, tp=tp.get(node), seen=seen[node], now=now
+            )
+        return out
+
+    def job_table(self) -> JobTable:
+        """The last run's top-N lists, for the metrics (``aggregator.metrics.JobTable``)."""
+        n = self.config.top_n
+        worst = sorted(self.job_level, key=lambda j: self.job_level[j])[:n]
+        return JobTable(
+            jobs=tuple((j, self.job_busbw[j], self.job_level[j]) for j in worst if j in self.job_busbw),
+            communicators=tuple((s.job, s.comm, s.collective, s.nnodes, s.ratio) for s in self.slowest),
+            stragglers=tuple((s.job, s.node, s.comm, s.rank, s.gap_ratio) for s in self.stragglers),
+        )
+
+    # -- findings -------------------------------------------------------------------------------
+
+    def _nic_finding(self, job: str, node: str, vs: list[CommVote], now: float) -> Finding:
+        worst = min(v.ratio for v in vs)
+        med = statistics.median([v.ratio for v in vs])
+        peers = sorted({n for v in vs for n in v.nodes} - {node})
+        return Finding(
+            detector=JobConfig.name,
+            key="job-nic",
+            severity="warning",
+            action="quarantine",
+            summary=(
+                f"every inter-node communicator of job {job} through {node} is slow "
+                f"({len(vs)} communicators, {(1 - med) * 100:.0f} % under the job's level, with {len(peers)} "
+                "other nodes over different hops): the node's network, not a link"
+            ),
+            since=now,
+            evidence={
+                "job": job,
+                "communicators": [v.comm for v in vs][:16],
+                "ratio": round(med, 3),
+                "worst_ratio": round(worst, 3),
+                "peers": peers[:16],
+            },
+        )
+
+    def _link_finding(self, job: str, hop: Pair, vs: list[CommVote], now: float) -> Finding:
+        a, b = hop
+        med = statistics.median([v.ratio for v in vs])
+        return Finding(
+            detector=JobConfig.name,
+            key=f"job-link:{a}|{b}",
+            severity="warning",
+            action="none",
+            summary=(
+                f"every communicator of job {job} over the hop {a}-{b} is slow ({len(vs)} communicators, "
+                f"{(1 - med) * 100:.0f} % under the job's level) while both nodes are normal over their "
+                "other hops: the link, not the nodes"
+            ),
+            since=now,
+            peer=b,
+            evidence={"job": job, "communicators": [v.comm for v in vs][:16], "ratio": round(med, 3)},
+        )
+
+    def _straggler_finding(
+        self,
+        job: str,
+        *,
+        node: str,
+        mine: list[tuple[_View, Straggler]],
+        tp: tuple[_View, Straggler] | None,
+        seen: int,
+        now: float,
+    ) -> Finding:
+        which = "its GPUs"
+        evidence: dict[str, object] = {
+            "job": job,
+            "late_in": len({m.row.comm for m, _ in mine}),
+            "inter_node_communicators": seen,
+            "communicators": sorted({m.row.comm for m, _ in mine})[:16],
+        }
+        if mine:
+            evidence["wait_ratio"] = round(math.expm1(statistics.median([s.gap for _, s in mine])), 3)
+        key = "job-straggler"
+        if tp is not None:
+            m, s = tp
+            rank = m.row.ranks[s.index]
+            which = f"GPU {rank.gpu}" if rank.gpu is not None else f"tensor-parallel rank {s.index}"
+            key = f"job-straggler:rank{s.index}" if rank.gpu is None else f"job-straggler:gpu{rank.gpu}"
+            evidence.update(
+                tp_communicator=m.row.comm,
+                tp_rank=s.index,
+                tp_wait_ratio=round(math.expm1(s.gap), 3),
+                pid=rank.pid,
+                gpu=rank.gpu,
+                hostname=rank.hostname,
+            )
+        return Finding(
+            detector=JobConfig.name,
+            key=key,
+            severity="warning",
+            action="quarantine",
+            summary=(
+                f"job {job}: {node}'s ranks arrive last (their kernels are the shortest while the others "
+                f"wait) in {len(mine)} of its {seen} inter-node communicators"
+                + (f", and {which} in its own node's" if tp is not None else "")
+                + f": a slow {'GPU' if tp is not None else 'node'}, not the network"
+            ),
+            since=now,
+            evidence=evidence,
+        )
+
+    def _log_workload(self, jobs: set[str]) -> None:
+        for job in sorted(jobs - self._workload):
+            log.info("job slow everywhere: its workload, no hardware blamed", extra={"job": job})
+        self._workload = jobs
+
+
+def _since(f: Finding, first: float) -> Finding:
+    """The finding dated from the first run of its streak."""
+    return replace(f, since=min(f.since, first))
+
+
+def _kind(views: Iterable[_View], comm: str) -> str:
+    return next((v.row.collective for v in views if v.row.comm == comm), "")
+
+
+def _components(views: Sequence[_View]) -> dict[str, list[_View]]:
+    """Jobs: communicators linked by the nodes they share; each named by its pods (the
+    Inspector's hostnames) where they have one common stem, else by its first node and size."""
+    parent: dict[str, str] = {}
+
+    def find(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for v in views:
+        first = find(v.nodes[0])
+        for n in v.nodes[1:]:
+            parent[find(n)] = first
+    groups: dict[str, list[_View]] = defaultdict(list)
+    for v in views:
+        groups[find(v.nodes[0])].append(v)
+    out: dict[str, list[_View]] = {}
+    for members in groups.values():
+        nodes = sorted({n for v in members for n in v.nodes})
+        hosts = {r.hostname for v in members for r in v.row.ranks.values() if r.hostname}
+        stems = {h.rsplit("-", 2)[0] for h in hosts if h.count("-") >= 2}
+        name = stems.pop() if len(stems) == 1 else f"{nodes[0]}+{len(nodes) - 1}"
+        out[name] = members
+    return out

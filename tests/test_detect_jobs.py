@@ -1,0 +1,285 @@
+"""JobLocalizer: which GPU, NIC or link the jobs' own collectives blame.
+
+The maths first, on plain numbers (``straggler``, ``robust_centre``, ``localize``); then the
+detector over reports whose ``jobs`` sections come from the simulator's job model
+(``sim.jobs.JobFleet``, no fleet around it), with the faults switched on one at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from agent.report import SCHEMA_ID, Report
+from aggregator.config import FleetConfig
+from aggregator.detect.base import Verdict
+from aggregator.detect.jobs import CommVote, JobConfig, JobLocalizer, localize, robust_centre, straggler
+from aggregator.fleet.frame import FleetFrames
+from aggregator.fleet.pools import Placement
+from aggregator.metrics import Metrics
+from aggregator.model import Finding
+from sim.jobs import Hardware, JobFleet, JobSpec, NodeFaults
+
+T0 = 1_764_000_000.0
+FRAMES = FleetFrames(FleetConfig())  # the detector reads the jobs sections, not the pool frames
+POOL = Placement("h100", rack="r0", leaf="l0")
+H100 = Hardware(gpus=8, nvlink_busbw=480e9, nic_busbw=47.5e9)  # sim.profiles' figures
+
+# -- the maths -------------------------------------------------------------------------------------
+
+
+def test_robust_centre_ignores_one_outlier_and_floors_the_spread() -> None:
+    centre, spread = robust_centre([1.0, 1.0, 1.0, 1.0, 9.0], 0.02)
+    assert centre == 1.0
+    assert spread == 0.02
+
+
+def test_the_straggler_is_the_rank_with_the_shortest_kernel() -> None:
+    # Seven ranks waited ~50 % longer than the one that arrived last.
+    times = [1500.0, 1510.0, 1495.0, 1000.0, 1505.0, 1490.0, 1502.0, 1498.0]
+    s = straggler(times, ratio=0.1, z=3.0, floor=0.02)
+    assert s is not None
+    assert s.index == 3
+    assert math.expm1(s.gap) == pytest.approx(0.5, abs=0.02)
+
+
+@pytest.mark.parametrize(
+    "times",
+    [
+        [1000.0, 1010.0, 990.0, 1005.0],  # all within noise
+        [1000.0, 1060.0, 1055.0, 1062.0],  # 6 % apart: under the 10 % line
+        [1000.0],  # one rank has nobody to wait for
+    ],
+)
+def test_no_straggler_without_a_clear_gap(times: list[float]) -> None:
+    assert straggler(times, ratio=0.1, z=3.0, floor=0.02) is None
+
+
+def test_a_wide_spread_among_the_others_hides_a_gap() -> None:
+    # The others disagree by 30 % among themselves: a 15 % shorter kernel is not evidence.
+    times = [850.0, 700.0, 1000.0, 1300.0, 950.0, 1200.0]
+    assert straggler(times, ratio=0.1, z=3.0, floor=0.02) is None
+
+
+def vote(comm: str, nodes: Sequence[str], state: str, *, pair: bool = False) -> CommVote:
+    ns = tuple(nodes)
+    hops: tuple[tuple[str, str], ...]
+    if pair or len(ns) == 2:
+        hops = ((min(ns), max(ns)),)
+    else:
+        hops = tuple(sorted({(min(a, b), max(a, b)) for a, b in zip(ns, ns[1:] + ns[:1], strict=True)}))
+    return CommVote(comm, ns, hops, state, 0.6 if state == "low" else 1.0)
+
+
+def test_a_hop_whose_communicators_are_all_slow_while_its_ends_are_fine_elsewhere_is_the_link() -> None:
+    # Stage rings a-b and c-d, pipeline pairs a-c and b-d: the a-b rings are slow, the pairs not.
+    votes = [vote(f"ab{g}", "ab", "low") for g in range(8)]
+    votes += [vote(f"cd{g}", "cd", "normal") for g in range(8)]
+    votes += [vote(f"ac{g}", "ac", "normal") for g in range(8)]
+    votes += [vote(f"bd{g}", "bd", "normal") for g in range(8)]
+    blame = localize(votes, min_comms=2)
+    assert set(blame.links) == {("a", "b")}
+    assert blame.nics == {}
+    assert blame.ambiguous == []
+
+
+def test_a_node_whose_communicators_over_different_hops_are_all_slow_is_the_nic() -> None:
+    votes = [vote(f"ab{g}", "ab", "low") for g in range(8)]
+    votes += [vote(f"ac{g}", "ac", "low") for g in range(8)]
+    votes += [vote(f"cd{g}", "cd", "normal") for g in range(8)]
+    votes += [vote(f"bd{g}", "bd", "normal") for g in range(8)]
+    blame = localize(votes, min_comms=2)
+    assert set(blame.nics) == {"a"}
+    assert blame.links == {}
+
+
+def test_a_ring_with_several_unvouched_hops_pins_nothing() -> None:
+    # One 4-node ring per rail and nothing else: a slow ring cannot say which of its hops.
+    votes = [vote(f"r{g}", "abcd", "low") for g in range(8)]
+    blame = localize(votes, min_comms=2)
+    assert blame.links == {} and blame.nics == {}
+    assert len(blame.ambiguous) == 8
+
+
+def test_two_nodes_that_only_talk_to_each_other_cannot_tell_link_from_nic() -> None:
+    votes = [vote(f"ab{g}", "ab", "low") for g in range(8)]
+    blame = localize(votes, min_comms=2)
+    assert blame.links == {} and blame.nics == {}
+
+
+def test_an_unclear_communicator_neither_blames_nor_vouches() -> None:
+    votes = [vote(f"ab{g}", "ab", "low") for g in range(8)]
+    votes += [vote(f"ac{g}", "ac", "unclear") for g in range(8)]
+    votes += [vote(f"bd{g}", "bd", "normal") for g in range(8)]
+    votes += [vote(f"cd{g}", "cd", "normal") for g in range(8)]
+    blame = localize(votes, min_comms=2)
+    assert blame.links == {}  # a's NIC is not vouched for
+    assert blame.nics == {}  # nor blamed
+
+
+def test_settings_refuse_a_low_line_above_the_normal_one() -> None:
+    with pytest.raises(ValueError, match="low_ratio"):
+        JobConfig(low_ratio=0.95, normal_ratio=0.9)
+
+
+# -- the detector over the simulator's job model ---------------------------------------------------
+
+JOBS = (
+    JobSpec("llm-a", first=0, nodes=4, pp=2),  # stages (0, 1) and (2, 3); pairs 0-2, 1-3
+    JobSpec("llm-b", first=4, nodes=8, pp=4),  # stages (4, 5) (6, 7) (8, 9) (10, 11)
+    JobSpec("llm-c", first=12, nodes=8, pp=2),  # stages 12..15 and 16..19; pairs 12-16 ...
+    JobSpec("sweep-d", first=20, nodes=4, pp=2),
+)
+
+
+def fault(kind: str, node: str = "", **kw: object) -> NodeFaults:
+    params = {k: float(v) for k, v in kw.items() if isinstance(v, float)}
+    return NodeFaults(
+        kind=kind,
+        node=node,
+        peer=kw.get("peer") if isinstance(kw.get("peer"), str) else None,  # type: ignore[arg-type]
+        gpu=kw.get("gpu") if isinstance(kw.get("gpu"), int) else None,  # type: ignore[arg-type]
+        port=None,
+        job=kw.get("job") if isinstance(kw.get("job"), str) else None,  # type: ignore[arg-type]
+        params=params,
+        active=lambda rel: rel >= 60.0,
+    )
+
+
+def replay(
+    faults: Sequence[NodeFaults], *, minutes: float = 6.0, seed: int = 1, det: JobLocalizer | None = None
+) -> list[tuple[float, Verdict]]:
+    """Every node reports every 10 s (at its own phase); the detector runs every minute."""
+    fleet = JobFleet(seed=seed, start=T0, jobs=JOBS, hardware={j.name: H100 for j in JOBS}, faults=faults)
+    det = det or JobLocalizer()
+    nodes = [n for j in JOBS for n in j.node_names()]
+    out: list[tuple[float, Verdict]] = []
+    next_run = T0 + 60.0
+    for k in range(1, int(minutes * 6) + 1):
+        for i, node in enumerate(nodes):
+            t = T0 + k * 10.0 + i * 0.3
+            jobs, _ = fleet.section(node, t - 10.0, t, 0.0, False)
+            r = Report(schema=SCHEMA_ID, node=node, time=t, seq=k, boot_id="b", gpus=[], nics=[], jobs=jobs)
+            det.observe_report(r, POOL, t + 0.5)
+        t = T0 + k * 10.0 + 9.9
+        if t >= next_run:
+            out.append((t, det.run(FRAMES, t)))
+            next_run += 60.0
+    return out
+
+
+def blamed(runs: list[tuple[float, Verdict]]) -> tuple[dict[str, set[str]], set[tuple[str, str]]]:
+    nodes: dict[str, set[str]] = {}
+    links: set[tuple[str, str]] = set()
+    for _, v in runs:
+        for n, fs in v.nodes.items():
+            for f in fs:
+                nodes.setdefault(n, set()).add(f.key)
+        links |= set(v.links or {})
+    return nodes, links
+
+
+def last_findings(runs: list[tuple[float, Verdict]], node: str) -> list[Finding]:
+    for _, v in reversed(runs):
+        if node in v.nodes:
+            return v.nodes[node]
+    return []
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_healthy_jobs_blame_nothing(seed: int) -> None:
+    nodes, links = blamed(replay([], seed=seed))
+    assert nodes == {} and links == set()
+
+
+def test_a_slow_gpu_is_the_straggler_its_communicators_wait_for() -> None:
+    runs = replay([fault("slow_gpu", "gpu-0007", gpu=5, ratio=0.88, busbw_ratio=0.9)])
+    nodes, links = blamed(runs)
+    assert set(nodes) == {"gpu-0007"} and links == set()
+    (f,) = last_findings(runs, "gpu-0007")
+    assert f.action == "quarantine" and f.detector == "jobs"
+    assert f.key == "job-straggler:rank5"  # the GPU's own node's communicator names its rank
+    assert f.evidence["job"] == "llm-b"
+    assert f.evidence["tp_rank"] == 5
+
+
+def test_a_node_slow_on_all_its_gpus_is_a_straggler_node() -> None:
+    runs = replay([fault("power_brake", "gpu-0014", clock_ratio=0.8)])
+    nodes, links = blamed(runs)
+    assert nodes == {"gpu-0014": {"job-straggler"}} and links == set()
+
+
+def test_a_slow_nic_is_blamed_on_its_node() -> None:
+    runs = replay([fault("slow_nic", "gpu-0013", ratio=0.7)])
+    nodes, links = blamed(runs)
+    assert nodes == {"gpu-0013": {"job-nic"}} and links == set()
+    (f,) = last_findings(runs, "gpu-0013")
+    assert f.evidence["job"] == "llm-c"
+    assert f.evidence["ratio"] == pytest.approx(0.7, abs=0.03)
+
+
+def test_a_degraded_link_is_a_link_not_either_node() -> None:
+    runs = replay([fault("degraded_link", "gpu-0006", peer="gpu-0007", ratio=0.65)])
+    nodes, links = blamed(runs)
+    assert nodes == {} and links == {("gpu-0006", "gpu-0007")}
+    f = runs[-1][1].links[("gpu-0006", "gpu-0007")]  # type: ignore[index]
+    assert f.action == "none" and f.peer == "gpu-0007"
+    assert f.since <= runs[-1][0] - 60.0  # dated from the first run of its streak
+
+
+def test_a_job_slow_everywhere_is_blamed_on_nothing() -> None:
+    det = JobLocalizer()
+    runs = replay([fault("slow_job", job="sweep-d", ratio=0.6)], det=det)
+    nodes, links = blamed(runs)
+    assert nodes == {} and links == set()
+    # It is slow (its bus bandwidth is 40 % under the others'), and that is all.
+    assert det.job_busbw["sweep-d"] < 0.7 * det.job_busbw["llm-a"]
+
+
+def test_a_blame_waits_for_consecutive_runs() -> None:
+    runs = replay([fault("slow_nic", "gpu-0013", ratio=0.7)], minutes=4.0)
+    first = next(t for t, v in runs if v.nodes.get("gpu-0013"))
+    # The fault starts 60 s in; the window's medians turn within it, then two runs in a row.
+    assert first - T0 >= 60.0 + JobConfig().every_seconds
+
+
+def test_the_slowest_communicators_and_stragglers_are_kept_for_metrics() -> None:
+    fleet_faults = [
+        fault("slow_nic", "gpu-0013", ratio=0.7),
+        fault("slow_gpu", "gpu-0001", gpu=2, ratio=0.85, busbw_ratio=0.9),
+    ]
+    det = JobLocalizer()
+    replay(fleet_faults, minutes=4.0, det=det)
+    assert det.slowest[0].job == "llm-c" and det.slowest[0].ratio == pytest.approx(0.7, abs=0.03)
+    assert {s.node for s in det.stragglers} == {"gpu-0001"}
+    assert len(det.slowest) <= JobConfig().top_n
+    assert set(det.job_busbw) == {j.name for j in JOBS}
+    # Exported as top-N tables, at most top_n series per family.
+    registry = CollectorRegistry()
+    Metrics(registry).watch_jobs(lambda: [det.job_table()])
+    text = generate_latest(registry).decode()
+    assert 'gpuwarden_job_straggler_wait_ratio{communicator="' in text and 'host="gpu-0001"' in text
+    for family in ("busbw_gigabytes_per_second", "communicator_ratio", "straggler_wait_ratio"):
+        rows = [ln for ln in text.splitlines() if ln.startswith(f"gpuwarden_job_{family}{{")]
+        assert 0 < len(rows) <= JobConfig().top_n, family
+
+
+def test_rows_are_bounded_and_a_forgotten_node_takes_its_rows_along() -> None:
+    fleet = JobFleet(seed=1, start=T0, jobs=JOBS[:1], hardware={"llm-a": H100}, faults=[])
+    det = JobLocalizer(JobConfig(max_comms=10))
+    for node in JOBS[0].node_names():
+        jobs, _ = fleet.section(node, T0, T0 + 10.0, 0.0, False)
+        det.observe_report(
+            Report(
+                schema=SCHEMA_ID, node=node, time=T0 + 10, seq=1, boot_id="b", gpus=[], nics=[], jobs=jobs
+            ),
+            POOL,
+            T0 + 10.0,
+        )
+    assert len(det._rows) == 10
+    for node in JOBS[0].node_names():
+        det.forget(node)
+    assert det._rows == {}
