@@ -1,14 +1,14 @@
 """End to end: a storm, a restart racing a slow API server, and nothing undone.
 
 40 nodes in two pools of 20, the aggregator in ``enforce`` (two replicas built by the composition
-root, against the API-server double through the real client), another controller writing its
-own taints and labels on every node all the time and slipping a write between our read and our
-patch, every kubelet posting its status, and API Priority and Fairness answering a share of
-every request with 429 throughout. Five hard faults (uncorrectable ECC errors: in every report from then on), then 12 of
-the 20 nodes of one pool at once: the pool limit (20 %, four nodes) holds, the rest are held and
-the breaker opens. Then both replicas stop (SIGTERM: the Lease is released) and two start again
-with their Node LISTs answered only after 0, 3 or 30 s while every agent's reports arrive (the
-faulty nodes' with their errors). The upstream SLO allows 30 s at p99 for a cluster-wide LIST.
+root, against the API-server double through the real client), another controller writing its own
+taints and labels on every node all the time and slipping a write between our read and our patch,
+every kubelet posting its status, and API Priority and Fairness answering a share of every request
+with 429 throughout. Five hard faults (uncorrectable ECC errors: in every report from then on),
+then 12 of the 20 nodes of one pool at once: the pool limit (20 %, four nodes) holds, the rest are
+held and the breaker opens. Then both replicas stop (SIGTERM: the Lease is released) and two start
+again with their Node LISTs answered only after 0, 3 or 30 s while every agent's reports arrive
+(the faulty nodes' with their errors). The upstream SLO allows 30 s at p99 for a cluster-wide LIST.
 
 An observer watches every change the API server makes to any Node from the start, so "no flap"
 (never an untaint of a faulty node) and "the pool limit held" are checked at every state the
