@@ -91,10 +91,21 @@ PROBES = {
 NO_DATA_EXPECTED: dict[tuple[str, str], str] = {
     # Three nodes give each node two partners, under links.min_partners: no link verdict here.
     ("network.json", "Link decisions (last 15 minutes)"): "the link detector needs more partners",
+    # The job-data tables fill only from NCCL Inspector summaries of multi-node jobs, which this
+    # fleet's agents do not run (tests/test_detect_jobs.py covers them).
+    ("network.json", "Bus bandwidth per job (the slowest jobs)"): "no multi-node job reports here",
+    ("network.json", "Job level (1 = like its peers)"): "no multi-node job reports here",
+    ("network.json", "Slowest communicators"): "no multi-node job reports here",
+    ("network.json", "Straggler ranks"): "no multi-node job reports here",
 }
 # The metrics those panels need, exported only after their event: a panel may lack data only for
 # these, never for a metric name that nothing exports.
-EVENT_SERIES: set[str] = set()
+EVENT_SERIES: set[str] = {
+    "gpuwarden_job_busbw_gigabytes_per_second",
+    "gpuwarden_job_level_ratio",
+    "gpuwarden_job_communicator_ratio",
+    "gpuwarden_job_straggler_wait_ratio",
+}
 # Recording rules allowed to record nothing here, with the same reason.
 RECORDING_WITHOUT_DATA: dict[str, str] = {}
 

@@ -315,6 +315,9 @@ async def leader_of(
     replicas: Sequence[Replica], *, clock: SteppedClock | None = None
 ) -> tuple[Replica, list[Replica]]:
     await eventually(lambda: sum(r.is_leader for r in replicas) == 1, "one leader", clock=clock)
+    # And every replica's view of the cluster rebuilt: a decision taken before that is recorded
+    # first without its action (docs/remediation.md), which these tests do not look at.
+    await eventually(lambda: all(r.remediation.ready for r in replicas), "every view rebuilt", clock=clock)
     leader = next(r for r in replicas if r.is_leader)
     return leader, [r for r in replicas if r is not leader]
 
