@@ -17,8 +17,10 @@ What an answer means for the report at the head:
 - 408, 429, 5xx, network errors, timeouts: kept, back off, retry (``Retry-After`` is honoured).
 - any other 4xx (a schema error, 413): refused for good. Retrying could never succeed and would
   block every later report, so it is logged with the server's reason, counted, and dropped.
-- anything else (1xx, 3xx: a wrong URL, most likely): kept and retried, so a configuration mistake
-  fixed by an operator loses nothing.
+- 307/308 from a sharded aggregator naming the shard that owns the node's pool: sent there at
+  once, and later reports too (agent/shardroute.py); back to the configured URL on errors.
+- anything else (1xx, other 3xx: a wrong URL, most likely): kept and retried, so a configuration
+  mistake fixed by an operator loses nothing.
 
 With several aggregator replicas (``--aggregator`` repeated) ``ShipperFanout`` gives each its
 own ``Shipper``: its own spool and sender thread, so a replica that is down or slow never delays
@@ -54,6 +56,7 @@ from agent import __version__
 from agent.clock import Clock
 from agent.errors import ConfigError
 from agent.report import Report, encode
+from agent.shardroute import SHARD_HEADER, ShardRoute
 from agent.state import ShipperStats
 
 log = logging.getLogger(__name__)
@@ -286,6 +289,8 @@ class Shipper:
         """``credentials_final``: a 401 or 403 drops the report instead of retrying (``--once``)."""
         self._target = _parse_url(url)
         self._url = url
+        # Sharded aggregators redirect to the shard that owns the node's pool (agent/shardroute.py).
+        self._route = ShardRoute(self._target.scheme, REPORTS_PATH)
         if not timeout_s > 0:
             raise ConfigError(f"shipper timeout must be positive, got {timeout_s}")
         if max_spool_reports < 1:
@@ -553,8 +558,11 @@ class Shipper:
         token = self._token.current() if self._token is not None else None
         try:
             status, retry_after, reason = self._post(item.body, token)
+            if self._route.redirected():  # another shard owns our pool: to it, at once
+                status, retry_after, reason = self._post(item.body, token)
         except (OSError, http.client.HTTPException) as exc:
             # Connection refused, reset, DNS failure, timeout (TimeoutError is an OSError).
+            self._route.failed(f"{type(exc).__name__}: {exc}")
             return _Answer(_Outcome.RETRY, reason=f"{type(exc).__name__}: {exc}")
         except Exception as exc:
             # The sender thread must outlive anything; the report stays for the next try.
@@ -572,12 +580,13 @@ class Shipper:
 
     def _post(self, body: bytes, token: str | None) -> tuple[int, str | None, str]:
         conn: http.client.HTTPConnection
+        target = self._route.learned or self._target
         if self._ssl is not None:
             conn = http.client.HTTPSConnection(
-                self._target.host, self._target.port, timeout=self._timeout_s, context=self._ssl
+                target.host, target.port, timeout=self._timeout_s, context=self._ssl
             )
         else:
-            conn = http.client.HTTPConnection(self._target.host, self._target.port, timeout=self._timeout_s)
+            conn = http.client.HTTPConnection(target.host, target.port, timeout=self._timeout_s)
         headers = {
             "Content-Type": "application/json",
             "Content-Encoding": "gzip",
@@ -586,8 +595,9 @@ class Shipper:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         try:
-            conn.request("POST", self._target.path, body=body, headers=headers)
+            conn.request("POST", target.path, body=body, headers=headers)
             resp = conn.getresponse()
+            self._route.saw(resp.status, resp.getheader("Location"), resp.getheader(SHARD_HEADER))
             raw = resp.read(_REASON_MAX_BYTES)
             reason = "" if 200 <= resp.status < 300 else raw.decode("utf-8", "replace").strip()
             return resp.status, resp.getheader("Retry-After"), reason
