@@ -45,7 +45,7 @@ from aggregator.notify.base import Dispatcher
 from aggregator.pipeline import NO_CLUSTER, ClusterView, Pipeline
 from aggregator.remediate.limits import shard_limits
 from aggregator.rules.model import Rule
-from aggregator.service import create_app, serve
+from aggregator.service import Route, create_app, serve
 from aggregator.shard.fanout import FleetViews
 from aggregator.shard.map import ShardMap
 from aggregator.shard.owned import OwnedIntents
@@ -201,6 +201,19 @@ def _sharded(config: Config, shards: ShardMap) -> Config:
     )
 
 
+def _router(
+    shards: ShardMap,
+    cluster: _LateCluster,
+    registry: CollectorRegistry,
+    config: Config,
+    remediation: Remediation | None,
+) -> Route:
+    ready = (lambda: remediation.ready) if remediation is not None else (lambda: True)
+    return ShardRouter(
+        shards, cluster.labels, registry, ready=ready, retry_after_s=config.server.retry_after_seconds
+    ).route
+
+
 async def build_aggregator(
     config: Config,
     rules: list[Rule],
@@ -304,7 +317,7 @@ async def build_aggregator(
         advance_interval_s=advance_interval_s,
         admin_tokens=admin_tokens or (),
         decisions=decision_log,
-        route=ShardRouter(shards, cluster.labels, registry).route if shards is not None else None,
+        route=_router(shards, cluster, registry, config, remediation) if shards is not None else None,
         banner=f"shard {shards.index} of {shards.shards}" if shards is not None else None,
     )
     if shards is not None:

@@ -114,6 +114,7 @@ __all__ = [
     "IngestOutcome",
     "PipelineLike",
     "Readiness",
+    "Route",
     "advance_periodically",
     "cap_errors",
     "create_app",

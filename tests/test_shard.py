@@ -10,6 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry
 
 from agent.clock import SystemClock
 from agent.errors import ConfigError
@@ -22,6 +23,7 @@ from aggregator.rules import default_rules_dir, load_rules
 from aggregator.service import REPORTS_PATH, SERVER_KWARGS
 from aggregator.shard.map import ShardMap, owner_of, pod_ordinal
 from aggregator.shard.owned import OwnedIntents
+from aggregator.shard.router import ShardRouter
 from tests.rulekit import T0, gpu, report
 
 RULES = load_rules([default_rules_dir()])
@@ -210,3 +212,18 @@ async def test_a_report_of_another_shards_pool_is_redirected_and_not_ingested(tm
         assert status == 401 and "Location" not in headers
     assert agg.registry.get_sample_value("gpuwarden_shard_redirects_total", {"shard": "2"}) == 1.0
     assert agg.registry.get_sample_value("gpuwarden_shard_info", {"shard": "1", "shards": "3"}) == 1.0
+
+
+def test_until_the_node_labels_are_read_a_report_is_asked_again_later() -> None:
+    m = ShardMap.of(sharding(shards=2, shard=0, peers=["http://s-{i}"]))
+    ready = False
+    labels = {"n1": {"gpuwarden.io/pool": pool_owned_by(1, 2)}}
+    router = ShardRouter(
+        m, lambda n: labels.get(n, {}), CollectorRegistry(), ready=lambda: ready, retry_after_s=7
+    )
+    early = router.route(report(T0, node="n1"))
+    assert early is not None and early.status == 503 and early.headers["Retry-After"] == "7"
+    ready = True
+    # Its pool comes from the node's Kubernetes label (the report names none): shard 1's.
+    moved = router.route(report(T0, node="n1"))
+    assert moved is not None and (moved.status, moved.headers["X-Gpuwarden-Shard"]) == (307, "1/2")

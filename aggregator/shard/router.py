@@ -15,11 +15,16 @@ The pool is the pipeline's own (``placement_of`` with the node's Kubernetes labe
 aggregator/fleet/pools.py documents), so a report is routed by the placement the owner will
 give it. The check runs after authentication and decoding (the pool is in the report), before
 anything reaches the pipeline.
+
+Until the replica knows the nodes' labels (the remediation runtime's first Node list), a pool
+named only by a label would be misjudged, and the report ingested by a shard that is not its
+owner, which would then see the node fall silent once it is routed right. So until then the
+answer is 503 with Retry-After: the agent keeps the report and sends it again in a few seconds.
+An unsharded aggregator ingests at once, as it always has.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from typing import Final
 
@@ -32,8 +37,6 @@ from agent.report import Report
 from aggregator.fleet.pools import placement_of
 from aggregator.shard.map import SHARD_HEADER, ShardMap, shard_header
 
-log = logging.getLogger(__name__)
-
 REPORTS_PATH: Final = "/v1/reports"  # the agents' endpoint (aggregator/service.py)
 
 
@@ -41,10 +44,18 @@ class ShardRouter:
     """``route(report)``: None when this shard owns the report's pool, else the redirect."""
 
     def __init__(
-        self, shards: ShardMap, labels: Callable[[str], Mapping[str, str]], registry: CollectorRegistry
+        self,
+        shards: ShardMap,
+        labels: Callable[[str], Mapping[str, str]],
+        registry: CollectorRegistry,
+        *,
+        ready: Callable[[], bool] = lambda: True,
+        retry_after_s: int = 5,
     ) -> None:
         self._map = shards
         self._labels = labels
+        self._ready = ready
+        self._retry_after = str(retry_after_s)
         self._redirects = Counter(
             "gpuwarden_shard_redirects_total",
             "Reports answered with a redirect to the shard that owns their pool, by that shard",
@@ -63,6 +74,20 @@ class ShardRouter:
         return placement_of(report, self._labels(report.node)).pool
 
     def route(self, report: Report) -> web.Response | None:
+        if not self._ready():
+            resp = web.Response(
+                status=503,
+                body=msgspec.json.encode(
+                    {
+                        "error": "not_ready",
+                        "message": "the node labels are not read yet: which shard owns "
+                        "the pool is not known; retry later",
+                    }
+                ),
+                content_type="application/json",
+            )
+            resp.headers["Retry-After"] = self._retry_after
+            return resp
         pool = self.pool(report)
         owner = self._map.owner(pool)
         if owner == self._map.index:
