@@ -17,6 +17,7 @@ shard keeps them whole. The hash is blake2b, not Python's ``hash`` (salted per p
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import socket
@@ -36,6 +37,9 @@ def _score(shard: int, pool: str) -> int:
     return int.from_bytes(digest, "big")
 
 
+# A fleet has tens to hundreds of pools and every report asks for one: cached, bounded (the pool
+# can come from an agent's own labels, so its names are not ours to trust to be few).
+@functools.lru_cache(maxsize=4096)
 def owner_of(pool: str, shards: int) -> int:
     """The shard that owns ``pool`` among ``shards`` (rendezvous hashing; ties, which need a
     64-bit collision, go to the lower index)."""

@@ -30,14 +30,17 @@ from typing import Final
 
 import msgspec
 from aiohttp import web
+from msgspec import UNSET
 from prometheus_client import Counter, Gauge
 from prometheus_client.registry import CollectorRegistry
 
 from agent.report import Report
-from aggregator.fleet.pools import placement_of
+from aggregator.fleet.pools import gpu_model_pool, place
 from aggregator.shard.map import SHARD_HEADER, ShardMap, shard_header
 
 REPORTS_PATH: Final = "/v1/reports"  # the agents' endpoint (aggregator/service.py)
+_MODEL_POOLS_MAX: Final = 1024  # distinct GPU line-ups; a fleet has a handful
+_UNKNOWN: Final = "\x00"  # not a label-safe pool name, so never a cached answer
 
 
 class ShardRouter:
@@ -54,6 +57,7 @@ class ShardRouter:
     ) -> None:
         self._map = shards
         self._labels = labels
+        self._model_pools: dict[tuple[str | None, ...], str | None] = {}
         self._ready = ready
         self._retry_after = str(retry_after_s)
         self._redirects = Counter(
@@ -71,7 +75,17 @@ class ShardRouter:
         info.labels(str(shards.index), str(shards.shards)).set(1)
 
     def pool(self, report: Report) -> str:
-        return placement_of(report, self._labels(report.node)).pool
+        """``placement_of(report, labels).pool``, with the GPU-model pool remembered by the
+        models the report names: it is most of the cost, the same for every report of a node,
+        and the pipeline works it out again for the reports this shard keeps."""
+        own = report.labels if report.labels is not UNSET else {}
+        models = tuple(g.model for g in report.gpus)
+        model_pool = self._model_pools.get(models, _UNKNOWN)
+        if model_pool is _UNKNOWN:
+            if len(self._model_pools) >= _MODEL_POOLS_MAX:
+                self._model_pools.clear()
+            model_pool = self._model_pools[models] = gpu_model_pool(report)
+        return place(own, model_pool, self._labels(report.node)).pool
 
     def route(self, report: Report) -> web.Response | None:
         if not self._ready():
