@@ -175,10 +175,13 @@ class Agents:
 
 
 async def fleet_nodes(replica_port: int) -> dict[str, Any]:
-    async with aiohttp.ClientSession() as session, session.get(
-        f"http://127.0.0.1:{replica_port}/api/v1/nodes",
-        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
-    ) as resp:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(
+            f"http://127.0.0.1:{replica_port}/api/v1/nodes",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        ) as resp,
+    ):
         assert resp.status == 200
         body: dict[str, Any] = await resp.json()
         return body

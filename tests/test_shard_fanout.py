@@ -81,9 +81,10 @@ def labelled(node: str, pool: str, t: float, *, fault: bool = False) -> Report:
 
 
 async def get(port: int, path: str) -> tuple[int, dict[str, Any]]:
-    async with aiohttp.ClientSession() as session, session.get(
-        f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {ADMIN}"}
-    ) as r:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {ADMIN}"}) as r,
+    ):
         return r.status, await r.json()
 
 
