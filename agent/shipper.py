@@ -18,8 +18,10 @@ What an answer means for the report at the head:
 - 415 to a compact report: sent again at once as JSON (see the negotiation below).
 - any other 4xx (a schema error, 413): refused for good. Retrying could never succeed and would
   block every later report, so it is logged with the server's reason, counted, and dropped.
-- anything else (1xx, 3xx: a wrong URL, most likely): kept and retried, so a configuration mistake
-  fixed by an operator loses nothing.
+- 307/308 from a sharded aggregator naming the shard that owns the node's pool: sent there at
+  once, and later reports too (agent/shardroute.py); back to the configured URL on errors.
+- anything else (1xx, other 3xx: a wrong URL, most likely): kept and retried, so a configuration
+  mistake fixed by an operator loses nothing.
 
 With several aggregator replicas (``--aggregator`` repeated) ``ShipperFanout`` gives each its
 own ``Shipper``: its own spool and sender thread, so a replica that is down or slow never delays
@@ -71,6 +73,7 @@ from agent import __version__
 from agent.clock import Clock
 from agent.errors import ConfigError, ReportError
 from agent.report import Report, encode
+from agent.shardroute import SHARD_HEADER, Endpoint, ShardRoute
 from agent.state import ShipperStats
 from agent.wire import (
     ACCEPT_POST_HEADER,
@@ -398,6 +401,8 @@ class Shipper:
         ``wire``: "auto" negotiates the compact encoding (module docstring), "json" never uses it."""
         self._target = _parse_url(url)
         self._url = url
+        # Sharded aggregators redirect to the shard that owns the node's pool (agent/shardroute.py).
+        self._route = ShardRoute(self._target.scheme, REPORTS_PATH)
         if not timeout_s > 0:
             raise ConfigError(f"shipper timeout must be positive, got {timeout_s}")
         if max_spool_reports < 1:
@@ -433,6 +438,7 @@ class Shipper:
         self._refused_until = -math.inf  # monotonic time; see COMPACT_HOLD_OFF_S
         # The kept-alive connection (sender thread only), and what it has cost.
         self._conn: http.client.HTTPConnection | None = None
+        self._conn_target: Endpoint | _Target = self._target  # where ``_conn`` goes
         self._tls_session: ssl.SSLSession | None = None
         self._connections = 0
         self._tls_resumed = 0
@@ -708,9 +714,12 @@ class Shipper:
                 self._refused_until = self._clock.monotonic() + COMPACT_HOLD_OFF_S
                 item = self._as_json(item)
                 reply = self._post(item, token)
+            if self._route.redirected():  # another shard owns our pool: to it, at once
+                reply = self._post(item, token)
             status, retry_after, reason = reply.status, reply.retry_after, reply.reason
         except (OSError, http.client.HTTPException) as exc:
             # Connection refused, reset, DNS failure, timeout (TimeoutError is an OSError).
+            self._route.failed(f"{type(exc).__name__}: {exc}")
             return _Answer(_Outcome.RETRY, reason=f"{type(exc).__name__}: {exc}")
         except Exception as exc:
             # The sender thread must outlive anything; the report stays for the next try.
@@ -750,8 +759,9 @@ class Shipper:
         for retry in (False, True):
             conn, reused = self._connection()
             try:
-                conn.request("POST", self._target.path, body=item.body, headers=headers)
+                conn.request("POST", self._conn_target.path, body=item.body, headers=headers)
                 resp = conn.getresponse()
+                self._route.saw(resp.status, resp.getheader("Location"), resp.getheader(SHARD_HEADER))
                 raw = resp.read(_DRAIN_MAX_BYTES + 1)
             except (OSError, http.client.HTTPException):
                 self._drop_connection()
@@ -760,7 +770,7 @@ class Shipper:
                 if reused and not retry:
                     continue
                 raise
-            if not reused and isinstance(conn, _TlsConnection):
+            if not reused and isinstance(conn, _TlsConnection) and self._conn_target == self._target:
                 self._note_tls(conn)
             if len(raw) > _DRAIN_MAX_BYTES or not resp.isclosed() or resp.will_close or conn.sock is None:
                 # Connection: close, HTTP/1.0, or an answer not read to its end.
@@ -774,22 +784,28 @@ class Shipper:
         raise AssertionError("unreachable: the second try returns or raises")
 
     def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
-        """The kept-alive connection, or a new one; and whether it has carried a request before."""
-        if self._conn is not None:
+        """The kept-alive connection, or a new one; and whether it has carried a request before.
+        A connection is to one place: when a shard's redirect (or the fall-back from one) changes
+        where reports go, the kept one is dropped."""
+        target = self._route.learned or self._target
+        if self._conn is not None and target == self._conn_target:
             return self._conn, True
+        self._drop_connection()
         conn: http.client.HTTPConnection
         if self._ssl is not None:
             conn = _TlsConnection(
-                self._target.host,
-                self._target.port,
+                target.host,
+                target.port,
                 timeout=self._timeout_s,
                 context=self._ssl,
-                session=self._tls_session,
+                # A TLS session resumes only with the server that issued it.
+                session=self._tls_session if target == self._target else None,
             )
         else:
-            conn = http.client.HTTPConnection(self._target.host, self._target.port, timeout=self._timeout_s)
+            conn = http.client.HTTPConnection(target.host, target.port, timeout=self._timeout_s)
         # Connecting is left to the request, so a refused connection fails the attempt like before.
         self._conn = conn
+        self._conn_target = target
         with self._cond:
             self._connections += 1
         return conn, False

@@ -10,6 +10,8 @@ aggregator``, the demos and the end-to-end tests:
     pipeline                        cluster view, scheduler, detectors and callbacks given at build
     remediation runtime             with remediation on: its own Kubernetes client (``kube``)
     web application                 ingest + read API, notifier, remediation and probe lifecycles
+    sharding                        with ``sharding.shards`` > 1 only (aggregator/shard/): the
+                                    shard's Lease and hourly share, redirects, fleet-wide views
 
 The pipeline and the remediation runtime need each other: the runtime reads and restores the
 pipeline's intents, the pipeline reads node labels, taints and pool sizes from the runtime's node
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -40,8 +43,13 @@ from aggregator.metrics import Metrics
 from aggregator.notify import make_dispatcher
 from aggregator.notify.base import Dispatcher
 from aggregator.pipeline import NO_CLUSTER, ClusterView, Pipeline
+from aggregator.remediate.limits import shard_limits
 from aggregator.rules.model import Rule
-from aggregator.service import create_app, serve
+from aggregator.service import Route, create_app, serve
+from aggregator.shard.fanout import FleetViews
+from aggregator.shard.map import ShardMap
+from aggregator.shard.owned import OwnedIntents
+from aggregator.shard.router import ShardRouter
 from aggregator.silence import SystemicEvent
 
 if TYPE_CHECKING:
@@ -182,6 +190,30 @@ async def _kube_from_environment() -> KubeApi:
     return await KubeClient.from_environment()
 
 
+def _sharded(config: Config, shards: ShardMap) -> Config:
+    """What one shard runs: its own Lease (its pair of replicas elects on it, and its breaker
+    lives there) and its share of the hourly limit (aggregator/remediate/limits.py)."""
+    rem = config.remediation
+    leader = msgspec.structs.replace(rem.leader, lease_name=shards.lease_name(rem.leader.lease_name))
+    limits = shard_limits(rem.limits, shards.shards)
+    return msgspec.structs.replace(
+        config, remediation=msgspec.structs.replace(rem, leader=leader, limits=limits)
+    )
+
+
+def _router(
+    shards: ShardMap,
+    cluster: _LateCluster,
+    registry: CollectorRegistry,
+    config: Config,
+    remediation: Remediation | None,
+) -> Route:
+    ready = (lambda: remediation.ready) if remediation is not None else (lambda: True)
+    return ShardRouter(
+        shards, cluster.labels, registry, ready=ready, retry_after_s=config.server.retry_after_seconds
+    ).route
+
+
 async def build_aggregator(
     config: Config,
     rules: list[Rule],
@@ -206,6 +238,9 @@ async def build_aggregator(
     ``admin_tokens``: who may reset the breaker. ``probe_key``: probes are off without it.
     ``advance_interval_s``: the periodic detection cycle (None: the caller drives ``advance``).
     """
+    shards = ShardMap.of(config.sharding) if config.sharding.shards > 1 else None
+    if shards is not None:
+        config = _sharded(config, shards)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = Metrics(registry)
     authenticator = _authenticator(auth, config, clock, metrics)
@@ -264,6 +299,7 @@ async def build_aggregator(
             registry=registry,
             audit=audit_log,
             admin_tokens=admin_tokens,
+            intents=OwnedIntents(pipeline, shards, cluster.labels) if shards is not None else None,
         )
         cluster.bind(remediation)
         remediation.on_leadership(notify.resend_now)
@@ -282,7 +318,18 @@ async def build_aggregator(
         advance_interval_s=advance_interval_s,
         admin_tokens=admin_tokens or (),
         decisions=decision_log,
+        route=_router(shards, cluster, registry, config, remediation) if shards is not None else None,
+        banner=f"shard {shards.index} of {shards.shards}" if shards is not None else None,
     )
+    if shards is not None:
+        views = FleetViews(
+            shards,
+            timeout_s=config.sharding.fanout_timeout_seconds,
+            concurrency=config.sharding.fanout_concurrency,
+            monotonic=clock.monotonic,
+        )
+        app.middlewares.append(views.middleware)  # after the read guard: reads are checked first
+        app.cleanup_ctx.append(views.lifecycle)
     app.cleanup_ctx.append(notify.lifecycle)
     if scheduler is not None:
         from aggregator.probes.api import probe_routes  # noqa: PLC0415
@@ -307,6 +354,7 @@ async def build_aggregator(
             "decisions": str(decisions),
             "remediation": config.remediation.mode,
             "probes": scheduler is not None,
+            "shard": shards.header if shards is not None else None,
         },
     )
     return Aggregator(

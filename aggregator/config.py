@@ -326,6 +326,34 @@ class ServerConfig(_Section, frozen=True):
     status_page_public: bool = False
 
 
+class ShardingConfig(_Section, frozen=True):
+    """Pools spread over ``shards`` aggregators (aggregator/shard/, docs/sharding.md). One shard,
+    the default, is the unsharded aggregator, unchanged."""
+
+    shards: Annotated[int, Meta(ge=1, le=1024)] = 1
+    # This replica's shard; None: the ordinal of its StatefulSet pod (``gpuwarden-a-3``: 3).
+    shard: Annotated[int, Meta(ge=0)] | None = None
+    # Where each shard is reached. An entry is a pattern with ``{i}`` (the shard's index), e.g.
+    # ``http://gpuwarden-a-{i}.gpuwarden-a.gpuwarden.svc:8080``, or a list of one URL per shard.
+    # The first entry is this replica's own StatefulSet: redirects point there, so an agent's
+    # reports keep going to the same side of each shard's pair. Later entries (the standby side)
+    # are asked by the fleet-wide views when the first does not answer.
+    peers: list[str | list[str]] = msgspec.field(default_factory=list)
+    fanout_timeout_seconds: PositiveSeconds = 5.0  # one shard's answer to a fleet-wide view
+    fanout_concurrency: Annotated[int, Meta(ge=1, le=256)] = 16  # shards asked at once
+
+    def __post_init__(self) -> None:
+        if self.shard is not None and self.shard >= self.shards:
+            raise ValueError(f"shard {self.shard} is not below shards ({self.shards})")
+        if self.shards > 1 and not self.peers:
+            raise ValueError("with more than one shard, peers must say where each shard is reached")
+        for peer in self.peers:
+            if isinstance(peer, str) and "{i}" not in peer:
+                raise ValueError(f"peer pattern {peer!r} has no {{i}} for the shard's index")
+            if isinstance(peer, list) and len(peer) != self.shards:
+                raise ValueError(f"a peer list names {len(peer)} URLs for {self.shards} shards")
+
+
 class Config(_Section, frozen=True):
     rules_dir: str | None = None  # default: the rules/ directory shipped with gpuwarden
     ingest: IngestConfig = IngestConfig()
@@ -339,3 +367,4 @@ class Config(_Section, frozen=True):
     remediation: RemediationConfig = RemediationConfig()
     probes: ProbesConfig = ProbesConfig()
     server: ServerConfig = ServerConfig()
+    sharding: ShardingConfig = ShardingConfig()

@@ -50,6 +50,9 @@ reason codes are ``aggregator.metrics.REJECT_REASONS`` and count in
 500   internal_error              the pipeline failed on a valid report (logged with its trace)
 ====  ==========================  =======================================================
 
+With sharding, a report whose pool another shard owns is answered ``307`` with ``Location``
+naming that shard (aggregator/shard/router.py): not ingested, not counted as refused.
+
 Hostile input is bounded before it costs anything: authentication happens before the body is
 read, the body is counted while it streams in, and gzip is inflated by a bounded decompressor, so a
 bomb is refused after ``max_decompressed_bytes`` of output however far it would expand. None of it
@@ -129,6 +132,7 @@ __all__ = [
     "IngestOutcome",
     "PipelineLike",
     "Readiness",
+    "Route",
     "advance_periodically",
     "cap_errors",
     "create_app",
@@ -185,6 +189,10 @@ class PipelineLike(Protocol):
         """Health state -> number of nodes in it (for ``gpuwarden_aggregator_nodes``)."""
         ...
 
+
+# With sharding (aggregator/shard/router.py): None when this shard owns the report's pool, else
+# the answer that sends the agent to the owner.
+Route = Callable[[Report], web.Response | None]
 
 # Problems that keep the aggregator from doing its job (rules not loaded, decision log not
 # writable); empty when ready.
@@ -383,8 +391,10 @@ class _Ingest:
         metrics: Metrics,
         *,
         decisions: DecisionLog | None,
+        route: Route | None = None,
     ) -> None:
         self._pipeline = pipeline
+        self._route = route
         self._auth = authenticator
         self._caps = config.ingest
         self._max_body = config.ingest.max_body_bytes
@@ -471,6 +481,8 @@ class _Ingest:
                     "node_mismatch",
                     f"the token is for node {identity.node}, the report is from {report.node}",
                 )
+            if self._route is not None and (moved := self._route(report)) is not None:
+                return moved  # another shard owns its pool: redirected there, not ingested
             problems = plausibility_errors(report, now=self._clock.time())
             if problems:
                 raise _Reject(422, "implausible_value", "; ".join(problems)[:_MESSAGE_MAX_CHARS])
@@ -869,6 +881,7 @@ def create_app(
     admin_tokens: Sequence[str] = (),
     banner: str | None = None,
     decisions: DecisionLog | None = None,
+    route: Route | None = None,
 ) -> web.Application:
     """The aggregator's web application.
 
@@ -879,7 +892,8 @@ def create_app(
     does). The authenticator is closed with the app if it has an ``async close()``; without one
     the app is read-only (no ingest route). ``banner``: a line atop every status page.
     ``decisions``: the log the pipeline writes to; a report that caused decisions is answered
-    only once they are fsync'd.
+    only once they are fsync'd. ``route``: with sharding, sends a report of another shard's pool
+    there (aggregator/shard/router.py).
     """
     if metrics is None:
         metrics = Metrics(registry)
@@ -901,7 +915,7 @@ def create_app(
     app[METRICS_KEY] = metrics
     app[SERVER_CONFIG_KEY] = config.server
     if authenticator is not None:
-        ingest = _Ingest(pipeline, authenticator, config, clock, metrics, decisions=decisions)
+        ingest = _Ingest(pipeline, authenticator, config, clock, metrics, decisions=decisions, route=route)
         app.router.add_post(REPORTS_PATH, ingest.handle)
         app.router.add_route("OPTIONS", REPORTS_PATH, _options)
     app.router.add_routes(_health(registry, readiness))

@@ -15,6 +15,17 @@ stands and is logged, no taint is applied, on-call is alerted once) until a huma
 breaker (``gpuwarden breaker reset`` or ``POST /api/v1/breaker/reset``). It never closes by
 itself, because "the fleet looked better a minute later" is exactly what a flapping systemic
 problem looks like. Releases are never held: letting a node back in cannot take a cluster down.
+
+Sharded (aggregator/shard/, docs/sharding.md), a pool and its racks and leaves live on one shard,
+so the pool and domain limits stay where they are. The hourly limit is the fleet's: each of N
+shards gets ``max_per_hour // N`` of it (``shard_limits``), so the shards together never take
+out more than ``max_per_hour`` in an hour, with no coordination on the path of a decision. Each
+shard's count comes back from the cluster on a restart or fail-over as today (``remember_taint``,
+from the snapshots of the nodes of its own pools). What it costs: a shard cannot borrow another's
+unused share (a burst confined to one shard's pools holds after ``max_per_hour // N``), and in
+the hour after a change of N the count of the moved pools moves with them, so a shard may meet
+quarantines it did not make and the others are not told: the fleet's total in that hour is at
+most twice ``max_per_hour`` in the worst case (all of it concentrated in the moved pools).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from agent.errors import ConfigError
 from aggregator.config import LimitsConfig
 from aggregator.fleet.pools import Placement
 
@@ -55,6 +67,20 @@ class Hold:
 
 _ENC = msgspec.json.Encoder()
 _DEC = msgspec.json.Decoder(BreakerState)
+
+
+def shard_limits(config: LimitsConfig, shards: int) -> LimitsConfig:
+    """One shard's limits: the pool and domain limits as they are, ``max_per_hour // shards``.
+    Refuses a share of zero (more shards than quarantines an hour): no shard could ever act."""
+    if shards == 1:
+        return config
+    share = config.max_per_hour // shards
+    if share < 1:
+        raise ConfigError(
+            f"remediation.limits.max_per_hour ({config.max_per_hour}) is below sharding.shards "
+            f"({shards}): each shard's share of the hourly limit would be zero"
+        )
+    return msgspec.structs.replace(config, max_per_hour=share)
 
 
 def encode_breaker(state: BreakerState) -> str:

@@ -43,6 +43,7 @@ from aggregator.kube.objects import KubeError
 from aggregator.pipeline import Pipeline
 from aggregator.remediate.actuator import Actuator, ActuatorMetrics
 from aggregator.remediate.limits import BreakerState, decode_breaker, encode_breaker
+from aggregator.remediate.model import IntentSource
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,10 @@ class Remediation:
         audit: AuditLog,
         admin_tokens: list[str] | None = None,
         sleep: Callable[[float], Any] = asyncio.sleep,
+        intents: IntentSource | None = None,
     ) -> None:
+        """``intents``: what the actuator restores and reconciles (default: the pipeline; with
+        sharding, the nodes of the shard's pools: aggregator/shard/owned.py)."""
         self.pipeline = pipeline
         self.config = config
         self.api = api
@@ -119,7 +123,7 @@ class Remediation:
         self.actuator = Actuator(
             api,
             config,
-            pipeline,
+            intents if intents is not None else pipeline,
             clock=clock,
             is_leader=lambda: self.elector.is_leader,
             metrics=ActuatorMetrics(registry),

@@ -1,0 +1,269 @@
+"""Sharded aggregators end to end: real agents' shippers, replicas built by the composition root,
+the API-server double through the real client.
+
+Two shards, then three: the agents are all configured with shard 1's URL and find their owners
+by redirect; a hard fault on a node of a pool on shard 0 is quarantined there; then every
+replica stops and three start (a change of N rolls the StatefulSet), the pool moves to the new
+shard 2 (rendezvous hashing moves only pools to the new shard), which restores the quarantine
+from the cluster while shard 0 leaves the node alone; the taint is never lifted, and every
+report the agents made, including those made while no aggregator ran, is delivered. The
+fleet-wide node list answers from any replica, and says which shard did not answer once one
+is down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from agent.clock import SystemClock
+from agent.shipper import Shipper
+from aggregator.app import Aggregator, build_aggregator
+from aggregator.config import (
+    Config,
+    HealthConfig,
+    LeaderConfig,
+    LimitsConfig,
+    RemediationConfig,
+    ServerConfig,
+    ShardingConfig,
+)
+from aggregator.kube.api import KubeApi
+from aggregator.kube.client import KubeClient
+from aggregator.shard.map import owner_of
+from tests.kube_double import KubeApiDouble
+from tests.ports import free_port
+from tests.rulekit import report, xid
+from tests.test_remediation_e2e import ADMIN_TOKEN, LEASE, NS, POOL_LABEL, RULES, eventually, ours
+
+WAIT_S = 30.0
+CANDIDATES = [f"pool-{i:03d}" for i in range(200)]
+# A pool on shard 0 of two that moves to shard 2 of three, and one that stays on shard 1.
+MOVING = next(p for p in CANDIDATES if owner_of(p, 2) == 0 and owner_of(p, 3) == 2)
+STAYING = next(p for p in CANDIDATES if owner_of(p, 2) == 1 and owner_of(p, 3) == 1)
+NODES = {f"m{i}": MOVING for i in range(3)} | {f"s{i}": STAYING for i in range(3)}
+FAULTY = "m0"
+
+
+def config(shard: int, ports: Sequence[int]) -> Config:
+    return Config(
+        health=HealthConfig(probation_seconds=3600.0),
+        remediation=RemediationConfig(
+            mode="enforce",
+            resync_seconds=1.0,
+            limits=LimitsConfig(max_pool_share=1.0, max_per_hour=30),
+            leader=LeaderConfig(
+                namespace=NS,
+                lease_name=LEASE,
+                lease_duration_seconds=120.0,
+                renew_deadline_seconds=90.0,
+                retry_period_seconds=0.5,
+            ),
+        ),
+        server=ServerConfig(max_wait_seconds=60.0),
+        sharding=ShardingConfig(
+            shards=len(ports), shard=shard, peers=[[f"http://127.0.0.1:{p}" for p in ports]]
+        ),
+    )
+
+
+@dataclass
+class Replica:
+    shard: int
+    agg: Aggregator
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+
+    def knows(self, node: str) -> bool:
+        return self.agg.pipeline.node(node) is not None
+
+    def state(self, node: str) -> str | None:
+        h = self.agg.pipeline.health.get(node)
+        return h.state if h is not None else None
+
+    async def shutdown(self) -> None:
+        self.stop.set()
+        await asyncio.wait_for(self.task, WAIT_S)
+
+
+async def start(double: KubeApiDouble, tmp_path: Path, shard: int, ports: Sequence[int]) -> Replica:
+    async def connect() -> KubeApi:
+        return await KubeClient.from_kubeconfig(
+            double.write_kubeconfig(tmp_path / f"shard-{shard}.kubeconfig")
+        )
+
+    agg = await build_aggregator(
+        config(shard, ports),
+        RULES,
+        auth=tmp_path / "tokens",
+        clock=SystemClock(),
+        kube=connect,
+        identity=f"gpuwarden-a-{shard}",
+        admin_tokens=[ADMIN_TOKEN],
+    )
+    assert agg.remediation is not None
+    stop = asyncio.Event()
+    bound = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(
+        agg.serve(
+            "127.0.0.1",
+            ports[shard],
+            stop=stop,
+            on_started=lambda h, p: bound.set_result(p),
+            shutdown_timeout_s=1.0,
+        )
+    )
+    await asyncio.wait_for(bound, WAIT_S)
+    await asyncio.wait_for(agg.remediation.actuator.synced(), WAIT_S)
+    await eventually(
+        lambda: agg.remediation is not None and agg.remediation.elector.is_leader, "the shard's lease"
+    )
+    return Replica(shard, agg, stop, task)
+
+
+@asynccontextmanager
+async def shards(double: KubeApiDouble, tmp_path: Path, ports: Sequence[int]) -> AsyncIterator[list[Replica]]:
+    started: list[Replica] = []
+    try:
+        for i in range(len(ports)):
+            started.append(await start(double, tmp_path, i, ports))
+        yield started
+    finally:
+        for r in started:
+            if not r.task.done():
+                await r.shutdown()
+
+
+class Agents:
+    """One real shipper per node, every one configured with the same aggregator URL."""
+
+    def __init__(self, tmp_path: Path, url: str) -> None:
+        self.shippers: dict[str, Shipper] = {}
+        self.made: dict[str, int] = {}
+        for node in NODES:
+            token = tmp_path / f"{node}.token"
+            token.write_text(f"token-{node}-{'x' * 20}\n")
+            s = Shipper(url, token, SystemClock(), timeout_s=2.0, backoff_base_s=0.05, backoff_max_s=0.3)
+            s.start()
+            self.shippers[node] = s
+            self.made[node] = 0
+        (tmp_path / "tokens").write_text("".join(f"{n} token-{n}-{'x' * 20}\n" for n in NODES))
+
+    def report(self, node: str, *, fault: bool = False) -> None:
+        self.made[node] += 1
+        events = [xid(79, gpu=3, at=time.time())] if fault else ()
+        self.shippers[node].submit(report(time.time(), node=node, seq=self.made[node], events=events))
+
+    def round(self) -> None:
+        for node in NODES:
+            self.report(node)
+
+    async def delivered(self) -> None:
+        for node, s in self.shippers.items():
+            assert await asyncio.to_thread(s.flush, WAIT_S), f"{node}'s reports not delivered"
+
+    def close(self) -> None:
+        for s in self.shippers.values():
+            s.close(timeout_s=1.0)
+
+
+async def fleet_nodes(replica_port: int) -> dict[str, Any]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(
+            f"http://127.0.0.1:{replica_port}/api/v1/nodes",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        ) as resp,
+    ):
+        assert resp.status == 200
+        body: dict[str, Any] = await resp.json()
+        return body
+
+
+@asynccontextmanager
+async def watching_taint(double: KubeApiDouble, node: str) -> AsyncIterator[list[bool]]:
+    """Samples whether ``node`` carries our taint every 10 ms while the block runs."""
+    seen: list[bool] = []
+
+    async def sample() -> None:
+        while True:
+            seen.append(bool(ours(double, node)))
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(sample())
+    try:
+        yield seen
+    finally:
+        task.cancel()
+
+
+async def test_a_quarantine_survives_its_pool_moving_to_a_new_shard(tmp_path: Path) -> None:
+    two = [free_port(), free_port()]
+    three = [*two, free_port()]
+    async with KubeApiDouble() as double:
+        for node, pool in NODES.items():
+            double.add_node(node, labels={POOL_LABEL: pool})
+        agents = Agents(tmp_path, f"http://127.0.0.1:{two[1]}")
+        try:
+            async with shards(double, tmp_path, two) as (s0, s1):
+                agents.round()
+                agents.report(FAULTY, fault=True)
+                await agents.delivered()
+                # Each report went to the shard of its pool, and only there.
+                assert all(s0.knows(n) == (NODES[n] == MOVING) for n in NODES)
+                assert all(s1.knows(n) == (NODES[n] == STAYING) for n in NODES)
+                await eventually(lambda: bool(ours(double, FAULTY)), "the taint from shard 0", timeout=WAIT_S)
+                assert s0.state(FAULTY) == "quarantined"
+                # Any replica answers for the fleet.
+                view = await fleet_nodes(two[1])
+                assert sorted((n["node"], n["shard"]) for n in view["nodes"]) == sorted(
+                    (n, owner_of(p, 2)) for n, p in NODES.items()
+                )
+                assert (view["partial"], view["shards"]["answered"]) == (False, [0, 1])
+                for i in range(2):  # one Lease per shard, each held by that shard's replica
+                    lease = double.lease(NS, f"{LEASE}-shard-{i}")
+                    assert lease is not None and lease["spec"]["holderIdentity"] == f"gpuwarden-a-{i}"
+                assert double.lease(NS, LEASE) is None
+
+            # No aggregator runs: what the agents report now waits in their spools.
+            agents.round()
+            async with (
+                watching_taint(double, FAULTY) as taint,
+                shards(double, tmp_path, three) as (s0, s1, s2),
+            ):
+                agents.round()
+                await agents.delivered()
+                # The moving pool is on shard 2 now: restored from the cluster, the quarantine stands.
+                assert s2.state(FAULTY) == "quarantined"
+                assert all(s2.knows(n) == (NODES[n] == MOVING) for n in NODES)
+                assert not any(s0.knows(n) for n in NODES)  # the old owner has nothing of it
+                assert s0.agg.remediation is not None
+                assert s0.agg.pipeline.health.get(FAULTY) is None
+                await asyncio.sleep(2.5)  # two resyncs of every shard's actuator
+                assert taint and all(taint), "the taint was lifted when the pool moved"
+                view = await fleet_nodes(three[0])
+                assert sorted((n["node"], n["shard"]) for n in view["nodes"]) == sorted(
+                    (n, owner_of(p, 3)) for n, p in NODES.items()
+                )
+                await s2.shutdown()
+                view = await fleet_nodes(three[0])
+                assert view["partial"] is True
+                assert [m["shard"] for m in view["shards"]["missing"]] == [2]
+                assert {n["shard"] for n in view["nodes"]} == {1}
+            # Every report made was delivered, none dropped.
+            for node, s in agents.shippers.items():
+                stats = s.stats()
+                assert (stats.sent_total, stats.dropped_total, stats.rejected_total) == (
+                    agents.made[node],
+                    0,
+                    0,
+                )
+        finally:
+            agents.close()

@@ -1,0 +1,134 @@
+"""Fleet-wide views over shards: the node list, one node and the decisions answer from any
+replica; a shard that does not answer is named, and the answer says it is partial."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from agent.clock import SystemClock
+from agent.report import Report
+from aggregator.app import Aggregator, build_aggregator
+from aggregator.config import Config, ShardingConfig
+from aggregator.rules import default_rules_dir, load_rules
+from aggregator.shard.map import owner_of
+from tests.ports import free_port
+from tests.rulekit import T0, report, xid
+
+RULES = load_rules([default_rules_dir()])
+ADMIN = "admin-token-for-the-fanout-0123456789"
+POOLS = [f"pool-{i:03d}" for i in range(100)]
+ON = {s: [p for p in POOLS if owner_of(p, 2) == s][:2] for s in (0, 1)}
+
+
+@asynccontextmanager
+async def two_shards(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[list[Aggregator], list[int], list[asyncio.Event]]]:
+    (tmp_path / "tokens").write_text("nobody token-of-nobody-0123456789abcdef\n")
+    ports = [free_port(), free_port()]
+    aggs: list[Aggregator] = []
+    stops: list[asyncio.Event] = []
+    tasks: list[asyncio.Task[None]] = []
+    for i in range(2):
+        cfg = Config(
+            sharding=ShardingConfig(
+                shards=2,
+                shard=i,
+                peers=[[f"http://127.0.0.1:{p}" for p in ports]],
+                fanout_timeout_seconds=2.0,
+            )
+        )
+        agg = await build_aggregator(
+            cfg,
+            RULES,
+            auth=tmp_path / "tokens",
+            clock=SystemClock(),
+            admin_tokens=[ADMIN],
+            advance_interval_s=None,
+        )
+        started = asyncio.get_running_loop().create_future()
+        stop = asyncio.Event()
+        tasks.append(
+            asyncio.create_task(
+                agg.serve(
+                    "127.0.0.1", ports[i], stop=stop, on_started=lambda h, p, f=started: f.set_result(p)
+                )
+            )
+        )
+        await asyncio.wait_for(started, 10.0)
+        aggs.append(agg)
+        stops.append(stop)
+    try:
+        yield aggs, ports, stops
+    finally:
+        for stop in stops:
+            stop.set()
+        await asyncio.gather(*tasks)
+
+
+def labelled(node: str, pool: str, t: float, *, fault: bool = False) -> Report:
+    events = [xid(79, gpu=3, at=t)] if fault else ()
+    return msgspec.structs.replace(
+        report(t, node=node, seq=int(t - T0), events=events), labels={"pool": pool}
+    )
+
+
+async def get(port: int, path: str) -> tuple[int, dict[str, Any]]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {ADMIN}"}) as r,
+    ):
+        return r.status, await r.json()
+
+
+async def test_decisions_and_nodes_answer_across_shards(tmp_path: Path) -> None:
+    async with two_shards(tmp_path) as (aggs, ports, stops):
+        # Faults on both shards, interleaved in time: n0 (shard 0) first, then n1, n2, n3.
+        for k, (shard, pool) in enumerate([(0, ON[0][0]), (1, ON[1][0]), (0, ON[0][1]), (1, ON[1][1])]):
+            t = T0 + 10 * k
+            node = f"n{k}"
+            aggs[shard].pipeline.ingest(labelled(node, pool, t), t)
+            aggs[shard].pipeline.ingest(labelled(node, pool, t + 1, fault=True), t + 1)
+
+        status, body = await get(ports[1], "/api/v1/decisions?limit=3")
+        assert status == 200 and body["partial"] is False
+        rows = body["decisions"]
+        assert [(d["node"], d["shard"]) for d in rows] == [
+            ("n0", 0),
+            ("n1", 1),
+            ("n2", 0),
+        ]  # the fleet's first 3
+        assert [d["time"] for d in rows] == sorted(d["time"] for d in rows)
+
+        status, body = await get(ports[0], "/api/v1/nodes")
+        assert sorted((n["node"], n["shard"]) for n in body["nodes"]) == [
+            ("n0", 0),
+            ("n1", 1),
+            ("n2", 0),
+            ("n3", 1),
+        ]
+
+        status, body = await get(ports[0], "/api/v1/nodes/n3")  # on the other shard
+        assert (status, body["node"], body["shard"]) == (200, "n3", 1)
+        status, body = await get(ports[0], "/api/v1/nodes/nowhere")
+        assert status == 404 and body["error"] == "unknown_node" and body["shards"]["answered"] == [0, 1]
+
+        status, body = await get(ports[0], "/api/v1/nodes?scope=shard")  # this shard alone: no fan-out
+        assert sorted(n["node"] for n in body["nodes"]) == ["n0", "n2"] and "partial" not in body
+
+        status, body = await get(ports[0], "/api/v1/decisions?limit=0")  # a bad query stays a 400
+        assert status == 400
+
+        stops[1].set()
+        await asyncio.sleep(0.2)
+        status, body = await get(ports[0], "/api/v1/decisions")
+        assert status == 200 and body["partial"] is True
+        assert [m["shard"] for m in body["shards"]["missing"]] == [1]
+        assert {d["shard"] for d in body["decisions"]} == {0}
