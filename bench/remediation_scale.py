@@ -274,7 +274,7 @@ async def _measure(
     return analyse(args, log, fault_at, storm, later, cpu0, cpu1, lag, load_storm, load_later, fleet.fed)
 
 
-def analyse(
+def analyse(  # noqa: PLR0917 - one call site, every figure it reports
     args: argparse.Namespace,
     log: list[list[Any]],
     fault_at: dict[str, float],
