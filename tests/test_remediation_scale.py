@@ -141,6 +141,6 @@ async def test_a_storm_of_hard_faults_is_tainted_once_each_within_the_bucket(tmp
         for j in range(i + 1, len(starts)):
             assert j - i + 1 <= BURST + QPS * (starts[j] - starts[i]) + 1, (i, j)
     # And the calls were all made: no node was tainted without its fresh read or its condition.
-    calls = len(starts)
-    assert calls >= 3 * len(faulty)
-    assert starts[-1] - starts[0] >= (calls - BURST - 1) / QPS
+    made = len(starts)
+    assert made >= 3 * len(faulty)
+    assert starts[-1] - starts[0] >= (made - BURST - 1) / QPS
