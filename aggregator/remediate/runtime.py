@@ -36,7 +36,6 @@ from aggregator.audit import AuditLog, AuditRecord
 from aggregator.auth import AuthError, bearer_token
 from aggregator.config import RemediationConfig
 from aggregator.decisions import Decision
-from aggregator.fleet.pools import k8s_pool
 from aggregator.kube.api import KubeApi
 from aggregator.kube.leader import LeaderElector
 from aggregator.kube.objects import KubeError
@@ -170,12 +169,9 @@ class Remediation:
             self._wake.set()
 
     def pool_size(self, pool: str) -> int:
-        """Every node the cluster has in the pool, reporting or not (the pool-share limit)."""
-        count = 0
-        for n in self.actuator.cached_nodes():
-            if k8s_pool(n.labels) == pool:  # the same label precedence as placement_of
-                count += 1
-        return count
+        """Every node the cluster has in the pool, reporting or not (the pool-share limit): the
+        informer cache's count by pool label, the same label precedence as placement_of."""
+        return self.actuator.pool_size(pool)
 
     def on_leadership(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` whenever this replica gains the lead (e.g. re-send the firing alerts)."""
