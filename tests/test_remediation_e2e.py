@@ -557,10 +557,17 @@ async def test_safety_limits_hold_then_release_after_a_reset(tmp_path: Path) -> 
 
             # Both replicas opened the breaker: once it is in the Lease it stays put (no replica
             # keeps rewriting it), and on-call hears of it once.
-            settled = lease_annotations(double)[BREAKER_ANNOTATION]
-            lease_puts = sum(
-                1 for r in double.requests if r[0] == "PUT" and r[1].endswith(f"/leases/{LEASE}")
+            # Both open it within milliseconds of each other and each may write that once: it has
+            # settled after a few renewals.
+            def lease_writes() -> int:
+                return sum(1 for r in double.requests if r[0] == "PUT" and r[1].endswith(f"/leases/{LEASE}"))
+
+            before = lease_writes()
+            await fleet.keep_reporting(
+                [first, second], both, lambda: lease_writes() >= before + 4, "the breaker settling"
             )
+            settled = lease_annotations(double)[BREAKER_ANNOTATION]
+            lease_puts = lease_writes()
             await fleet.keep_reporting(
                 [first, second],
                 both,
