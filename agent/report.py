@@ -20,7 +20,7 @@ import operator
 import re
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -729,15 +729,18 @@ def _plan(struct: type[msgspec.Struct]) -> _Plan:
                 lists.append((name, _plan(args[0])))
             elif isinstance(member, type) and issubclass(member, msgspec.Struct):
                 structs.append((name, _plan(member)))
-    getter: Callable[[Any], tuple[Any, ...]]
-    if len(ints) > 1:
-        getter = operator.attrgetter(*ints)
-    elif ints:
-        one = ints[0]
-        getter = lambda obj: (getattr(obj, one),)  # noqa: E731
-    else:
-        getter = lambda obj: ()  # noqa: E731
-    return _Plan(tuple(ints), getter, tuple(maps), tuple(lists), tuple(structs))
+    return _Plan(tuple(ints), fields_getter(ints), tuple(maps), tuple(lists), tuple(structs))
+
+
+def fields_getter(names: Sequence[str]) -> Callable[[Any], tuple[Any, ...]]:
+    """``obj -> (obj.a, obj.b, ...)`` for ``names``, always a tuple (``attrgetter`` returns a bare
+    value for one name), at C speed where there are several."""
+    if len(names) > 1:
+        return operator.attrgetter(*names)
+    if names:
+        one = names[0]
+        return lambda obj: (getattr(obj, one),)
+    return lambda obj: ()
 
 
 _REPORT_PLAN: Final = _plan(Report)

@@ -54,6 +54,7 @@ from agent.report import (
     Nic,
     NvLink,
     Report,
+    fields_getter,
 )
 
 JSON_MEDIA_TYPE: Final = "application/json"
@@ -399,15 +400,7 @@ def _float_plan(struct: type[msgspec.Struct]) -> _FloatPlan | None:
                     children.append((name, child))
     if not names and not children:
         return None
-    get: Callable[[Any], tuple[Any, ...]]
-    if len(names) > 1:
-        get = operator.attrgetter(*names)
-    elif names:
-        one = names[0]
-        get = lambda obj: (getattr(obj, one),)  # noqa: E731
-    else:
-        get = lambda obj: ()  # noqa: E731
-    return _FloatPlan(get, tuple(names), tuple(children))
+    return _FloatPlan(fields_getter(names), tuple(names), tuple(children))
 
 
 def _members(hint: Any) -> tuple[Any, ...]:

@@ -264,5 +264,5 @@ async def test_a_raising_detector_never_fails_a_report_nor_the_rest_of_detection
     assert rejected == 0.0
     # Rate-limited: over 80 s of failures in two hooks, one line per hook per minute at most.
     failed = [r for r in caplog.records if r.getMessage() == "detector failed"]
-    assert 1 <= len(failed) <= 4
+    assert 2 <= len(failed) <= 4  # each hook at least once, at most once a minute each
     assert {getattr(r, "hook", None) for r in failed} == {"observe_report", "run"}

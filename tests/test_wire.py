@@ -205,8 +205,10 @@ def test_compact_accepts_and_refuses_what_json_does(name: str) -> None:
     try:
         data = msgspec.msgpack.encode(compact_doc(doc))
     except OverflowError:
+        # msgpack has no integers past 64 bits: no compact report can carry this one, and JSON
+        # must refuse it too (checked here); there is nothing more to compare.
         assert not json_ok, f"{name}: JSON takes it, msgpack cannot say it"
-        pytest.skip("msgpack has no integers past 64 bits: no compact report can carry this one")
+        return
     try:
         back = wire.decode_compact(data)
         compact_ok = True
