@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, Protocol, runtime_checkable
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -88,6 +88,7 @@ _INGEST_BUCKETS: Final = (
     1.0,
 )
 # One detection cycle runs once a second, so anything near 1 s means detection is falling behind.
+LOOP_LAG_WINDOW_SECONDS: Final = 60.0  # the exported worst event-loop lag is over this long
 _CYCLE_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -304,6 +305,18 @@ class Metrics:
             buckets=_CYCLE_BUCKETS,
             registry=registry,
         )
+        self._loop_lag = Histogram(
+            "gpuwarden_aggregator_event_loop_lag_seconds",
+            "How much later than asked a short periodic sleep on the event loop woke up: how long "
+            "a request or a Lease renewal may have waited behind other work on the loop.",
+            buckets=_CYCLE_BUCKETS,
+            registry=registry,
+        )
+        self._loop_lag_max = Gauge(
+            "gpuwarden_aggregator_event_loop_lag_max_seconds",
+            f"The largest event-loop lag sampled in the last {LOOP_LAG_WINDOW_SECONDS:.0f} s.",
+            registry=registry,
+        )
         self._cycle_failures = Counter(
             "gpuwarden_aggregator_detection_cycle_failures_total",
             "Periodic detection cycles that raised (logged; the next cycle runs anyway).",
@@ -358,6 +371,10 @@ class Metrics:
         self._cycle.observe(seconds)
         if failed:
             self._cycle_failures.inc()
+
+    def loop_lag(self, seconds: float, *, worst_recent: float) -> None:
+        self._loop_lag.observe(seconds)
+        self._loop_lag_max.set(worst_recent)
 
     def token_review(self, result: str) -> None:
         self._token_reviews.labels(result=result).inc()

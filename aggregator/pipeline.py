@@ -4,6 +4,13 @@
                                machine -> decision log
     advance(now)               silence and systemic events, the detectors' runs, time-driven
                                transitions (probation)
+    advance_steps(now)         the same, one step at a time (the service yields to the event loop
+                               between steps, so a slow detector run does not hold up every POST)
+
+By default ``ingest`` ends with ``advance(received)``, so a caller that only ingests (replay,
+benchmarks, tests) sees time-driven work happen. The service turns that off
+(``advance_on_ingest = False``) and runs ``advance_steps`` from its periodic task instead: a POST
+then does rules and bookkeeping only, never a fleet detector's run.
 
 Everything is driven by the ``received``/``now`` times passed in: the live service passes its
 clock, replay passes the reports' own times. Given the same reports in the same order with the
@@ -25,7 +32,7 @@ import logging
 import math
 import time as _time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
@@ -213,6 +220,8 @@ class Pipeline:
         self._cluster_ready = True
         self._deferred: list[Decision] = []
         self._deferred_nodes: set[str] = set()
+        # Whether ``ingest`` runs the time-driven work itself (see the module docstring).
+        self.advance_on_ingest = True
 
     # -- ingest ---------------------------------------------------------------------------------
 
@@ -287,7 +296,8 @@ class Pipeline:
         self._emit(self.health.replaced_gpus(report.node, rec.gpu_uuids, received))
         self._emit(self.health.update(report.node, "rule", findings, received))
         self._note_clean(report.node, rec, received)
-        self.advance(received)
+        if self.advance_on_ingest:
+            self.advance(received)
         # Taken in only once processed: after a failure a redelivery must be processed, not
         # called a duplicate.
         rec.seen.record(report)
@@ -296,6 +306,14 @@ class Pipeline:
     # -- time-driven ------------------------------------------------------------------------------
 
     def advance(self, now: float) -> None:
+        for _ in self.advance_steps(now):
+            pass
+
+    def advance_steps(self, now: float) -> Iterator[None]:
+        """``advance(now)`` as a generator that yields after silence and after each detector's
+        run: whoever drives it may let other work (reports) in between. Reports ingested between
+        two steps are seen by the detectors that run after them, which is what a live fleet
+        would see a moment later anyway."""
         if now < self._next_tick - 2 * TICK_SECONDS:
             # The aggregator's clock stepped back (NTP, a VM restore). Without this, silence,
             # probation and the detectors would wait until the clock caught up again.
@@ -330,9 +348,11 @@ class Pipeline:
             self._emit(self.health.update(node, "silence", (), tick))
         self._silent = set(per_node)
         self._forget_long_gone(tick)
+        yield
         for run in self._detectors:
             if tick >= run.due:
                 self._run_detector(run, tick)
+                yield
         if self.probes is not None:
             self.probes.tick(tick)
         for d in self.health.expire_restored(tick):

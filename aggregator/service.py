@@ -81,8 +81,9 @@ import operator
 import signal
 import time
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Final, Protocol
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import Any, Final, Protocol, runtime_checkable
 
 import msgspec
 from aiohttp import web
@@ -115,7 +116,7 @@ from aggregator.auth import (
 from aggregator.config import Config, IngestConfig, ServerConfig
 from aggregator.decisions import DecisionLog
 from aggregator.listener import Busy, CappedSite, connection_cap, raise_file_limit, tls_context, watch_tls
-from aggregator.metrics import Metrics
+from aggregator.metrics import LOOP_LAG_WINDOW_SECONDS, Metrics
 from aggregator.model import IngestOutcome
 from aggregator.ratelog import RateLimitedLog
 from aggregator.web import is_page, status_routes
@@ -840,11 +841,22 @@ def _health(registry: CollectorRegistry, readiness: Readiness | None) -> list[we
 # -- the application and its periodic task -------------------------------------------------------
 
 
+@runtime_checkable
+class SteppedPipeline(Protocol):
+    """A pipeline whose time-driven work can run in steps (``aggregator.pipeline.Pipeline``)."""
+
+    advance_on_ingest: bool
+
+    def advance_steps(self, now: float) -> Iterator[None]: ...
+
+
 async def advance_periodically(
     pipeline: PipelineLike, clock: Clock, metrics: Metrics, interval_s: float = 1.0
 ) -> None:
     """Call ``pipeline.advance(clock.time())`` every ``interval_s`` until cancelled.
 
+    A pipeline that can advance in steps (``SteppedPipeline``) yields to the event loop between
+    them, so reports are answered between two detectors' runs rather than after all of them.
     A failing cycle is logged and counted, never fatal: silence detection must keep running even
     if one detector has a bug. A cycle that overruns its slot is followed by the next one at once,
     without trying to catch up on the missed ones.
@@ -855,7 +867,11 @@ async def advance_periodically(
         started = time.perf_counter()
         failed = False
         try:
-            pipeline.advance(clock.time())
+            if isinstance(pipeline, SteppedPipeline):
+                for _ in pipeline.advance_steps(clock.time()):
+                    await asyncio.sleep(0)
+            else:
+                pipeline.advance(clock.time())
         except Exception:
             failed = True
             log.exception("detection cycle failed")
@@ -866,6 +882,34 @@ async def advance_periodically(
             next_at = loop.time()
             delay = 0.0
         await asyncio.sleep(delay)
+
+
+LOOP_LAG_PROBE_SECONDS: Final = 0.1  # how often the event loop's lag is sampled
+
+
+async def watch_loop_lag(
+    metrics: Metrics,
+    interval_s: float = LOOP_LAG_PROBE_SECONDS,
+    window_s: float = LOOP_LAG_WINDOW_SECONDS,
+) -> None:
+    """Sample the event loop's lag until cancelled: how much later than asked a sleep of
+    ``interval_s`` wakes up. Every request, the periodic cycle and the Lease renewals share the
+    loop, so this is how long any of them may have waited for a callback that hogged it. Each
+    sample goes to a histogram; the largest of the last ``window_s`` to a gauge (a histogram
+    cannot say what the worst pause was)."""
+    loop = asyncio.get_running_loop()
+    recent: deque[tuple[float, float]] = deque()  # (when, lag), lags decreasing: a sliding max
+    while True:
+        asked = loop.time() + interval_s
+        await asyncio.sleep(interval_s)
+        now = loop.time()
+        lag = max(0.0, now - asked)
+        while recent and recent[-1][1] <= lag:
+            recent.pop()
+        recent.append((now, lag))
+        while recent[0][0] < now - window_s:
+            recent.popleft()
+        metrics.loop_lag(lag, worst_recent=recent[0][1])
 
 
 def create_app(
@@ -924,6 +968,9 @@ def create_app(
 
     if advance_interval_s is not None:
         interval = advance_interval_s
+        if isinstance(pipeline, SteppedPipeline):
+            # The periodic task does the time-driven work; a POST does rules and bookkeeping only.
+            pipeline.advance_on_ingest = False
 
         async def periodic(app: web.Application) -> AsyncIterator[None]:
             task = asyncio.create_task(
@@ -935,6 +982,15 @@ def create_app(
                 await task
 
         app.cleanup_ctx.append(periodic)
+
+    async def lag(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(watch_loop_lag(metrics), name="gpuwarden-loop-lag")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(lag)
 
     if authenticator is not None and isinstance(authenticator, SupportsClose):
         closeable = authenticator

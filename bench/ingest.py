@@ -24,7 +24,10 @@ What it does:
    server answers): reports/s, the server's CPU per report (``/proc/PID/stat`` utime+stime over
    the phase, all its threads), latency. Then the paced rounds at ``--paced-rate`` reports/s (the
    issue's per-core load: 7,500 nodes every 10 s need 750/s), open loop: latency at that load,
-   counted from when each report was due, and the server's CPU share. Every answer must be
+   counted from when each report was due, the server's CPU share, and its event-loop lag over
+   the phase (``/metrics`` scraped before and after: the lag histogram's p99 as a bucket bound,
+   and the worst lag of the last 60 s, which covers only the paced phase when it lasts 60 s or
+   more: ``--paced-seconds 60``). Every answer must be
    200 ``accepted``; anything else is counted and fails the run.
 
 Reports/s per core = 1 / server CPU per report: what one core sustains when it does nothing else.
@@ -77,6 +80,7 @@ from _reports import (
     token_of,
 )
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent.clock import SystemClock
 from agent.report import Report, decode
@@ -290,6 +294,10 @@ class PhaseResult:
     client_cpu_s: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
     truncated: bool = False  # the deadline stopped it before every report was sent
+    # The server's event-loop lag over the phase: histogram bucket counts (upper bound -> count,
+    # the difference between a scrape before and one after) and its worst-of-the-last-60-s gauge.
+    lag_buckets: dict[str, float] = field(default_factory=dict)
+    lag_worst_s: float | None = None
 
 
 async def _post(
@@ -351,6 +359,35 @@ async def _phase(
     return res
 
 
+_LAG = "gpuwarden_aggregator_event_loop_lag_seconds"
+
+
+async def _scrape_lag(session: aiohttp.ClientSession, port: int) -> tuple[dict[str, float], float | None]:
+    """The server's event-loop lag histogram (cumulative bucket counts by ``le``) and worst-lag gauge."""
+    async with session.get(
+        f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {_VIEWER}"}
+    ) as resp:
+        text = await resp.text()
+    buckets: dict[str, float] = {}
+    worst: float | None = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{_LAG}_bucket":
+                buckets[sample.labels["le"]] = sample.value
+            elif sample.name == "gpuwarden_aggregator_event_loop_lag_max_seconds":
+                worst = sample.value
+    return buckets, worst
+
+
+def lag_quantile(buckets: dict[str, float], q: float) -> float | None:
+    """The upper bound of the bucket holding quantile ``q`` of the lag samples (None: no samples)."""
+    bounds = sorted(((float(le), n) for le, n in buckets.items()), key=lambda b: b[0])
+    if not bounds or bounds[-1][1] <= 0:
+        return None
+    total = bounds[-1][1]
+    return next(le for le, n in bounds if n >= q * total)
+
+
 async def _load_main(
     port: int, work: Workload, *, concurrency: int, server_pid: int, deadline: float, paced_rate: float
 ) -> dict[str, PhaseResult]:
@@ -370,7 +407,11 @@ async def _load_main(
         out = {"warmup": await _phase(session, url, work.warmup, headers, rate=None, **common)}
         out["measured"] = await _phase(session, url, work.measured, headers, rate=None, **common)
         if work.paced and paced_rate > 0:
-            out["paced"] = await _phase(session, url, work.paced, headers, rate=paced_rate, **common)
+            before, _ = await _scrape_lag(session, port)
+            paced = await _phase(session, url, work.paced, headers, rate=paced_rate, **common)
+            after, paced.lag_worst_s = await _scrape_lag(session, port)
+            paced.lag_buckets = {le: n - before.get(le, 0.0) for le, n in after.items()}
+            out["paced"] = paced
     return out
 
 
@@ -459,6 +500,8 @@ class HttpRun:
     paced_p50_ms: float | None
     paced_p99_ms: float | None
     paced_server_cpu_share: float | None
+    paced_lag_p99_ms: float | None  # the server's event-loop lag during the paced phase (bucket bound)
+    paced_lag_worst_ms: float | None  # its worst lag in the last 60 s, read just after the phase
     server_rss_mb: float | None
     nodes_known: int
     decisions: int
@@ -619,6 +662,8 @@ def http_run(
         paced_p50_ms=percentile(paced.latencies_ms, 50) if paced else None,
         paced_p99_ms=percentile(paced.latencies_ms, 99) if paced else None,
         paced_server_cpu_share=paced.server_cpu_s / paced.wall_s if paced and paced.wall_s else None,
+        paced_lag_p99_ms=_ms(lag_quantile(paced.lag_buckets, 0.99)) if paced else None,
+        paced_lag_worst_ms=_ms(paced.lag_worst_s) if paced else None,
         server_rss_mb=rss / 1024.0 if rss is not None else None,
         nodes_known=nodes_known,
         decisions=decided,
@@ -627,6 +672,10 @@ def http_run(
 
 
 # ---- reporting ----------------------------------------------------------------------------------
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None or math.isinf(seconds) else seconds * 1000.0
 
 
 def _median(runs: Sequence[HttpRun], key: str) -> float | None:
@@ -676,8 +725,9 @@ def render(
         "at 10 s).",
         "",
         "| run | reports/s (wall) | server CPU/report | per core | server CPU | load CPU | p50 | p99 | "
-        "paced rate | paced p50 | paced p99 | paced server CPU | RSS | nodes | decisions |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "paced rate | paced p50 | paced p99 | paced server CPU | paced loop lag p99 | loop lag worst | RSS | "
+        "nodes | decisions |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for i, r in enumerate(runs, 1):
         lines.append(
@@ -685,6 +735,7 @@ def render(
             f"{r.server_cpu_share:.0%} | {r.client_cpu_share:.0%} | {r.p50_ms:.1f} ms | {r.p99_ms:.1f} ms | "
             f"{_fmt(r.paced_reports_per_s, ',.0f')}/s | {_fmt(r.paced_p50_ms, '.1f')} ms | "
             f"{_fmt(r.paced_p99_ms, '.1f')} ms | {_fmt(r.paced_server_cpu_share, '.0%')} | "
+            f"<= {_fmt(r.paced_lag_p99_ms, '.0f')} ms | {_fmt(r.paced_lag_worst_ms, '.0f')} ms | "
             f"{_fmt(r.server_rss_mb, '.0f')} MB | {r.nodes_known} | {r.decisions} |"
         )
     if runs:
@@ -698,6 +749,7 @@ def render(
             f"{med('client_cpu_share', '.0%')} | {med('p50_ms', '.1f')} ms | {med('p99_ms', '.1f')} ms | "
             f"{med('paced_reports_per_s', ',.0f')}/s | {med('paced_p50_ms', '.1f')} ms | "
             f"{med('paced_p99_ms', '.1f')} ms | {med('paced_server_cpu_share', '.0%')} | "
+            f"<= {med('paced_lag_p99_ms', '.0f')} ms | {med('paced_lag_worst_ms', '.0f')} ms | "
             f"{med('server_rss_mb', '.0f')} MB | | |"
         )
     return "\n".join(lines)

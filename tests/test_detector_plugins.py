@@ -10,8 +10,10 @@ machine's tick), and its log lines are rate-limited.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import logging
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -266,3 +268,101 @@ async def test_a_raising_detector_never_fails_a_report_nor_the_rest_of_detection
     failed = [r for r in caplog.records if r.getMessage() == "detector failed"]
     assert 2 <= len(failed) <= 4  # each hook at least once, at most once a minute each
     assert {getattr(r, "hook", None) for r in failed} == {"observe_report", "run"}
+
+
+# -- detection runs off the ingest path -------------------------------------------------------------
+
+
+class _WhereConfig(DetectorSettings, frozen=True):
+    name: ClassVar[str] = "where"
+    every_seconds: PositiveSeconds = 1.0
+
+
+class _WhereDetector(HotDetector):
+    """Records the asyncio task each run happens in."""
+
+    def __init__(self, config: _WhereConfig) -> None:
+        super().__init__(HotConfig(every_seconds=config.every_seconds))
+        self.tasks: list[str] = []
+        _WHERE.append(self)
+
+    def run(self, frames: FleetFrames, now: float) -> Verdict:
+        task = asyncio.current_task()
+        self.tasks.append(task.get_name() if task is not None else "no task")
+        return super().run(frames, now)
+
+
+_WHERE: list[_WhereDetector] = []
+
+
+async def test_served_detectors_run_in_the_periodic_task_never_in_a_post(
+    tmp_path: Path, aiohttp_client: Any
+) -> None:
+    """A POST does rules and bookkeeping only: a fleet detector's run (a 0.2 s forest, say) never
+    makes an agent wait, and the event loop's lag is exported."""
+    _WHERE.clear()
+    (tmp_path / "tokens").write_text(f"gpu-0001 {TOKEN}\n")
+    clock = FakeClock(start=T0)
+    agg = await build_aggregator(
+        Config(),
+        [],
+        auth=tmp_path / "tokens",
+        clock=clock,
+        detectors=(*DETECTORS, DetectorSpec(_WhereConfig, _WhereDetector)),
+        advance_interval_s=0.01,
+    )
+    server = TestServer(agg.app)
+    await server.start_server(**SERVER_KWARGS)
+    client = await aiohttp_client(server)
+    assert agg.pipeline.advance_on_ingest is False
+    (where,) = _WHERE
+    for k in range(6):
+        clock.advance(10.0)
+        assert await _post(client, _rep(clock.time(), k)) == (200, {"status": "accepted"})
+        deadline = time.monotonic() + 5.0
+        while len(where.tasks) <= k and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    assert len(where.tasks) >= 6
+    assert set(where.tasks) == {"gpuwarden-advance"}
+    deadline = time.monotonic() + 5.0
+    while (agg.registry.get_sample_value("gpuwarden_aggregator_event_loop_lag_seconds_count") or 0) < 1:
+        assert time.monotonic() < deadline, "no event-loop lag sample in 5 s"
+        await asyncio.sleep(0.05)
+
+
+def test_advance_in_steps_is_advance() -> None:
+    """The service's stepped cycle and replay's ``advance`` do the same work: one step for silence,
+    one per detector due."""
+    config = _hot_config('{"hot": {"celsius": 80}}')
+    whole, stepped = (
+        build_pipeline(config, [], detectors=WITH_HOT),
+        build_pipeline(config, [], detectors=WITH_HOT),
+    )
+    for p in (whole, stepped):
+        p.advance_on_ingest = False
+        for k in range(3):
+            p.ingest(_rep(T0 + 10 * k, k, temp=95.0), T0 + 10 * k)
+    whole.advance(T0 + 30)
+    steps = list(stepped.advance_steps(T0 + 30))
+    assert len(steps) == 1 + len(WITH_HOT)  # nothing ran before: every detector is due
+    assert [h.state for h in (whole.health.get("gpu-0001"), stepped.health.get("gpu-0001"))] == [
+        "suspect"
+    ] * 2
+    assert list(stepped.advance_steps(T0 + 30)) == []  # the same tick again: nothing to do
+
+
+async def test_a_blocked_event_loop_shows_in_the_lag_metrics() -> None:
+    from aggregator.metrics import Metrics
+    from aggregator.service import watch_loop_lag
+
+    registry = CollectorRegistry()
+    task = asyncio.create_task(watch_loop_lag(Metrics(registry), interval_s=0.01))
+    await asyncio.sleep(0.05)
+    time.sleep(0.2)  # a callback that hogs the loop, as a long detector run would
+    await asyncio.sleep(0.05)
+    task.cancel()
+    worst = registry.get_sample_value("gpuwarden_aggregator_event_loop_lag_max_seconds")
+    assert worst is not None and worst >= 0.15
+    over = registry.get_sample_value("gpuwarden_aggregator_event_loop_lag_seconds_bucket", {"le": "0.1"})
+    total = registry.get_sample_value("gpuwarden_aggregator_event_loop_lag_seconds_count")
+    assert over is not None and total is not None and total - over >= 1  # one sample above 0.1 s
