@@ -43,7 +43,7 @@ from agent.report import GpuAllocation, Report
 from aggregator.config import Config
 from aggregator.decisions import AWAITING_CLUSTER, Decision, DecisionLog, PodOnNode, Reason
 from aggregator.detect import BUILTIN_SOURCES, DETECTORS, Detector, DetectorSpec
-from aggregator.detect.base import MeasuresPairs, SwitchAlert
+from aggregator.detect.base import MeasuresPairs, PoolDetector, SwitchAlert
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import UNKNOWN_POOL, Placement, gpu_model_pool, place
@@ -350,7 +350,11 @@ class Pipeline:
         self._forget_long_gone(tick)
         yield
         for run in self._detectors:
-            if tick >= run.due:
+            if tick < run.due:
+                continue
+            if isinstance(run.detector, PoolDetector):
+                yield from self._run_by_pool(run, run.detector, tick)
+            else:
                 self._run_detector(run, tick)
                 yield
         if self.probes is not None:
@@ -359,6 +363,28 @@ class Pipeline:
             self._emit(d)
         for d in self.health.tick(tick):
             self._emit(d)
+
+    def _run_by_pool(self, run: _Running, detector: PoolDetector, tick: float) -> Iterator[None]:
+        """A pool detector's run, one pool a step: a pool judged is a pool whose findings are
+        applied, and the one after it may wait for the reports that came in meanwhile. A pool
+        whose run raises keeps what it had; the other pools are judged all the same."""
+        run.due = tick + detector.every_seconds
+        run.runs += 1
+        for pool in list(self.frames.pools()):
+            frame = self.frames.frame(pool)
+            if frame is None:
+                continue
+            started = _time.perf_counter()
+            try:
+                found = detector.run_pool(frame, tick)
+            except Exception:
+                run.failed("run", tick)
+                continue
+            finally:
+                run.seconds += _time.perf_counter() - started
+            for node, findings in found.items():
+                self._emit(self.health.update(node, run.name, findings, tick))
+            yield
 
     def _run_detector(self, run: _Running, tick: float) -> None:
         run.due = tick + run.detector.every_seconds

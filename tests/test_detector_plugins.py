@@ -46,8 +46,9 @@ class HotConfig(DetectorSettings, frozen=True):
     celsius: float = 90.0
 
 
-class HotDetector(PoolDetector):
-    """A node whose last report had a GPU over ``celsius``: from reports, not from the frames."""
+class HotDetector:
+    """A node whose last report had a GPU over ``celsius``: from reports, not from the frames (so
+    not a ``PoolDetector``: those are run pool by pool on the frames)."""
 
     def __init__(self, config: HotConfig) -> None:
         self.config = config
@@ -69,9 +70,6 @@ class HotDetector(PoolDetector):
                 else []
             )
         return out
-
-    def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
-        raise AssertionError("run() is overridden: it reads reports, not frames")
 
 
 HOT = DetectorSpec(HotConfig, HotDetector)
@@ -366,3 +364,38 @@ async def test_a_blocked_event_loop_shows_in_the_lag_metrics() -> None:
     over = registry.get_sample_value("gpuwarden_aggregator_event_loop_lag_seconds_bucket", {"le": "0.1"})
     total = registry.get_sample_value("gpuwarden_aggregator_event_loop_lag_seconds_count")
     assert over is not None and total is not None and total - over >= 1  # one sample above 0.1 s
+
+
+class _FlakyPoolConfig(DetectorSettings, frozen=True):
+    name: ClassVar[str] = "flaky-pool"
+    every_seconds: PositiveSeconds = 10.0
+
+
+class _FlakyPoolDetector(PoolDetector):
+    """Raises on pool ``a``; on every other pool, one alert per node."""
+
+    def __init__(self, config: _FlakyPoolConfig) -> None:
+        self.every_seconds = config.every_seconds
+
+    def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
+        if frame.name == "a":
+            raise RuntimeError("pool a is broken")
+        nodes, _ = frame.snapshot(now - frame.slots * frame.interval_s, now)
+        return {n: [Finding("flaky-pool", "seen", "warning", "alert", "seen", since=now)] for n in nodes}
+
+
+def test_a_pool_detector_runs_pool_by_pool_and_one_failing_pool_spares_the_others() -> None:
+    spec = DetectorSpec(_FlakyPoolConfig, _FlakyPoolDetector)
+    pipeline = build_pipeline(Config(), [], detectors=(spec,))
+    pipeline.advance_on_ingest = False
+    for k in range(3):
+        for node, pool in (("gpu-a1", "a"), ("gpu-b1", "b")):
+            r = msgspec.structs.replace(report(T0 + 10 * k, seq=k, node=node), labels={"pool": pool})
+            pipeline.ingest(r, T0 + 10 * k)
+    steps = list(pipeline.advance_steps(T0 + 30))
+    assert len(steps) == 1 + 1  # silence, then pool b (pool a raised: no step, no findings)
+    b, a = pipeline.health.get("gpu-b1"), pipeline.health.get("gpu-a1")
+    assert b is not None and b.state == "suspect"
+    assert a is None or a.state == "healthy"
+    (stats,) = pipeline.detector_stats()
+    assert (stats.runs, stats.errors) == (1, 1)

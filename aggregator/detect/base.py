@@ -6,7 +6,8 @@ settings the ``detectors:`` section of the config file gives it. Then, for every
 
 - ``observe_report(report, placement, received)`` for every report ingested (a detector that reads
   only the pool frames does nothing here; the probe detectors keep the report's probe results);
-- ``run(frames, now)`` every ``every_seconds`` of the aggregator's clock, returning a ``Verdict``:
+- ``run(frames, now)`` every ``every_seconds`` of the aggregator's clock (a ``PoolDetector``'s
+  ``run_pool(frame, now)`` for each pool instead, one pool per step of the cycle), returning a ``Verdict``:
   findings per node, handed to the health machine (``HealthMachine.update(node, name, findings,
   now)``), and optionally slow links (for the link state machine) and switch alerts;
 - ``forget(node)`` when the pipeline forgets a node that has been silent for a long time.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, cast, final, runtime_checkable
 
 import msgspec
 
@@ -102,7 +103,10 @@ class PoolDetector(abc.ABC):
     def forget(self, node: str) -> None:  # noqa: B027 - a hook it does not need, not an abstract one
         """Nothing of its own to drop: the frames forget the node."""
 
+    @final
     def run(self, frames: FleetFrames, now: float) -> Verdict:
+        """Every pool's ``run_pool``. Final: the pipeline runs a pool detector pool by pool
+        (``Pipeline.advance_steps``), so what a detector does must live in ``run_pool``."""
         out = Verdict()
         for pool in frames.pools():
             frame = frames.frame(pool)
