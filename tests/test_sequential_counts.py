@@ -176,6 +176,16 @@ def test_the_shipped_design_at_the_budget_for_thousands_of_port_hours() -> None:
     assert report_statistic(design, lambda0, 2000.0, seed=11) == []
 
 
+def decision_times(link: float, ratio: float, seeds: int) -> list[float]:
+    """Seconds to the first decision at ``ratio`` x the shipped budget of a ``link`` port, from a
+    zero statistic at 10-s reports, one hour at most (``inf``: not decided), per seed. The table
+    in docs/detection.md: ``.venv/bin/python -c "from tests.test_sequential_counts import *;
+    print(decision_times(NDR_BYTES_PER_SECOND, 2.0, 300))"`` per port and ratio."""
+    design = shipped_design(link)
+    times = [report_statistic(design, design.lambda0 * ratio, 1.0, seed)[:1] for seed in range(seeds)]
+    return [t[0] if t else math.inf for t in times]
+
+
 @pytest.mark.parametrize(
     ("link", "ratio", "within", "share"),
     [
@@ -191,9 +201,7 @@ def test_decision_times_at_10s_reports(link: float, ratio: float, within: float,
     # From a zero statistic, 200 seeds. Measured (docs/detection.md): 2x NDR median 110 s, max
     # 310; HDR median 210, max 540; EDR median 380, 88 % within 10 minutes (counts come four times
     # slower than on NDR, and the evidence with them); 10x: 30-40 s, the per-report cap's 3 reports.
-    design = shipped_design(link)
-    times = [report_statistic(design, design.lambda0 * ratio, 1.0, seed)[:1] for seed in range(200)]
-    first = [t[0] if t else math.inf for t in times]
+    first = decision_times(link, ratio, 200)
     assert sum(t <= within for t in first) >= share * len(first), sorted(first)[-5:]
     assert statistics.median(first) <= within
     if ratio >= 10:
