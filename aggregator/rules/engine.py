@@ -483,10 +483,13 @@ def _snapshot(source: int, fields: tuple[str, ...]) -> Callable[[Any], Any]:
 def _group(
     checks: list[_RateCheck], selector: Callable[[_RateCheck], GpuSelector | NicSelector | None]
 ) -> tuple[tuple[Test | None, tuple[_Family, ...]], ...]:
-    """Rate checks by selector (a GPU or NIC is matched once per distinct one), then by source."""
-    groups: dict[GpuSelector | NicSelector | None, dict[int, list[_RateCheck]]] = {}
+    """Rate checks by selector (a GPU or NIC is matched once per distinct one), then by source;
+    sequential checks (never skippable) in families of their own, so that the window checks of
+    the same selector and source keep skipping unchanged counters together."""
+    groups: dict[GpuSelector | NicSelector | None, dict[tuple[int, bool], list[_RateCheck]]] = {}
     for check in checks:
-        groups.setdefault(selector(check), {}).setdefault(check.source, []).append(check)
+        family_key = (check.source, check.sequential)
+        groups.setdefault(selector(check), {}).setdefault(family_key, []).append(check)
     out = []
     for by_source in groups.values():
         families = tuple(
@@ -496,7 +499,7 @@ def _group(
                 skippable=all(c.skippable for c in members),
                 snapshot=_snapshot(source, tuple(dict.fromkeys(c.field for c in members))),
             )
-            for source, members in by_source.items()
+            for (source, _), members in by_source.items()
         )
         first = next(iter(by_source.values()))[0]
         out.append((first.select, families))
