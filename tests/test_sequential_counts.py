@@ -511,3 +511,29 @@ def test_bad_sequential_rules_are_refused(body: str, key: str, tmp_path: Path) -
             tmp_path,
         )
     assert caught.value.key == key
+
+
+def test_through_the_fleet_history_late_and_duplicate_reports_change_nothing() -> None:
+    # The pipeline's own views (aggregator/fleet/history.py): a report delivered late (after the
+    # two that follow it) and one delivered twice give the same decisions as the clean sequence.
+    from aggregator.fleet.history import Fleet
+
+    budget = budget_per_second(NDR_BYTES_PER_SECOND)
+    reports = poisson_reports(lambda t: 3 * budget, 600.0, seed=12)
+
+    def decisions(order: Sequence[Report]) -> dict[float, list[str]]:
+        fleet, eng = Fleet(), engine()
+        out: dict[float, list[str]] = {}
+        for rep in order:
+            view = fleet.add(rep)
+            out[view.report.time] = [f.key for f in eng.evaluate(view)]
+        return out
+
+    clean = decisions(reports)
+    shuffled = list(reports)
+    shuffled[20], shuffled[21], shuffled[22] = reports[21], reports[22], reports[20]  # 20 is late
+    shuffled.insert(30, reports[29])  # 29 twice
+    messy = decisions(shuffled)
+    assert any(clean.values())
+    later = [t for t in clean if t >= reports[23].time]
+    assert [messy[t] for t in later] == [clean[t] for t in later]
