@@ -76,8 +76,9 @@ from typing import Final, Literal
 MIN_REPORTS: Final = 3
 # A decided statistic is held at most at CEILING * h (see the module doc).
 CEILING: Final = 2.0
-# Grid of the ARL integration, in steps per count. Against the Monte Carlo in the tests the ARL
-# is within 1 % at 50; 200 costs a few milliseconds per threshold.
+# Grid of the ARL integration, in steps per count. At the shipped design (h = 17.4 nats, r = 2)
+# the ARL at the budget moves by 0.12 % from 50 to 200 steps and by 0.007 % from 200 to 800; 200
+# costs a few milliseconds per call.
 _GRID: Final = 200
 # exp() above this overflows a double; rates that far above the budget are decided in a report.
 _MAX_EXPONENT: Final = 700.0
