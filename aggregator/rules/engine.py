@@ -28,6 +28,7 @@ first report, an engine restarted mid-boot) every rate is asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import operator
@@ -38,7 +39,16 @@ from typing import Any, Final
 
 from msgspec import UNSET
 
-from agent.report import CollectorError, Event, Gpu, Nic, Report, error_code, error_gpu
+from agent.report import (
+    NIC_COUNTER_CATALOGUE,
+    CollectorError,
+    Event,
+    Gpu,
+    Nic,
+    Report,
+    error_code,
+    error_gpu,
+)
 from aggregator.fleet.view import NodeView
 from aggregator.model import Finding
 from aggregator.rules.model import (
@@ -54,6 +64,7 @@ from aggregator.rules.model import (
     Rule,
     ShareRule,
 )
+from aggregator.rules.sequential import CountEvidence, PoissonCusum
 from aggregator.story import iso
 
 log = logging.getLogger(__name__)
@@ -192,6 +203,28 @@ def _unchanged(source: int, field: str, entity: Any, prev: Any) -> bool | None:
     return prev is not None and value == getattr(prev, field)
 
 
+def _counter_value(source: int, field: str, entity: Any) -> int | None:
+    """The counter a rate check reads, as the report has it now (NVLink: summed over the links)."""
+    if source == _NVLINK:
+        links = entity.nvlink
+        if links is UNSET or not links:
+            return None
+        values = [getattr(link, field) for link in links]
+        return None if any(v is None for v in values) else sum(values)
+    if source == _NIC_COUNTER:
+        value = (entity.counters if entity.counters is not UNSET else _NO_COUNTERS).get(field)
+        return value if isinstance(value, int) else None
+    value = getattr(entity, field)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _previous_entity(source: int, entity: Any, previous: Report) -> Any:
+    """The same GPU or NIC on an earlier report, or None."""
+    if source in (_GPU_FIELD, _NVLINK):
+        return next((g for g in previous.gpus if g.index == entity.index), None)
+    return next((n for n in previous.nics if n.device == entity.device and n.port == entity.port), None)
+
+
 def _nic_subject(nic: Nic) -> str:
     return nic.device if nic.port is None else f"{nic.device}/{nic.port}"
 
@@ -249,6 +282,11 @@ class _RateCheck:
     # it hold (the increase in a sliding window only shrinks), so the view need not be asked.
     skippable: bool
     per_s: float
+    sequential: bool = False  # test: sequential (a Poisson CUSUM per subject, no window)
+    # What the counter stops at (an IBTA PortCounters error counter), if anything.
+    saturates_at: int | None = None
+    # Sequential designs by budget (counts per second): a fleet has a handful of link rates.
+    designs: dict[float, PoissonCusum] = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,7 +326,17 @@ class _Active:
 
 
 class _NodeState:
-    __slots__ = ("active", "boot_id", "boot_seen", "gpus_seen", "held", "history", "last_time", "pending")
+    __slots__ = (
+        "active",
+        "boot_id",
+        "boot_seen",
+        "counts",
+        "gpus_seen",
+        "held",
+        "history",
+        "last_time",
+        "pending",
+    )
 
     def __init__(self, now: float) -> None:
         self.boot_id: str | None = None
@@ -300,6 +348,8 @@ class _NodeState:
         self.gpus_seen: dict[int, str] = {}  # index -> uuid, this boot
         # rid -> (event time, gpu, code, message) of matching events of a repeat rule
         self.history: dict[int, deque[tuple[float, int, int, str | None]]] = {}
+        # (sequential rate rule, subject) -> its statistic; a new boot starts every counter over
+        self.counts: dict[tuple[int, str], CountEvidence] = {}
 
     def new_boot(self, now: float) -> None:
         self.boot_seen = now
@@ -307,6 +357,7 @@ class _NodeState:
         self.pending = {}
         self.held = set()
         self.gpus_seen = {}
+        self.counts = {}
 
 
 def _compile_rate(rid: int, rule: RateRule) -> _RateCheck:
@@ -317,6 +368,8 @@ def _compile_rate(rid: int, rule: RateRule) -> _RateCheck:
         select = _gpu_select(rule.gpus)
         source = _GPU_FIELD if rule.target == "gpu" else _NVLINK
     upward = rule.op in (">", ">=")
+    sequential = rule.test == "sequential"
+    catalogued = NIC_COUNTER_CATALOGUE.get(rule.field) if source == _NIC_COUNTER else None
     return _RateCheck(
         rid=rid,
         rule=rule,
@@ -327,8 +380,11 @@ def _compile_rate(rid: int, rule: RateRule) -> _RateCheck:
         guard=_entity_test(rule.when) if rule.when is not None else None,
         compare=_COMPARE[rule.op],
         upward=upward,
-        skippable=upward and rule.when is None,
+        # A sequential statistic moves with time even when the counter does not (it drains).
+        skippable=upward and rule.when is None and not sequential,
         per_s=rule.per_s,
+        sequential=sequential,
+        saturates_at=catalogued.saturates_at if catalogued is not None else None,
     )
 
 
@@ -427,10 +483,13 @@ def _snapshot(source: int, fields: tuple[str, ...]) -> Callable[[Any], Any]:
 def _group(
     checks: list[_RateCheck], selector: Callable[[_RateCheck], GpuSelector | NicSelector | None]
 ) -> tuple[tuple[Test | None, tuple[_Family, ...]], ...]:
-    """Rate checks by selector (a GPU or NIC is matched once per distinct one), then by source."""
-    groups: dict[GpuSelector | NicSelector | None, dict[int, list[_RateCheck]]] = {}
+    """Rate checks by selector (a GPU or NIC is matched once per distinct one), then by source;
+    sequential checks (never skippable) in families of their own, so that the window checks of
+    the same selector and source keep skipping unchanged counters together."""
+    groups: dict[GpuSelector | NicSelector | None, dict[tuple[int, bool], list[_RateCheck]]] = {}
     for check in checks:
-        groups.setdefault(selector(check), {}).setdefault(check.source, []).append(check)
+        family_key = (check.source, check.sequential)
+        groups.setdefault(selector(check), {}).setdefault(family_key, []).append(check)
     out = []
     for by_source in groups.values():
         families = tuple(
@@ -440,7 +499,7 @@ def _group(
                 skippable=all(c.skippable for c in members),
                 snapshot=_snapshot(source, tuple(dict.fromkeys(c.field for c in members))),
             )
-            for source, members in by_source.items()
+            for (source, _), members in by_source.items()
         )
         first = next(iter(by_source.values()))[0]
         out.append((first.select, families))
@@ -515,6 +574,9 @@ class RuleEngine:
         """The counters and gauges the enabled rules read from the view, for a history that keeps
         only what it is asked for (register them up front, before the first report)."""
         return Series(
+            # A sequential rule reads each report's counter itself, not the view's history; its
+            # counter stays registered all the same, for the detectors that read its rate from
+            # the history (the pool frames' symbol error rates), as before.
             gpu_counters=frozenset(rc.field for rc in self._gpu_rates if rc.source == _GPU_FIELD),
             nvlink_counters=frozenset(rc.field for rc in self._gpu_rates if rc.source == _NVLINK),
             nic_counters=frozenset(rc.field for rc in self._nic_rates),
@@ -686,7 +748,68 @@ class RuleEngine:
                         continue
                     if unchanged and rc.skippable and (rc.rid, subject) not in held:
                         continue
-                    self._rate_hit(run, rc, entity, subject, base)
+                    if rc.sequential:
+                        self._sequential_hit(run, rc, entity, subject, base)
+                    else:
+                        self._rate_hit(run, rc, entity, subject, base)
+
+    def _sequential_hit(
+        self, run: _Pass, rc: _RateCheck, entity: Any, subject: str, base: Callable[[Any], Evidence]
+    ) -> None:
+        """Feed the report's counter to the subject's Poisson CUSUM (aggregator/rules/sequential.py);
+        a finding while it stands decided."""
+        rule = rc.rule
+        if rule.max_ber is not None:
+            link = entity.rate_bytes_per_second
+            if not link:
+                return  # the budget scales with the link rate; without it there is no budget
+            budget = rule.max_ber * link * 8.0  # per second
+        else:
+            assert rule.value is not None
+            budget = rule.value / rc.per_s
+        design = rc.designs.get(budget)
+        if design is None:
+            design = rc.designs[budget] = PoissonCusum.design(budget, rule.design_ratio, rule.arl_hours)
+        key = (rc.rid, subject)
+        counts = run.state.counts
+        evidence_state = counts.get(key)
+        if evidence_state is None:
+            evidence_state = counts[key] = CountEvidence()
+            # After an aggregator restart (or for a new subject) the view may still hold the
+            # previous report of this boot: one interval of evidence gained.
+            previous = run.view.previous
+            if previous is not None and previous.time < run.now:
+                before = _previous_entity(rc.source, entity, previous)
+                if before is not None:
+                    evidence_state.observe(
+                        _counter_value(rc.source, rc.field, before), previous.time, design, rc.saturates_at
+                    )
+        evidence_state.observe(_counter_value(rc.source, rc.field, entity), run.now, design, rc.saturates_at)
+        if not evidence_state.decided:
+            return
+        since = run.hold(rc.rid, subject, rule.for_s)
+        if since is None:
+            return
+        per_second = evidence_state.rate()
+        start = evidence_state.start if evidence_state.start is not None else run.now
+        evidence = base(entity)
+        rate = round(per_second * rc.per_s, 9) if per_second is not None else None
+        evidence.update(
+            field=rule.field,
+            value=rate,
+            rate=rate,
+            threshold=round(budget * rc.per_s, 9),
+            per=rule.per,
+            test="sequential",
+            statistic=round(evidence_state.statistic, 3),
+            limit=round(design.h, 3),
+            arl=design.arl_hours,
+            design_ratio=design.ratio,
+            since=start,
+            counts=evidence_state.counts,
+            evidence_state=evidence_state.state,
+        )
+        run.hit(f"{rule.name}:{subject}", rc.rid, rule, max(since, start) if rule.for_s else start, evidence)
 
     def _rate_hit(
         self, run: _Pass, rc: _RateCheck, entity: Any, subject: str, base: Callable[[Any], Evidence]
@@ -994,6 +1117,10 @@ def _display(key: str, value: Any, evidence: Evidence) -> str:
         return value[:12] + "..."
     if key == "window" and isinstance(value, int | float):
         return _duration(float(value))
+    if key == "since" and isinstance(value, int | float):
+        return _clock(float(value))
+    if key == "arl" and isinstance(value, int | float):
+        return f"{value:g} h"
     if key in ("rate", "threshold") and "per" in evidence and isinstance(value, int | float):
         return f"{value:.4g}{_UNIT.get(evidence.get('per', ''), '')}"
     if key in ("share", "threshold", "value") and "share" in evidence and isinstance(value, float):

@@ -68,6 +68,7 @@ def default_rules_dir() -> Path:
 # Vocabulary
 
 Target = Literal["gpu", "nic", "nvlink"]
+RateTest = Literal["window", "sequential"]
 Per = Literal["second", "minute", "hour"]
 CompareOp = Literal[">", ">=", "<", "<=", "==", "!="]
 Op = Literal[">", ">=", "<", "<=", "==", "!=", "in", "not_in", "is_true", "is_false", "any_bits"]
@@ -116,12 +117,22 @@ NIC_COUNTERS: Final[frozenset[str]] = report.NIC_COUNTER_NAMES
 # NVML's clock event reasons by the name a rule uses (``any_bits``).
 CLOCK_EVENT_BITS: Final[Mapping[str, int]] = report.CLOCK_EVENT_BITS
 DRIVER_PREFIX: Final = "driver:"
+# A sequential rate rule's defaults (rules/README.md): 2x the budget is the smallest excess it is
+# designed to decide quickly; at the budget itself, one decision per 100,000 hours of a subject
+# (0.1 per 10,000 port-hours; healthy ports sit far below the budget, where it is never).
+DEFAULT_DESIGN_RATIO: Final = 2.0
+DEFAULT_ARL_HOURS: Final = 100_000.0
 
 # Evidence keys a summary may name, by rule kind; every one is always present (rendered as "?"
 # when the report did not carry it), so a summary can never fail at evaluation time.
 _COMMON_KEYS: Final = frozenset({"node", "rule", "subject", "time"})
 _GPU_KEYS: Final = frozenset({"gpu", "uuid", "model"})
 _NIC_KEYS: Final = frozenset({"device", "port", "netdev", "link_layer", "state", "phys_state"})
+# A sequential rate rule: the rate estimate, the budget (threshold), the statistic and its decision
+# threshold (limit), the in-control ARL in hours (arl), and since when the evidence accumulated.
+_SEQUENTIAL_KEYS: Final = frozenset(
+    {"field", "value", "rate", "threshold", "statistic", "limit", "arl", "since", "evidence_state"}
+)
 SUMMARY_KEYS: Final[Mapping[str, frozenset[str]]] = types.MappingProxyType(
     {
         "event": _COMMON_KEYS | _GPU_KEYS | {"xid", "code", "message"},
@@ -131,6 +142,9 @@ SUMMARY_KEYS: Final[Mapping[str, frozenset[str]]] = types.MappingProxyType(
         "rate:gpu": _COMMON_KEYS | _GPU_KEYS | {"field", "value", "rate", "threshold", "window"},
         "rate:nvlink": _COMMON_KEYS | _GPU_KEYS | {"field", "value", "rate", "threshold", "window"},
         "rate:nic": _COMMON_KEYS | _NIC_KEYS | {"field", "value", "rate", "threshold", "window"},
+        "sequential:gpu": _COMMON_KEYS | _GPU_KEYS | _SEQUENTIAL_KEYS,
+        "sequential:nvlink": _COMMON_KEYS | _GPU_KEYS | _SEQUENTIAL_KEYS,
+        "sequential:nic": _COMMON_KEYS | _NIC_KEYS | _SEQUENTIAL_KEYS,
         "share": _COMMON_KEYS | _GPU_KEYS | {"field", "value", "share", "threshold", "window", "count"},
         "gpu_missing": _COMMON_KEYS | _GPU_KEYS | {"value", "threshold"},
         "error": _COMMON_KEYS | _GPU_KEYS | {"collector", "message"},
@@ -145,6 +159,9 @@ _DEFAULT_SUMMARIES: Final[Mapping[str, str]] = types.MappingProxyType(
         "rate:gpu": "GPU {gpu} ({uuid}) {field} at {rate} over {window} (threshold {threshold})",
         "rate:nvlink": "GPU {gpu} ({uuid}) NVLink {field} at {rate} over {window} (threshold {threshold})",
         "rate:nic": "{device}/{port} {field} at {rate} over {window} (threshold {threshold})",
+        "sequential:gpu": "GPU {gpu} ({uuid}) {field} at {rate} since {since}, budget {threshold}",
+        "sequential:nvlink": "GPU {gpu} ({uuid}) NVLink {field} at {rate} since {since}, budget {threshold}",
+        "sequential:nic": "{device}/{port} {field} at {rate} since {since}, budget {threshold}",
         "share": "GPU {gpu} ({uuid}) {field} matched in {share} of samples over {window}",
         "gpu_missing": "GPU {gpu} ({uuid}) is gone: {value} of {threshold} GPUs reported",
         "error": "{collector}: {message}",
@@ -263,12 +280,17 @@ class RateRule(RuleBase):
     op: CompareOp
     value: float | None  # threshold in events per ``per``
     max_ber: float | None  # NIC only: threshold = max_ber * the port's link rate in bits/s
-    window_s: float
+    window_s: float  # test "window": how far back; 0 for a sequential rule (it has none)
     per: Per
     for_s: float
     when: Condition | None
     gpus: GpuSelector | None
     nics: NicSelector | None
+    # "window": the increase over ``window_s`` against the threshold. "sequential": a Poisson
+    # CUSUM of the counts against the threshold as a budget (aggregator/rules/sequential.py).
+    test: RateTest = "window"
+    design_ratio: float = DEFAULT_DESIGN_RATIO  # sequential: the alternative is this x the budget
+    arl_hours: float = DEFAULT_ARL_HOURS  # sequential: mean time between decisions at the budget
 
     @property
     def per_s(self) -> float:
@@ -432,7 +454,7 @@ _KIND_KEYS: Final[Mapping[str, frozenset[str]]] = types.MappingProxyType(
         "event": frozenset({"events", "codes", "match", "gpus", "hold", "repeat"}),
         "field": frozenset({"target", "for", "when", "gpus", "nics"}) | _CONDITION_KEYS,
         "rate": frozenset({"target", "field", "op", "value", "max_ber", "window", "per", "for", "when"})
-        | frozenset({"gpus", "nics"}),
+        | frozenset({"gpus", "nics", "test", "design_ratio", "arl_hours"}),
         "share": frozenset({"target", "share", "window", "min_samples", "when", "gpus"}) | _CONDITION_KEYS,
         "gpu_missing": frozenset(),
         "error": frozenset({"collector", "code", "match"}),
@@ -610,10 +632,16 @@ def _parse_rate(ctx: _Ctx, item: Mapping[str, Any], common: dict[str, Any]) -> R
     else:
         ctx.fail("value", "required: the threshold, in events per 'per'")
     per = _choice(ctx, item, "per", frozenset(PER_SECONDS), "second")
-    if "window" not in item:
-        ctx.fail("window", "required: how far back the rate looks, e.g. 10m")
     fields = NIC_FIELDS if target == "nic" else GPU_FIELDS
     _one_selector(ctx, item, target, "gpu or nvlink")
+    test = _choice(ctx, item, "test", frozenset({"window", "sequential"}), "window")
+    if test == "sequential":
+        return _parse_sequential(ctx, item, common, target=target, field=field, value=value, max_ber=max_ber)
+    for key in ("design_ratio", "arl_hours"):
+        if key in item:
+            ctx.fail(key, "only applies to test: sequential")
+    if "window" not in item:
+        ctx.fail("window", "required: how far back the rate looks, e.g. 10m")
     return RateRule(
         **common,
         summary=_summary(ctx, item, f"rate:{target}"),
@@ -625,6 +653,51 @@ def _parse_rate(ctx: _Ctx, item: Mapping[str, Any], common: dict[str, Any]) -> R
         window_s=_duration(ctx, "window", item["window"]),
         per=per,
         **_entity_scope(ctx, item, fields),
+    )
+
+
+def _parse_sequential(
+    ctx: _Ctx,
+    item: Mapping[str, Any],
+    common: dict[str, Any],
+    *,
+    target: Target,
+    field: str,
+    value: float | None,
+    max_ber: float | None,
+) -> RateRule:
+    """A rate rule with ``test: sequential``: its threshold is a budget the counts are tested
+    against as they come (aggregator/rules/sequential.py), with no window."""
+    if item["op"] != ">":
+        ctx.fail("op", "a sequential test decides that a rate is above its budget: op must be '>'")
+    if "window" in item:
+        ctx.fail("window", "a sequential test has no window: it decides on the evidence so far")
+    if "when" in item:
+        ctx.fail("when", "a sequential test reads every report's counter; it takes no guard")
+    if value is not None and not value > 0:
+        ctx.fail("value", "a sequential test needs a budget above zero (for 'any increase', use a window)")
+    ratio = DEFAULT_DESIGN_RATIO
+    if "design_ratio" in item:
+        ratio = _number(ctx, "design_ratio", item["design_ratio"])
+    if not 1 < ratio <= 100:
+        ctx.fail("design_ratio", f"the excess to decide quickly, above 1 (and at most 100); got {ratio}")
+    arl = _number(ctx, "arl_hours", item["arl_hours"]) if "arl_hours" in item else DEFAULT_ARL_HOURS
+    if not 1 <= arl <= 1e9:
+        ctx.fail("arl_hours", f"hours between false decisions at the budget, 1 to 1e9; got {arl}")
+    return RateRule(
+        **common,
+        summary=_summary(ctx, item, f"sequential:{target}"),
+        target=target,
+        field=field,
+        op=">",
+        value=value,
+        max_ber=max_ber,
+        window_s=0.0,
+        per=_choice(ctx, item, "per", frozenset(PER_SECONDS), "second"),
+        **_entity_scope(ctx, item, NIC_FIELDS if target == "nic" else GPU_FIELDS),
+        test="sequential",
+        design_ratio=ratio,
+        arl_hours=arl,
     )
 
 
