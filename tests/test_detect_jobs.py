@@ -8,20 +8,34 @@ detector over reports whose ``jobs`` sections come from the simulator's job mode
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agent.report import SCHEMA_ID, Report
+from agent.report import SCHEMA_ID, GpuAllocation, Report
 from aggregator.config import FleetConfig
 from aggregator.detect.base import Verdict
-from aggregator.detect.jobs import CommVote, JobConfig, JobLocalizer, localize, robust_centre, straggler
+from aggregator.detect.jobs import (
+    CommVote,
+    JobConfig,
+    JobLocalizer,
+    _components,
+    _Rank,
+    _Row,
+    _View,
+    job_stem,
+    localize,
+    robust_centre,
+    straggler,
+)
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.pools import Placement
 from aggregator.metrics import Metrics
 from aggregator.model import Finding
-from sim.jobs import Hardware, JobFleet, JobSpec, NodeFaults
+from sim.jobs import Hardware, JobFleet, JobSpec, NodeFaults, pod_name
 
 T0 = 1_764_000_000.0
 FRAMES = FleetFrames(FleetConfig())  # the detector reads the jobs sections, not the pool frames
@@ -149,10 +163,23 @@ def fault(kind: str, node: str = "", **kw: object) -> NodeFaults:
     )
 
 
+def pods_of(node: str) -> list[GpuAllocation]:
+    """The node's PodResources answer: the pod of its job holding its 8 GPUs (sim.jobs.pod_name)."""
+    job = next(j for j in JOBS if node in j.node_names())
+    devices = [f"GPU-{node}-{g}" for g in range(8)]
+    return [GpuAllocation("ml", pod_name(job.name, node), "trainer", "nvidia.com/gpu", devices)]
+
+
 def replay(
-    faults: Sequence[NodeFaults], *, minutes: float = 6.0, seed: int = 1, det: JobLocalizer | None = None
+    faults: Sequence[NodeFaults],
+    *,
+    minutes: float = 6.0,
+    seed: int = 1,
+    det: JobLocalizer | None = None,
+    pods: bool = False,
 ) -> list[tuple[float, Verdict]]:
-    """Every node reports every 10 s (at its own phase); the detector runs every minute."""
+    """Every node reports every 10 s (at its own phase); the detector runs every minute. With
+    ``pods`` each report carries the node's attribution (``pods_of``)."""
     fleet = JobFleet(seed=seed, start=T0, jobs=JOBS, hardware={j.name: H100 for j in JOBS}, faults=faults)
     det = det or JobLocalizer()
     nodes = [n for j in JOBS for n in j.node_names()]
@@ -163,6 +190,8 @@ def replay(
             t = T0 + k * 10.0 + i * 0.3
             jobs, _ = fleet.section(node, t - 10.0, t, 0.0, False)
             r = Report(schema=SCHEMA_ID, node=node, time=t, seq=k, boot_id="b", gpus=[], nics=[], jobs=jobs)
+            if pods:
+                r = msgspec.structs.replace(r, pods=pods_of(node))
             det.observe_report(r, POOL, t + 0.5)
         t = T0 + k * 10.0 + 9.9
         if t >= next_run:
@@ -283,3 +312,91 @@ def test_rows_are_bounded_and_a_forgotten_node_takes_its_rows_along() -> None:
     for node in JOBS[0].node_names():
         det.forget(node)
     assert det._rows == {}
+
+
+# -- jobs from pods --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pod", "stem"),
+    [
+        ("llm-c-worker-0009", "llm-c"),  # the simulator's pods, a Kubeflow PyTorchJob's
+        ("llama-train-master-0", "llama-train"),
+        ("pretrain-0-x7k2p", "pretrain"),  # an indexed batch/v1 Job: index, random suffix
+        ("js-workers-0-3-bq9zt", "js-workers"),  # a JobSet: replicated job, indices, suffix
+        ("mpi-bert-launcher", "mpi-bert"),
+        ("trainer", "trainer"),
+        ("gpt-2", "gpt"),  # a trailing number is an index: the stem names, it never joins
+    ],
+)
+def test_a_pod_names_its_job_by_its_stem(pod: str, stem: str) -> None:
+    assert job_stem(pod) == stem
+
+
+def _view(comm: str, ranks: Sequence[tuple[str, str]]) -> _View:
+    """A communicator's window view: per rank (node, Inspector hostname)."""
+    row = _Row(comm, "AllReduce", 1 << 20, len(ranks), len({n for n, _ in ranks}), "kernel_gpu")
+    for r, (node, host) in enumerate(ranks):
+        row.ranks[r] = _Rank(node, host, 100 + r, None, deque())
+    return _View(
+        row, "h100", tuple(n for n, _ in ranks), tuple(1.0 for _ in ranks), tuple(1.0 for _ in ranks)
+    )
+
+
+def test_two_jobs_on_one_node_are_told_apart_by_their_pods() -> None:
+    # n1 is split: job a's pod holds four GPUs, job b's the other four. Each job has its own
+    # tensor-parallel communicator there and a data-parallel one to a node of its own.
+    views = [
+        _view("tp-a", [("n1", "a-worker-0")] * 4),
+        _view("tp-b", [("n1", "b-worker-0")] * 4),
+        _view("dp-a", [("n1", "a-worker-0"), ("n2", "a-worker-1")]),
+        _view("dp-b", [("n1", "b-worker-0"), ("n3", "b-worker-1")]),
+    ]
+    # Without attribution the node is all that is known: one component, named by its nodes.
+    assert {k: sorted(v.row.comm for v in vs) for k, vs in _components(views).items()} == {
+        "n1+2": ["dp-a", "dp-b", "tp-a", "tp-b"]
+    }
+    pods = {
+        "n1": {"a-worker-0": ("ml", "a-worker-0"), "b-worker-0": ("ml", "b-worker-0")},
+        "n2": {"a-worker-1": ("ml", "a-worker-1")},
+        "n3": {"b-worker-1": ("ml", "b-worker-1")},
+    }
+    assert {k: sorted(v.row.comm for v in vs) for k, vs in _components(views, pods).items()} == {
+        "ml/a": ["dp-a", "tp-a"],
+        "ml/b": ["dp-b", "tp-b"],
+    }
+    # One node without attribution joins what meets there, as before; the rest stays apart.
+    partial = {"n1": pods["n1"], "n2": pods["n2"]}
+    views.append(_view("dp-b2", [("n3", "b-worker-1"), ("n2", "a-worker-1")]))  # n3 unknown
+    groups = {k: sorted(v.row.comm for v in vs) for k, vs in _components(views, partial).items()}
+    assert sorted(map(sorted, groups.values())) == [["dp-a", "dp-b", "dp-b2", "tp-a", "tp-b"]]
+
+
+def test_a_hostname_that_is_a_pod_of_another_node_or_of_two_namespaces_is_not_trusted() -> None:
+    det = JobLocalizer()
+    dup = [
+        GpuAllocation("ml", "w-0", "c", "nvidia.com/gpu", ["GPU-1"]),
+        GpuAllocation("dev", "w-0", "c", "nvidia.com/gpu", ["GPU-2"]),
+        GpuAllocation("ml", "x" * 70, "c", "nvidia.com/gpu", ["GPU-3"]),
+    ]
+    r = Report(schema=SCHEMA_ID, node="n1", time=T0, seq=0, boot_id="b", gpus=[], nics=[], pods=dup)
+    det.observe_report(r, POOL, T0)
+    assert det._pods["n1"] == {"x" * 63: ("ml", "x" * 70)}  # the kubelet's hostname cut
+    det.forget("n1")
+    assert det._pods == {}
+
+
+def test_with_attribution_the_findings_name_the_job_by_namespace_and_pods() -> None:
+    runs = replay(
+        [
+            fault("slow_gpu", "gpu-0007", gpu=5, ratio=0.88, busbw_ratio=0.9),
+            fault("slow_nic", "gpu-0013", ratio=0.7),
+            fault("slow_job", job="sweep-d", ratio=0.6),
+        ],
+        pods=True,
+    )
+    nodes, links = blamed(runs)
+    # The same verdicts as without attribution (the jobs take whole nodes here), named by pods.
+    assert nodes == {"gpu-0007": {"job-straggler:rank5"}, "gpu-0013": {"job-nic"}} and links == set()
+    assert [f.evidence["job"] for f in last_findings(runs, "gpu-0007")] == ["ml/llm-b"]
+    assert [f.evidence["job"] for f in last_findings(runs, "gpu-0013")] == ["ml/llm-c"]
