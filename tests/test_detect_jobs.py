@@ -7,16 +7,22 @@ detector over reports whose ``jobs`` sections come from the simulator's job mode
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 import math
 from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from agent.report import SCHEMA_ID, GpuAllocation, Report
-from aggregator.config import FleetConfig
+from aggregator import app
+from aggregator.config import Config, FleetConfig
+from aggregator.detect import DETECTORS
 from aggregator.detect.base import Verdict
 from aggregator.detect.jobs import (
     CommVote,
@@ -35,6 +41,11 @@ from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.pools import Placement
 from aggregator.metrics import Metrics
 from aggregator.model import Finding
+from aggregator.replay import replayed
+from aggregator.rules.model import default_rules_dir, load_rules
+from sim import eval as sim_eval
+from sim import scenario as scenario_mod
+from sim.cli import write_trace
 from sim.jobs import Hardware, JobFleet, JobSpec, NodeFaults, pod_name
 
 T0 = 1_764_000_000.0
@@ -400,3 +411,38 @@ def test_with_attribution_the_findings_name_the_job_by_namespace_and_pods() -> N
     assert nodes == {"gpu-0007": {"job-straggler:rank5"}, "gpu-0013": {"job-nic"}} and links == set()
     assert [f.evidence["job"] for f in last_findings(runs, "gpu-0007")] == ["ml/llm-b"]
     assert [f.evidence["job"] for f in last_findings(runs, "gpu-0013")] == ["ml/llm-c"]
+
+
+# -- the busy fleet, job data alone ----------------------------------------------------------------
+
+
+def test_on_the_busy_fleet_job_data_alone_quarantines_the_slow_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scenarios/busy-jobs.yaml (seed 2, its first 12 minutes) with the peer detector left out:
+    the slow GPU's SM clock no longer tells, and the jobs' collectives alone quarantine it within
+    10 minutes of its first showing; no false quarantine, nothing about the job slow everywhere."""
+    logging.getLogger().setLevel(logging.ERROR)
+    monkeypatch.setattr(
+        app,
+        "build_pipeline",
+        functools.partial(app.build_pipeline, detectors=[d for d in DETECTORS if d.name != "peer"]),
+    )
+    s = scenario_mod.load(Path("scenarios/busy-jobs.yaml")).with_overrides(seed=2, nodes=None, minutes=12)
+    trace, out = tmp_path / "trace.jsonl.gz", tmp_path / "decisions.jsonl"
+    _, truth = write_trace(s, trace)
+    _, _, final = replayed(trace, out, Config(), load_rules([default_rules_dir()]))
+    assert all(run.name != "peer" for run in final.pipeline._detectors)
+    raw = [json.loads(line) for line in out.read_text().splitlines()]
+    scored = sim_eval.score(truth, sim_eval.load_decisions(out))
+    assert scored["quarantines"]["false"] == 0, scored["quarantines"]
+    (gpu_fault,) = [f for f in truth.faults if f.kind == "slow_gpu"]
+    shown = gpu_fault.first_seen or gpu_fault.start
+    q = next(d for d in raw if d["node"] == gpu_fault.node and d["state"] == "quarantined")
+    assert q["time"] - shown <= 600.0
+    assert {r["detector"] for r in q["reasons"]} == {"jobs"}
+    assert q["reasons"][0]["evidence"]["tp_rank"] == 5  # the GPU's tensor-parallel rank
+    health = final.pipeline.health.get(gpu_fault.node)
+    assert health is not None and "job-straggler:rank5" in health.groups.get("jobs", {})
+    slow_job = {f.node for f in truth.faults if f.kind == "slow_job"}
+    assert not any(d["node"] in slow_job or d.get("peer") in slow_job for d in raw if d["state"] != "healthy")

@@ -347,7 +347,7 @@ class NcclInspectorCollector:
                         continue
                     break  # a line still being written: the next cycle reads it whole
                 chunk = data if end + 1 == len(data) else data[: end + 1]
-                lines = chunk.count(b"\n")
+                lines = inspector.count_lines(chunk)
                 room = share_lines - used_lines
                 if lines > room:
                     # Up to the room-th newline: what splitting off that many lines leaves over.
