@@ -822,7 +822,8 @@ class _Acc:
     The sample holds the row's records number 0, ``stride``, 2 x ``stride``, ... (in the order
     read) where ``stride`` is the least power of two that keeps it at most ``max_samples``: every
     record until there would be more, then every other one, every fourth, ..., so it stays spread
-    over the whole cycle. Min and max are kept over every record.
+    over the whole cycle. Min and max are exact: those of the sample, and of the records it left
+    out (``lo_*``, ``hi_*``).
     """
 
     __slots__ = ("busbw", "count", "exec_us", "hi_bw", "hi_t", "lo_bw", "lo_t", "stride")
@@ -837,19 +838,18 @@ class _Acc:
 
     def extend(self, busbw: list[float], exec_us: list[float], cap: int) -> None:
         """The row's next records, in order. Per call, not per record: min, max and slicing run
-        in C over the whole list."""
+        in C over the whole list, and only over what the sample leaves out (``_stat`` takes the
+        min and max of what it holds)."""
         first = self.count
         total = first + len(busbw)
         self.count = total
-        self.lo_bw = min(self.lo_bw, *busbw)
-        self.hi_bw = max(self.hi_bw, *busbw)
-        self.lo_t = min(self.lo_t, *exec_us)
-        self.hi_t = max(self.hi_t, *exec_us)
         stride = self.stride
         while -(-total // stride) > cap:  # ceil(total / stride): records 0, stride, ... < total
             stride *= 2
         if stride != self.stride:
-            step = stride // self.stride  # the held ones that stay: every step-th
+            # Thinning: every step-th held record stays; the others leave their min and max.
+            self._left_out(self.busbw, self.exec_us)
+            step = stride // self.stride
             self.busbw = self.busbw[::step]
             self.exec_us = self.exec_us[::step]
             self.stride = stride
@@ -857,9 +857,17 @@ class _Acc:
             self.busbw.extend(busbw)
             self.exec_us.extend(exec_us)
         else:
+            self._left_out(busbw, exec_us)  # the whole list: the held ones do no harm
             start = -first % stride  # the first of these whose number is a multiple of stride
             self.busbw.extend(busbw[start::stride])
             self.exec_us.extend(exec_us[start::stride])
+
+    def _left_out(self, busbw: Sequence[float], exec_us: Sequence[float]) -> None:
+        if busbw:
+            self.lo_bw = min(self.lo_bw, min(busbw))  # noqa: PLW3301 - no argument tuple of the list
+            self.hi_bw = max(self.hi_bw, max(busbw))  # noqa: PLW3301
+            self.lo_t = min(self.lo_t, min(exec_us))  # noqa: PLW3301
+            self.hi_t = max(self.hi_t, max(exec_us))  # noqa: PLW3301
 
 
 def _stat(sample: Iterable[float], lo: float, hi: float) -> Stat:
