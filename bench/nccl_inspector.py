@@ -30,11 +30,16 @@ under 1 ms of CPU per 1,000 records. So that a figure from a shared or slow mach
 the script also times a fixed pure-Python loop (``sum(range(1000))``, best of 5 x 5,000) and
 prints it with the load average: the per-record cost is almost all interpreter work and scales
 with it. Markdown goes to stdout, progress to stderr.
+
+``--breakdown``: where the parser's time goes, stage by stage. ``--against OLD.py``: another
+version of agent/inspector.py (``git show REV:agent/inspector.py > OLD.py``) against this one,
+interleaved in one process so both see the same machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -183,6 +188,86 @@ def bench_fast_decode(lines: list[bytes]) -> float:
     return _cpu(lambda: inspector._FAST.decode(blob))
 
 
+def _chunks(lines: list[bytes]) -> list[bytes]:
+    """The lines as the collector hands them over: 1 MiB chunks of whole lines."""
+    data = b"\n".join(lines) + b"\n"
+    out: list[bytes] = []
+    i = 0
+    while i < len(data):
+        j = data.rfind(b"\n", i, i + (1 << 20)) + 1
+        out.append(data[i:j])
+        i = j
+    return out
+
+
+def breakdown(lines: list[bytes], runs: int) -> dict[str, float]:
+    """Where parse+summarize spends its time, per stage, ms per 1,000 records (medians): the fast
+    path's decode, its columns (grouping the records in C), dealing them to their rows, and
+    ``take()``; and the whole, which also pays the newline handling and the garbage collector."""
+    chunks = _chunks(lines)
+    blobs = [b"".join((b"[", memoryview(c.replace(b"\n", b","))[:-1], b"]")) for c in chunks]
+    decoded = [inspector._FAST.decode(b) for b in blobs]
+    # One stream along the chunks, as the collector reads a file: a v4.3 batch spans chunks.
+    stream = Stream()
+    cols = [c for c in (stream._columns(d) for d in decoded) if c is not None]
+    assert len(cols) == len(chunks), "a chunk took the exact path"
+    full = Summarizer()
+
+    def add() -> None:
+        for c in cols:
+            full.add_columns(c.keys, c.groups, c.busbw, c.exec_us)
+
+    def whole() -> None:
+        summ, stream = Summarizer(), Stream()
+        for c in chunks:
+            stream.feed_chunk(c, summ)
+        summ.take()
+
+    stages: dict[str, Callable[[], object]] = {
+        "decode": lambda: [inspector._FAST.decode(b) for b in blobs],
+        "columns": lambda: [s._columns(d) for s in (Stream(),) for d in decoded],
+        "rows": add,
+        "take": lambda: full.take(),  # noqa: PLW0108 - the Summarizer ``full`` is at the time
+        "whole": whole,
+    }
+    out: dict[str, list[float]] = {k: [] for k in stages}
+    for _ in range(runs):
+        for name, fn in stages.items():
+            if name == "take":
+                full = Summarizer()
+                add()
+            out[name].append(_cpu(fn) / len(lines) * 1e6)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def against(path: Path, lines: list[bytes], runs: int) -> tuple[float, float, float]:
+    """Another version of agent/inspector.py (e.g. ``git show REV:agent/inspector.py``) and this
+    one on the same chunks, interleaved run by run so both see the same machine: medians of the
+    other's and this one's parse+summarize, and of the bare decode (ms per 1,000 records)."""
+    spec = importlib.util.spec_from_file_location("inspector_other", path)
+    assert spec is not None and spec.loader is not None
+    other = importlib.util.module_from_spec(spec)
+    sys.modules["inspector_other"] = other  # msgspec resolves the structs' annotations there
+    spec.loader.exec_module(other)
+    chunks = _chunks(lines)
+    blob = b"".join((b"[", b",".join(lines), b",null]"))
+
+    def parse(mod: Any) -> Any:
+        summ, stream = mod.Summarizer(), mod.Stream()
+        for c in chunks:
+            assert not stream.feed_chunk(c, summ)
+        return summ.take()
+
+    assert parse(other) == parse(inspector), "the two versions summarize differently"
+    times: dict[str, list[float]] = {"other": [], "bare": [], "this": []}
+    for _ in range(runs):
+        times["other"].append(_cpu(lambda: parse(other)))
+        times["bare"].append(_cpu(lambda: inspector._BATCH.decode(blob)))
+        times["this"].append(_cpu(lambda: parse(inspector)))
+    o, b, t = (statistics.median(times[k]) / len(lines) * 1e6 for k in ("other", "bare", "this"))
+    return o, t, b
+
+
 def _load() -> str:
     try:
         return Path("/proc/loadavg").read_text().split()[0]
@@ -223,7 +308,29 @@ def main() -> int:
     ap.add_argument("--records", type=int, default=20_000, help="records per run (default 20000)")
     ap.add_argument("--runs", type=int, default=15, help="runs per figure; the median is quoted (default 15)")
     ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--breakdown", action="store_true", help="only the parser's stages, per format")
+    ap.add_argument(
+        "--against",
+        type=Path,
+        metavar="INSPECTOR_PY",
+        help="only: another agent/inspector.py against this one",
+    )
     args = ap.parse_args()
+    if args.breakdown or args.against is not None:
+        print(f"ms of CPU per 1,000 records, median of {args.runs} runs; load average {_load()} before")
+        for fmt in ("v4.0", "v4.0 verbose", "v4.3"):
+            lines = make_lines(fmt, args.records, rank=0)
+            if args.against is not None:
+                o, t, b = against(args.against, lines, args.runs)
+                print(
+                    f"{fmt}: other {o:.3f} ({o / b:.2f} x bare), this {t:.3f} ({t / b:.2f} x bare), "
+                    f"bare decode {b:.3f}: {o / t:.2f} x faster"
+                )
+            else:
+                parts = breakdown(lines, args.runs)
+                print(f"{fmt}: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
+        print(f"load average {_load()} after")
+        return 0
     results: dict[str, Any] = {"records": args.records, "runs": args.runs, "formats": {}}
     rows = []
     refs: list[float] = []
