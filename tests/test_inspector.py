@@ -506,17 +506,22 @@ def test_the_fast_path_agrees_with_the_line_by_line_reference(seed: int) -> None
     rng = random.Random(seed)
     clean = seed % 2 == 0  # half the seeds: only what Inspector writes, so the fast path runs
     lines = [ln for ln in _random_lines(rng, 400) if not clean or _is_clean(ln)]
-    ref, ref_errors, ref_stream = Summarizer(max_keys=20, max_samples=8), [], Stream()
+    # A third of the seeds start mid-file, as after a skip: the first batch's marker is gone.
+    resync = seed % 3 == 0
+    if resync:
+        lines = lines[rng.randint(1, 30) :]
+    ref, ref_errors, ref_stream = Summarizer(max_keys=20, max_samples=8), [], Stream(resyncing=resync)
     for ln in lines:
         try:
             rec = ref_stream.parse_line(ln)
         except InspectorError as exc:
             ref.malformed(1)
-            ref_errors.append((exc.kind, str(exc)))
+            if not (ref_stream.resyncing and isinstance(exc, inspector.OrphanRecord)):
+                ref_errors.append((exc.kind, str(exc)))
             continue
         if rec is not None:
             ref.add_record(rec)
-    got, got_errors, stream = Summarizer(max_keys=20, max_samples=8), [], Stream()
+    got, got_errors, stream = Summarizer(max_keys=20, max_samples=8), [], Stream(resyncing=resync)
     i = 0
     while i < len(lines):
         size = rng.choice([1, 3, 17, 100, 400])
