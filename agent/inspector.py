@@ -564,7 +564,13 @@ class Stream:
         path. Commits the stream's batch state only when it returns columns."""
         heads = list(map(_HEADER, lines))
         if None not in heads:
-            return _self_contained(lines)  # v4.0-v4.2 (a stand-alone dump_stats: exact path)
+            colls = list(map(_COLL, lines))
+            if None not in colls:
+                cols = _self_contained(lines)  # v4.0-v4.2, the common case
+                if cols is not None:
+                    self.resyncing = False  # as any header line does (``resolve``)
+                return cols
+            return self._with_stats(lines, colls)  # v4.1/v4.2 stand-alone dump_stats among them
         # Marker batches (v4.3+): the header lines must all be markers; the bare lines between
         # them belong to the marker before, as many as it announced.
         # Markers of one communicator rank (one per dump) share a slot, so its records of the
@@ -615,6 +621,26 @@ class Stream:
         if cur >= 0:
             self._id, self._rank, self._hostname, self._pid, self._n_ranks, self._nnodes = who[cur]
             self._left = left
+        return cols
+
+    def _with_stats(self, lines: list[_FLine], colls: list[_FCollPerf | None]) -> _Columns | None:
+        """Self-contained collectives with stand-alone ``dump_stats`` lines among them (v4.1,
+        v4.2; a v4.3+ marker with no bare record after it in this chunk): the stats lines are no
+        records; a marker's batch goes on into the next chunk. None for anything else."""
+        last: tuple[_Who, int] | None = None
+        for line in itertools.compress(lines, map(operator.is_, colls, itertools.repeat(None))):
+            header, meta, stats = line.header, line.metadata, line.dump_stats
+            if header is None or meta is None or stats is None or header.rank >= header.n_ranks:
+                return None  # a P2P record, a proxy trace, a line Inspector would not write
+            if meta.inspector_output_format_version in MARKER_VERSIONS:
+                ident = (header.id, header.rank, meta.hostname, meta.pid, header.n_ranks, header.nnodes)
+                last = ident, stats.coll_records + stats.p2p_records + stats.proxy_records
+        cols = _self_contained(list(itertools.compress(lines, colls)))
+        if cols is None:
+            return None
+        self.resyncing = False
+        if last is not None:
+            (self._id, self._rank, self._hostname, self._pid, self._n_ranks, self._nnodes), self._left = last
         return cols
 
     def _feed_exact(self, data: bytes, summarizer: Summarizer) -> list[InspectorError]:

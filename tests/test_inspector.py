@@ -551,3 +551,30 @@ def test_the_fast_path_takes_ordinary_chunks(monkeypatch: pytest.MonkeyPatch) ->
         assert Stream().feed(lines, summ) == []
         assert summ.take().collectives
     assert calls == []
+
+
+def test_after_a_skip_a_self_contained_chunk_ends_the_resync_on_both_paths() -> None:
+    """Bare records whose marker was skipped are dropped quietly only until a header line; the
+    fast path must end the resync where the exact path does."""
+    for fast in (True, False):
+        stream, summ = Stream(resyncing=True), Summarizer()
+        first = [_v40(), _v40()] if fast else [_v40(), b"garbage"]
+        errors = stream.feed(first, summ)
+        assert not stream.resyncing
+        errors += stream.feed([_BARE], summ)
+        assert [e.kind for e in errors][-1] == "malformed"  # an orphan now, reported
+
+
+def test_stand_alone_dump_stats_among_v41_records_take_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    lines = [_v40().replace(b'"v4.0"', b'"v4.1"'), _marker(version="v4.1", coll=3), _v40(), _marker(coll=1)]
+    ref = Summarizer()
+    Stream()._resolve_all([inspector._LINE.decode(ln) for ln in lines], ref)
+    calls: list[int] = []
+    monkeypatch.setattr(Stream, "resolve", lambda self, line: calls.append(1))
+    stream, summ = Stream(), Summarizer()
+    assert stream.feed(lines, summ) == []
+    assert calls == [] and summ.take() == ref.take()
+    monkeypatch.undo()
+    # The v4.3 marker at the end: its batch goes on in the next chunk.
+    summ = Summarizer()
+    assert stream.feed([_BARE], summ) == [] and summ.take().collectives[0].comm == "0xdef"
