@@ -12,7 +12,7 @@ import json
 import logging
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import msgspec
@@ -187,12 +187,16 @@ def replay(
     minutes: float = 6.0,
     seed: int = 1,
     det: JobLocalizer | None = None,
-    pods: bool = False,
+    pods: bool | Callable[[str], list[GpuAllocation]] = False,
+    rename: Mapping[str, str] | None = None,
 ) -> list[tuple[float, Verdict]]:
     """Every node reports every 10 s (at its own phase); the detector runs every minute. With
-    ``pods`` each report carries the node's attribution (``pods_of``)."""
+    ``pods`` each report carries the node's attribution (``pods_of``, or the function given, of
+    the reported node's name); ``rename`` reports a node under another's name (two jobs' pods on
+    one node)."""
     fleet = JobFleet(seed=seed, start=T0, jobs=JOBS, hardware={j.name: H100 for j in JOBS}, faults=faults)
     det = det or JobLocalizer()
+    attribution = pods if callable(pods) else pods_of
     nodes = [n for j in JOBS for n in j.node_names()]
     out: list[tuple[float, Verdict]] = []
     next_run = T0 + 60.0
@@ -200,9 +204,10 @@ def replay(
         for i, node in enumerate(nodes):
             t = T0 + k * 10.0 + i * 0.3
             jobs, _ = fleet.section(node, t - 10.0, t, 0.0, False)
-            r = Report(schema=SCHEMA_ID, node=node, time=t, seq=k, boot_id="b", gpus=[], nics=[], jobs=jobs)
+            name = (rename or {}).get(node, node)
+            r = Report(schema=SCHEMA_ID, node=name, time=t, seq=k, boot_id="b", gpus=[], nics=[], jobs=jobs)
             if pods:
-                r = msgspec.structs.replace(r, pods=pods_of(node))
+                r = msgspec.structs.replace(r, pods=attribution(name))
             det.observe_report(r, POOL, t + 0.5)
         t = T0 + k * 10.0 + 9.9
         if t >= next_run:
@@ -446,3 +451,27 @@ def test_on_the_busy_fleet_job_data_alone_quarantines_the_slow_gpu(
     assert health is not None and "job-straggler:rank5" in health.groups.get("jobs", {})
     slow_job = {f.node for f in truth.faults if f.kind == "slow_job"}
     assert not any(d["node"] in slow_job or d.get("peer") in slow_job for d in raw if d["state"] != "healthy")
+
+
+def test_a_node_shared_with_a_job_slow_everywhere_blames_nothing_once_its_pods_say_whose() -> None:
+    """gpu-0019 holds a pod of llm-c and one of sweep-d (sweep-d's first node reports as it), and
+    sweep-d is slow everywhere. By nodes alone the two jobs are one component, whose level is
+    neither's: sweep-d's rings look slow against it, and its nodes' NICs are blamed. With the
+    node's attribution the pods part them: sweep-d is slow everywhere, and nothing is blamed."""
+    shared = {"gpu-0020": "gpu-0019"}
+    both = [
+        GpuAllocation("ml", pod_name("llm-c", "gpu-0019"), "trainer", "nvidia.com/gpu", ["GPU-0"]),
+        GpuAllocation("ml", pod_name("sweep-d", "gpu-0020"), "trainer", "nvidia.com/gpu", ["GPU-1"]),
+    ]
+
+    def attribution(node: str) -> list[GpuAllocation]:
+        return both if node == "gpu-0019" else pods_of(node)
+
+    slow = [fault("slow_job", job="sweep-d", ratio=0.6)]
+    nodes, _ = blamed(replay(slow, rename=shared))
+    assert nodes and all(keys == {"job-nic"} for keys in nodes.values())  # what grouping by nodes does
+    det = JobLocalizer()
+    nodes, links = blamed(replay(slow, rename=shared, pods=attribution, det=det))
+    assert nodes == {} and links == set()
+    assert det.job_level["ml/sweep-d"] == pytest.approx(0.6, abs=0.03)
+    assert det.job_level["ml/llm-c"] == pytest.approx(1.0, abs=0.03)
