@@ -3,8 +3,9 @@
 Each report's ``jobs`` section has, per communicator rank seen on the node, collective kind and
 message-size bucket, the cycle's bus bandwidth and kernel-time quantiles (``agent.inspector``).
 One communicator's id is the same on every rank, so rows of many nodes make up one communicator;
-communicators that share a node make up one job. Over a sliding window (``window_seconds``),
-per row the medians of the cycles' medians; then, every run:
+communicators that share a pod (the report's ``pods``: a rank's Inspector hostname is its pod's
+name) make up one job, or, where a node's pods are not known, communicators that share the node.
+Over a sliding window (``window_seconds``), per row the medians of the cycles' medians; then, every run:
 
 - **like with like**: a communicator is compared with the communicators of its *class* (the
   same collective kind, size bucket, rank count, node count, timing source and pool) across the
