@@ -2,7 +2,7 @@
 
 Run from the repository root (no network; traces live in a temporary directory)::
 
-    .venv/bin/python bench/jobs.py [SCENARIO] [--seeds 3] [--jobs 1] [--json FILE]
+    .venv/bin/python bench/jobs.py [SCENARIO] [--seeds 3] [--jobs 1] [--json FILE] [--without peer]
 
 For every seed: ``sim.cli.write_trace`` writes the trace and the truth, ``aggregator.replay``
 runs the live pipeline over it with the default configuration and shipped rules, and
@@ -10,25 +10,30 @@ runs the live pipeline over it with the default configuration and shipped rules,
 when it was caught (seconds from its first showing report) and by which detectors the decision's
 reasons name, and whether the job-data detector's evidence was on the node (or link) at the end;
 the false quarantines; any decision about a node of a job that is slow everywhere; the pair
-probes the trace holds (none can run on a busy fleet). Not a test: nothing here fails a build;
+probes the trace holds (none can run on a busy fleet). ``--without DETECTOR`` leaves a detector
+out of the pipeline (``--without peer``: the slow GPU from job data alone, not from its clocks
+first). Not a test: nothing here fails a build;
 the published table is in docs/jobs.md ("Localization at the aggregator").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import gzip
 import json
 import logging
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
 from aggregator.config import Config
+from aggregator.detect import DETECTORS
 from aggregator.replay import replayed
 from aggregator.rules.model import default_rules_dir, load_rules
 from sim import eval as sim_eval
@@ -38,7 +43,30 @@ from sim.cli import write_trace
 DEFAULT_SCENARIO: Final = Path("scenarios/busy-jobs.yaml")
 
 
-def run_seed(scenario: str, seed: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def without_detectors(names: Sequence[str]) -> Iterator[None]:
+    """The pipeline (``aggregator.app.build_pipeline``, which ``replayed`` builds its pipeline
+    with) without the detectors named: what the others catch alone."""
+    from aggregator import app  # noqa: PLC0415 - patched for this process only
+
+    unknown = set(names) - {d.name for d in DETECTORS}
+    if unknown:
+        raise SystemExit(f"no detector called {sorted(unknown)}; there are {[d.name for d in DETECTORS]}")
+    original = app.build_pipeline
+    kept = tuple(d for d in DETECTORS if d.name not in names)
+    app.build_pipeline = functools.partial(original, detectors=kept)
+    try:
+        yield
+    finally:
+        app.build_pipeline = original
+
+
+def run_seed(scenario: str, seed: int, without: Sequence[str] = ()) -> dict[str, Any]:
+    with without_detectors(without):
+        return _run_seed(scenario, seed)
+
+
+def _run_seed(scenario: str, seed: int) -> dict[str, Any]:
     logging.getLogger().setLevel(logging.ERROR)
     started = time.perf_counter()
     cpu = time.process_time()
@@ -135,10 +163,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=3, help="seeds 1..N (3)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (1)")
     p.add_argument("--json", type=Path, default=None, help="write every run's outcome here")
+    p.add_argument(
+        "--without",
+        action="append",
+        default=[],
+        metavar="DETECTOR",
+        help="leave this detector out of the pipeline (repeatable), e.g. peer: what job data catches alone",
+    )
     args = p.parse_args(argv)
     seeds = range(1, args.seeds + 1)
+    n = len(seeds)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        runs = list(pool.map(run_seed, [str(args.scenario)] * len(seeds), seeds))
+        runs = list(pool.map(run_seed, [str(args.scenario)] * n, seeds, [tuple(args.without)] * n))
     if args.json is not None:
         args.json.write_text(json.dumps(runs, indent=1) + "\n", "utf-8")
     print(render(runs, "bench/jobs.py " + " ".join(sys.argv[1:] if argv is None else argv)))

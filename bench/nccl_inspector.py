@@ -17,8 +17,10 @@ For each it measures this thread's CPU time (``time.thread_time``) of
 
 1. ``parse+summarize``: ``Stream.feed_chunk`` on 1 MiB chunks of whole lines, as the collector
    feeds them, then ``Summarizer.take()``;
-2. ``JSON decode alone``: the msgspec call that decodes the same records into the same typed
-   structs, nothing else: the part no Python-side change can remove;
+2. ``bare decode``: one msgspec call that decodes the same bytes into typed structs of the
+   fields used (str-typed), nothing else: the reference each figure is read against, as a ratio
+   measured in the same run; and ``fast-path decode``, the parser's own Literal-typed decode,
+   the part of its cost no Python-side change can remove;
 3. ``collector cycle``: ``NcclInspectorCollector.collect()`` on 8 files holding the records (the
    directory listing, the ``stat`` and ``pread`` calls, the line splitting, the parse, the summary
    and building the report section), the files written before the cycle and not counted.
@@ -28,11 +30,16 @@ under 1 ms of CPU per 1,000 records. So that a figure from a shared or slow mach
 the script also times a fixed pure-Python loop (``sum(range(1000))``, best of 5 x 5,000) and
 prints it with the load average: the per-record cost is almost all interpreter work and scales
 with it. Markdown goes to stdout, progress to stderr.
+
+``--breakdown``: where the parser's time goes, stage by stage. ``--against OLD.py``: another
+version of agent/inspector.py (``git show REV:agent/inspector.py > OLD.py``) against this one,
+interleaved in one process so both see the same machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -167,9 +174,98 @@ def bench_parse(lines: list[bytes]) -> float:
 
 
 def bench_decode(lines: list[bytes]) -> float:
-    """CPU seconds of the msgspec decode alone (the same typed decoder, the same chunks): the floor."""
+    """CPU seconds of a bare msgspec decode of the same bytes into typed structs of the fields
+    used (the parser's general decoder, str-typed, one call for all lines): the reference every
+    figure is also given as a ratio to, measured in the same run, since a shared machine's speed
+    moves from run to run."""
     blob = b"".join((b"[", b",".join(lines), b",null]"))
-    return _cpu(lambda: inspector._BATCH.decode(blob))  # the parser's own decoder
+    return _cpu(lambda: inspector._BATCH.decode(blob))
+
+
+def bench_fast_decode(lines: list[bytes]) -> float:
+    """CPU seconds of the fast path's own decode (Literal-typed structs): its floor."""
+    blob = b"".join((b"[", b",".join(lines), b"]"))
+    return _cpu(lambda: inspector._FAST.decode(blob))
+
+
+def _chunks(lines: list[bytes]) -> list[bytes]:
+    """The lines as the collector hands them over: 1 MiB chunks of whole lines."""
+    data = b"\n".join(lines) + b"\n"
+    out: list[bytes] = []
+    i = 0
+    while i < len(data):
+        j = data.rfind(b"\n", i, i + (1 << 20)) + 1
+        out.append(data[i:j])
+        i = j
+    return out
+
+
+def breakdown(lines: list[bytes], runs: int) -> dict[str, float]:
+    """Where parse+summarize spends its time, per stage, ms per 1,000 records (medians): the fast
+    path's decode, its columns (grouping the records in C), dealing them to their rows, and
+    ``take()``; and the whole, which also pays the newline handling and the garbage collector."""
+    chunks = _chunks(lines)
+    blobs = [b"".join((b"[", memoryview(c.replace(b"\n", b","))[:-1], b"]")) for c in chunks]
+    decoded = [inspector._FAST.decode(b) for b in blobs]
+    # One stream along the chunks, as the collector reads a file: a v4.3 batch spans chunks.
+    stream = Stream()
+    cols = [c for c in (stream._columns(d) for d in decoded) if c is not None]
+    assert len(cols) == len(chunks), "a chunk took the exact path"
+    full = Summarizer()
+
+    def add() -> None:
+        for c in cols:
+            full.add_columns(c.keys, c.groups, c.busbw, c.exec_us)
+
+    def whole() -> None:
+        summ, stream = Summarizer(), Stream()
+        for c in chunks:
+            stream.feed_chunk(c, summ)
+        summ.take()
+
+    stages: dict[str, Callable[[], object]] = {
+        "decode": lambda: [inspector._FAST.decode(b) for b in blobs],
+        "columns": lambda: [s._columns(d) for s in (Stream(),) for d in decoded],
+        "rows": add,
+        "take": lambda: full.take(),  # noqa: PLW0108 - the Summarizer ``full`` is at the time
+        "whole": whole,
+    }
+    out: dict[str, list[float]] = {k: [] for k in stages}
+    for _ in range(runs):
+        for name, fn in stages.items():
+            if name == "take":
+                full = Summarizer()
+                add()
+            out[name].append(_cpu(fn) / len(lines) * 1e6)
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
+def against(path: Path, lines: list[bytes], runs: int) -> tuple[float, float, float]:
+    """Another version of agent/inspector.py (e.g. ``git show REV:agent/inspector.py``) and this
+    one on the same chunks, interleaved run by run so both see the same machine: medians of the
+    other's and this one's parse+summarize, and of the bare decode (ms per 1,000 records)."""
+    spec = importlib.util.spec_from_file_location("inspector_other", path)
+    assert spec is not None and spec.loader is not None
+    other = importlib.util.module_from_spec(spec)
+    sys.modules["inspector_other"] = other  # msgspec resolves the structs' annotations there
+    spec.loader.exec_module(other)
+    chunks = _chunks(lines)
+    blob = b"".join((b"[", b",".join(lines), b",null]"))
+
+    def parse(mod: Any) -> Any:
+        summ, stream = mod.Summarizer(), mod.Stream()
+        for c in chunks:
+            assert not stream.feed_chunk(c, summ)
+        return summ.take()
+
+    assert parse(other) == parse(inspector), "the two versions summarize differently"
+    times: dict[str, list[float]] = {"other": [], "bare": [], "this": []}
+    for _ in range(runs):
+        times["other"].append(_cpu(lambda: parse(other)))
+        times["bare"].append(_cpu(lambda: inspector._BATCH.decode(blob)))
+        times["this"].append(_cpu(lambda: parse(inspector)))
+    o, b, t = (statistics.median(times[k]) / len(lines) * 1e6 for k in ("other", "bare", "this"))
+    return o, t, b
 
 
 def _load() -> str:
@@ -212,7 +308,29 @@ def main() -> int:
     ap.add_argument("--records", type=int, default=20_000, help="records per run (default 20000)")
     ap.add_argument("--runs", type=int, default=15, help="runs per figure; the median is quoted (default 15)")
     ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--breakdown", action="store_true", help="only the parser's stages, per format")
+    ap.add_argument(
+        "--against",
+        type=Path,
+        metavar="INSPECTOR_PY",
+        help="only: another agent/inspector.py against this one",
+    )
     args = ap.parse_args()
+    if args.breakdown or args.against is not None:
+        print(f"ms of CPU per 1,000 records, median of {args.runs} runs; load average {_load()} before")
+        for fmt in ("v4.0", "v4.0 verbose", "v4.3"):
+            lines = make_lines(fmt, args.records, rank=0)
+            if args.against is not None:
+                o, t, b = against(args.against, lines, args.runs)
+                print(
+                    f"{fmt}: other {o:.3f} ({o / b:.2f} x bare), this {t:.3f} ({t / b:.2f} x bare), "
+                    f"bare decode {b:.3f}: {o / t:.2f} x faster"
+                )
+            else:
+                parts = breakdown(lines, args.runs)
+                print(f"{fmt}: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
+        print(f"load average {_load()} after")
+        return 0
     results: dict[str, Any] = {"records": args.records, "runs": args.runs, "formats": {}}
     rows = []
     refs: list[float] = []
@@ -225,14 +343,17 @@ def main() -> int:
             parse: list[float] = []
             cycle: list[float] = []
             floor: list[float] = []
+            fast: list[float] = []
             for run in range(args.runs):
                 print(f"{fmt}: run {run + 1}/{args.runs}", file=sys.stderr)
                 refs.append(reference_us())
                 parse.append(bench_parse(lines) / args.records * 1e6)
                 floor.append(bench_decode(lines) / args.records * 1e6)
+                fast.append(bench_fast_decode(lines) / args.records * 1e6)
                 cpu, n = bench_cycle(fmt, args.records, root, run)
                 cycle.append(cpu / n * 1e6)
             p, cy, fl = statistics.median(parse), statistics.median(cycle), statistics.median(floor)
+            fd = statistics.median(fast)
             results["formats"][fmt] = {
                 "bytes_per_line": avg_bytes,
                 "parse_ms_per_1000": parse,
@@ -241,8 +362,10 @@ def main() -> int:
                 "parse_median": p,
                 "cycle_median": cy,
                 "decode_only_median": fl,
+                "fast_decode_ms_per_1000": fast,
+                "fast_decode_median": fd,
             }
-            rows.append((fmt, avg_bytes, fl, p, min(parse), cy, min(cycle)))
+            rows.append((fmt, avg_bytes, fl, fd, p, min(parse), cy, min(cycle)))
     ref = statistics.median(refs)
     results["reference_sum_range_1000_us"] = refs
     results["loadavg"] = loads[0], _load()
@@ -251,11 +374,22 @@ def main() -> int:
         f"This machine: {os.cpu_count()} CPUs; sum(range(1000)) took {ref:.1f} us (median over the runs, "
         f"{min(refs):.1f}-{max(refs):.1f}); load average {loads[0]} before, {_load()} after.\n"
     )
-    print("| format | bytes/line | JSON decode alone | parse+summarize | collector cycle | target < 1 ms |")
-    print("|---|---:|---:|---:|---:|---|")
-    for fmt, avg, fl, p, pmin, cy, cmin in rows:
+    print(
+        "| format | bytes/line | bare decode | fast-path decode | parse+summarize | collector cycle "
+        "| cycle / bare decode | target < 1 ms |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for fmt, avg, fl, fd, p, pmin, cy, cmin in rows:
         verdict = "met" if cy < TARGET_MS_PER_1000 else "**missed**"
-        cells = [fmt, f"{avg:.0f}", f"{fl:.3f} ms", f"{p:.3f} ms ({pmin:.3f})", f"{cy:.3f} ms ({cmin:.3f})"]
+        cells = [
+            fmt,
+            f"{avg:.0f}",
+            f"{fl:.3f} ms",
+            f"{fd:.3f} ms",
+            f"{p:.3f} ms ({pmin:.3f})",
+            f"{cy:.3f} ms ({cmin:.3f})",
+            f"{cy / fl:.2f}",
+        ]
         print("| " + " | ".join([*cells, verdict]) + " |")
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

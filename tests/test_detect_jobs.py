@@ -7,21 +7,46 @@ detector over reports whose ``jobs`` sections come from the simulator's job mode
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 import math
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
+import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from agent.report import SCHEMA_ID, Report
-from aggregator.config import FleetConfig
+from agent.report import SCHEMA_ID, GpuAllocation, Report
+from aggregator import app
+from aggregator.config import Config, FleetConfig
+from aggregator.detect import DETECTORS
 from aggregator.detect.base import Verdict
-from aggregator.detect.jobs import CommVote, JobConfig, JobLocalizer, localize, robust_centre, straggler
+from aggregator.detect.jobs import (
+    CommVote,
+    JobConfig,
+    JobLocalizer,
+    _components,
+    _Rank,
+    _Row,
+    _View,
+    job_stem,
+    localize,
+    robust_centre,
+    straggler,
+)
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.pools import Placement
 from aggregator.metrics import Metrics
 from aggregator.model import Finding
-from sim.jobs import Hardware, JobFleet, JobSpec, NodeFaults
+from aggregator.replay import replayed
+from aggregator.rules.model import default_rules_dir, load_rules
+from sim import eval as sim_eval
+from sim import scenario as scenario_mod
+from sim.cli import write_trace
+from sim.jobs import Hardware, JobFleet, JobSpec, NodeFaults, pod_name
 
 T0 = 1_764_000_000.0
 FRAMES = FleetFrames(FleetConfig())  # the detector reads the jobs sections, not the pool frames
@@ -149,12 +174,29 @@ def fault(kind: str, node: str = "", **kw: object) -> NodeFaults:
     )
 
 
+def pods_of(node: str) -> list[GpuAllocation]:
+    """The node's PodResources answer: the pod of its job holding its 8 GPUs (sim.jobs.pod_name)."""
+    job = next(j for j in JOBS if node in j.node_names())
+    devices = [f"GPU-{node}-{g}" for g in range(8)]
+    return [GpuAllocation("ml", pod_name(job.name, node), "trainer", "nvidia.com/gpu", devices)]
+
+
 def replay(
-    faults: Sequence[NodeFaults], *, minutes: float = 6.0, seed: int = 1, det: JobLocalizer | None = None
+    faults: Sequence[NodeFaults],
+    *,
+    minutes: float = 6.0,
+    seed: int = 1,
+    det: JobLocalizer | None = None,
+    pods: bool | Callable[[str], list[GpuAllocation]] = False,
+    rename: Mapping[str, str] | None = None,
 ) -> list[tuple[float, Verdict]]:
-    """Every node reports every 10 s (at its own phase); the detector runs every minute."""
+    """Every node reports every 10 s (at its own phase); the detector runs every minute. With
+    ``pods`` each report carries the node's attribution (``pods_of``, or the function given, of
+    the reported node's name); ``rename`` reports a node under another's name (two jobs' pods on
+    one node)."""
     fleet = JobFleet(seed=seed, start=T0, jobs=JOBS, hardware={j.name: H100 for j in JOBS}, faults=faults)
     det = det or JobLocalizer()
+    attribution = pods if callable(pods) else pods_of
     nodes = [n for j in JOBS for n in j.node_names()]
     out: list[tuple[float, Verdict]] = []
     next_run = T0 + 60.0
@@ -162,7 +204,10 @@ def replay(
         for i, node in enumerate(nodes):
             t = T0 + k * 10.0 + i * 0.3
             jobs, _ = fleet.section(node, t - 10.0, t, 0.0, False)
-            r = Report(schema=SCHEMA_ID, node=node, time=t, seq=k, boot_id="b", gpus=[], nics=[], jobs=jobs)
+            name = (rename or {}).get(node, node)
+            r = Report(schema=SCHEMA_ID, node=name, time=t, seq=k, boot_id="b", gpus=[], nics=[], jobs=jobs)
+            if pods:
+                r = msgspec.structs.replace(r, pods=attribution(name))
             det.observe_report(r, POOL, t + 0.5)
         t = T0 + k * 10.0 + 9.9
         if t >= next_run:
@@ -283,3 +328,150 @@ def test_rows_are_bounded_and_a_forgotten_node_takes_its_rows_along() -> None:
     for node in JOBS[0].node_names():
         det.forget(node)
     assert det._rows == {}
+
+
+# -- jobs from pods --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pod", "stem"),
+    [
+        ("llm-c-worker-0009", "llm-c"),  # the simulator's pods, a Kubeflow PyTorchJob's
+        ("llama-train-master-0", "llama-train"),
+        ("pretrain-0-x7k2p", "pretrain"),  # an indexed batch/v1 Job: index, random suffix
+        ("js-workers-0-3-bq9zt", "js-workers"),  # a JobSet: replicated job, indices, suffix
+        ("mpi-bert-launcher", "mpi-bert"),
+        ("trainer", "trainer"),
+        ("gpt-2", "gpt"),  # a trailing number is an index: the stem names, it never joins
+    ],
+)
+def test_a_pod_names_its_job_by_its_stem(pod: str, stem: str) -> None:
+    assert job_stem(pod) == stem
+
+
+def _view(comm: str, ranks: Sequence[tuple[str, str]]) -> _View:
+    """A communicator's window view: per rank (node, Inspector hostname)."""
+    row = _Row(comm, "AllReduce", 1 << 20, len(ranks), len({n for n, _ in ranks}), "kernel_gpu")
+    for r, (node, host) in enumerate(ranks):
+        row.ranks[r] = _Rank(node, host, 100 + r, None, deque())
+    return _View(
+        row, "h100", tuple(n for n, _ in ranks), tuple(1.0 for _ in ranks), tuple(1.0 for _ in ranks)
+    )
+
+
+def test_two_jobs_on_one_node_are_told_apart_by_their_pods() -> None:
+    # n1 is split: job a's pod holds four GPUs, job b's the other four. Each job has its own
+    # tensor-parallel communicator there and a data-parallel one to a node of its own.
+    views = [
+        _view("tp-a", [("n1", "a-worker-0")] * 4),
+        _view("tp-b", [("n1", "b-worker-0")] * 4),
+        _view("dp-a", [("n1", "a-worker-0"), ("n2", "a-worker-1")]),
+        _view("dp-b", [("n1", "b-worker-0"), ("n3", "b-worker-1")]),
+    ]
+    # Without attribution the node is all that is known: one component, named by its nodes.
+    assert {k: sorted(v.row.comm for v in vs) for k, vs in _components(views).items()} == {
+        "n1+2": ["dp-a", "dp-b", "tp-a", "tp-b"]
+    }
+    pods = {
+        "n1": {"a-worker-0": ("ml", "a-worker-0"), "b-worker-0": ("ml", "b-worker-0")},
+        "n2": {"a-worker-1": ("ml", "a-worker-1")},
+        "n3": {"b-worker-1": ("ml", "b-worker-1")},
+    }
+    assert {k: sorted(v.row.comm for v in vs) for k, vs in _components(views, pods).items()} == {
+        "ml/a": ["dp-a", "tp-a"],
+        "ml/b": ["dp-b", "tp-b"],
+    }
+    # One node without attribution joins what meets there, as before; the rest stays apart.
+    partial = {"n1": pods["n1"], "n2": pods["n2"]}
+    views.append(_view("dp-b2", [("n3", "b-worker-1"), ("n2", "a-worker-1")]))  # n3 unknown
+    groups = {k: sorted(v.row.comm for v in vs) for k, vs in _components(views, partial).items()}
+    assert sorted(map(sorted, groups.values())) == [["dp-a", "dp-b", "dp-b2", "tp-a", "tp-b"]]
+
+
+def test_a_hostname_that_is_a_pod_of_another_node_or_of_two_namespaces_is_not_trusted() -> None:
+    det = JobLocalizer()
+    dup = [
+        GpuAllocation("ml", "w-0", "c", "nvidia.com/gpu", ["GPU-1"]),
+        GpuAllocation("dev", "w-0", "c", "nvidia.com/gpu", ["GPU-2"]),
+        GpuAllocation("ml", "x" * 70, "c", "nvidia.com/gpu", ["GPU-3"]),
+    ]
+    r = Report(schema=SCHEMA_ID, node="n1", time=T0, seq=0, boot_id="b", gpus=[], nics=[], pods=dup)
+    det.observe_report(r, POOL, T0)
+    assert det._pods["n1"] == {"x" * 63: ("ml", "x" * 70)}  # the kubelet's hostname cut
+    det.forget("n1")
+    assert det._pods == {}
+
+
+def test_with_attribution_the_findings_name_the_job_by_namespace_and_pods() -> None:
+    runs = replay(
+        [
+            fault("slow_gpu", "gpu-0007", gpu=5, ratio=0.88, busbw_ratio=0.9),
+            fault("slow_nic", "gpu-0013", ratio=0.7),
+            fault("slow_job", job="sweep-d", ratio=0.6),
+        ],
+        pods=True,
+    )
+    nodes, links = blamed(runs)
+    # The same verdicts as without attribution (the jobs take whole nodes here), named by pods.
+    assert nodes == {"gpu-0007": {"job-straggler:rank5"}, "gpu-0013": {"job-nic"}} and links == set()
+    assert [f.evidence["job"] for f in last_findings(runs, "gpu-0007")] == ["ml/llm-b"]
+    assert [f.evidence["job"] for f in last_findings(runs, "gpu-0013")] == ["ml/llm-c"]
+
+
+# -- the busy fleet, job data alone ----------------------------------------------------------------
+
+
+def test_on_the_busy_fleet_job_data_alone_quarantines_the_slow_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """scenarios/busy-jobs.yaml (seed 2, its first 12 minutes) with the peer detector left out:
+    the slow GPU's SM clock no longer tells, and the jobs' collectives alone quarantine it within
+    10 minutes of its first showing; no false quarantine, nothing about the job slow everywhere."""
+    logging.getLogger().setLevel(logging.ERROR)
+    monkeypatch.setattr(
+        app,
+        "build_pipeline",
+        functools.partial(app.build_pipeline, detectors=[d for d in DETECTORS if d.name != "peer"]),
+    )
+    s = scenario_mod.load(Path("scenarios/busy-jobs.yaml")).with_overrides(seed=2, nodes=None, minutes=12)
+    trace, out = tmp_path / "trace.jsonl.gz", tmp_path / "decisions.jsonl"
+    _, truth = write_trace(s, trace)
+    _, _, final = replayed(trace, out, Config(), load_rules([default_rules_dir()]))
+    assert all(run.name != "peer" for run in final.pipeline._detectors)
+    raw = [json.loads(line) for line in out.read_text().splitlines()]
+    scored = sim_eval.score(truth, sim_eval.load_decisions(out))
+    assert scored["quarantines"]["false"] == 0, scored["quarantines"]
+    (gpu_fault,) = [f for f in truth.faults if f.kind == "slow_gpu"]
+    shown = gpu_fault.first_seen or gpu_fault.start
+    q = next(d for d in raw if d["node"] == gpu_fault.node and d["state"] == "quarantined")
+    assert q["time"] - shown <= 600.0
+    assert {r["detector"] for r in q["reasons"]} == {"jobs"}
+    assert q["reasons"][0]["evidence"]["tp_rank"] == 5  # the GPU's tensor-parallel rank
+    health = final.pipeline.health.get(gpu_fault.node)
+    assert health is not None and "job-straggler:rank5" in health.groups.get("jobs", {})
+    slow_job = {f.node for f in truth.faults if f.kind == "slow_job"}
+    assert not any(d["node"] in slow_job or d.get("peer") in slow_job for d in raw if d["state"] != "healthy")
+
+
+def test_a_node_shared_with_a_job_slow_everywhere_blames_nothing_once_its_pods_say_whose() -> None:
+    """gpu-0019 holds a pod of llm-c and one of sweep-d (sweep-d's first node reports as it), and
+    sweep-d is slow everywhere. By nodes alone the two jobs are one component, whose level is
+    neither's: sweep-d's rings look slow against it, and its nodes' NICs are blamed. With the
+    node's attribution the pods part them: sweep-d is slow everywhere, and nothing is blamed."""
+    shared = {"gpu-0020": "gpu-0019"}
+    both = [
+        GpuAllocation("ml", pod_name("llm-c", "gpu-0019"), "trainer", "nvidia.com/gpu", ["GPU-0"]),
+        GpuAllocation("ml", pod_name("sweep-d", "gpu-0020"), "trainer", "nvidia.com/gpu", ["GPU-1"]),
+    ]
+
+    def attribution(node: str) -> list[GpuAllocation]:
+        return both if node == "gpu-0019" else pods_of(node)
+
+    slow = [fault("slow_job", job="sweep-d", ratio=0.6)]
+    nodes, _ = blamed(replay(slow, rename=shared))
+    assert nodes and all(keys == {"job-nic"} for keys in nodes.values())  # what grouping by nodes does
+    det = JobLocalizer()
+    nodes, links = blamed(replay(slow, rename=shared, pods=attribution, det=det))
+    assert nodes == {} and links == set()
+    assert det.job_level["ml/sweep-d"] == pytest.approx(0.6, abs=0.03)
+    assert det.job_level["ml/llm-c"] == pytest.approx(1.0, abs=0.03)

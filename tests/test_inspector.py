@@ -418,3 +418,163 @@ def test_a_null_line_and_merged_fragments_do_not_pass_as_records() -> None:
     assert len(errors) == 2
     jobs = summ.take()
     assert (jobs.records, jobs.dropped, jobs.collectives[0].count) == (5, 3, 2)
+
+
+def _random_lines(rng: random.Random, n: int) -> list[bytes]:
+    """A stream of lines as Inspector writes them (self-contained v4.0-v4.2, v4.3/v4.4 markers
+    with collective, P2P and proxy records, stand-alone dump_stats), now and then something it
+    does not write (a bad line, an unknown version, an ``Invalid`` kind, a rank out of range, a
+    record past its batch, a blank line)."""
+    out: list[bytes] = []
+    comms = [("0xa", 0, 8, 1, "w-0", 5), ("0xb", 3, 4, 2, "w-0", 5), ("0xc", 1, 2, 2, "w-1", 6)]
+    kinds = ["AllReduce", "AllGather", "ReduceScatter"]
+    timings = ["kernel_gpu", "kernel_cpu", None]
+    while len(out) < n:
+        comm, rank, n_ranks, nnodes, host, pid = rng.choice(comms)
+        header = {"id": comm, "rank": rank, "n_ranks": n_ranks, "nnodes": nnodes}
+        form = rng.random()
+        if form < 0.45:  # self-contained
+            perf: dict[str, Any] = {
+                "coll": rng.choice(kinds),
+                "coll_sn": len(out),
+                "coll_msg_size_bytes": rng.choice([0, 1000, 1 << 20, 3 << 20]),
+                "coll_exec_time_us": round(rng.uniform(10, 1000), 1),
+                "coll_busbw_gbs": round(rng.uniform(0, 400), 6),
+            }
+            timing = rng.choice(timings)
+            if timing is not None:
+                perf["coll_timing_source"] = timing
+            meta = {
+                "inspector_output_format_version": rng.choice(["v4.0", "v4.1", "v4.2"]),
+                "hostname": host,
+                "pid": pid,
+            }
+            out.append(json.dumps({"header": header, "metadata": meta, "coll_perf": perf}).encode())
+        elif form < 0.5:  # a stand-alone dump_stats
+            meta = {"inspector_output_format_version": "v4.1", "hostname": host, "pid": pid}
+            out.append(
+                json.dumps({"header": header, "metadata": meta, "dump_stats": {"coll_records": 3}}).encode()
+            )
+        elif form < 0.95:  # a marker batch
+            n_coll, n_p2p, n_proxy = rng.randint(0, 12), rng.choice([0, 0, 2]), rng.choice([0, 0, 1])
+            meta = {
+                "inspector_output_format_version": rng.choice(["v4.3", "v4.4"]),
+                "hostname": host,
+                "pid": pid,
+            }
+            stats = {"coll_records": n_coll, "p2p_records": n_p2p, "proxy_records": n_proxy}
+            out.append(json.dumps({"header": header, "metadata": meta, "dump_stats": stats}).encode())
+            body = [b"c"] * n_coll + [b"p"] * n_p2p + [b"x"] * n_proxy
+            rng.shuffle(body)
+            for what in body:
+                if what == b"c":
+                    line = _BARE.replace(b'"AllGather"', json.dumps(rng.choice(kinds)).encode())
+                    out.append(
+                        line.replace(b'"coll_busbw_gbs":2.5', b'"coll_busbw_gbs":%.3f' % rng.uniform(0, 9))
+                    )
+                elif what == b"p":
+                    p2p = {
+                        "p2p": rng.choice(["Send", "Recv"]),
+                        "p2p_msg_size_bytes": 4096,
+                        "p2p_exec_time_us": 9.0,
+                    }
+                    p2p["p2p_busbw_gbs"] = round(rng.uniform(0, 9), 3)
+                    out.append(json.dumps({"p2p_perf": p2p}).encode())
+                else:
+                    out.append(_PROXY)
+        else:  # something Inspector does not write
+            out.append(
+                rng.choice(
+                    [
+                        b"garbage",
+                        b"",
+                        _v40().replace(b'"v4.0"', b'"v9.9"'),
+                        _v40(coll="Invalid"),
+                        _v40().replace(b'"rank": 0', b'"rank": 8'),
+                        _BARE,
+                        _v40(coll_timing_source="gpu_magic"),
+                    ]
+                )
+            )
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_fast_path_agrees_with_the_line_by_line_reference(seed: int) -> None:
+    """feed_chunk (columns when a chunk is ordinary, the exact path when not) summarizes and
+    reports exactly what parsing each line on its own does, whatever the chunking."""
+    rng = random.Random(seed)
+    clean = seed % 2 == 0  # half the seeds: only what Inspector writes, so the fast path runs
+    lines = [ln for ln in _random_lines(rng, 400) if not clean or _is_clean(ln)]
+    # A third of the seeds start mid-file, as after a skip: the first batch's marker is gone.
+    resync = seed % 3 == 0
+    if resync:
+        lines = lines[rng.randint(1, 30) :]
+    ref, ref_errors, ref_stream = Summarizer(max_keys=20, max_samples=8), [], Stream(resyncing=resync)
+    for ln in lines:
+        try:
+            rec = ref_stream.parse_line(ln)
+        except InspectorError as exc:
+            ref.malformed(1)
+            if not (ref_stream.resyncing and isinstance(exc, inspector.OrphanRecord)):
+                ref_errors.append((exc.kind, str(exc)))
+            continue
+        if rec is not None:
+            ref.add_record(rec)
+    got, got_errors, stream = Summarizer(max_keys=20, max_samples=8), [], Stream(resyncing=resync)
+    i = 0
+    while i < len(lines):
+        size = rng.choice([1, 3, 17, 100, 400])
+        got_errors += [(e.kind, str(e)) for e in stream.feed(lines[i : i + size], got)]
+        i += size
+    assert got_errors == ref_errors
+    assert got.take() == ref.take()
+
+
+def _is_clean(line: bytes) -> bool:
+    return (
+        bool(line)
+        and b"garbage" not in line
+        and b"v9.9" not in line
+        and b"Invalid" not in line
+        and (b"gpu_magic" not in line and b'"rank": 8' not in line and line != _BARE)
+    )
+
+
+def test_the_fast_path_takes_ordinary_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ordinary chunk of either form never goes line by line."""
+    calls: list[int] = []
+    monkeypatch.setattr(Stream, "resolve", lambda self, line: calls.append(1))
+    for name in ("v4.0-examples.jsonl", "v4.3-marker-batch.jsonl"):
+        lines = _lines(name)[:3] if name.startswith("v4.3") else _lines(name)
+        summ = Summarizer()
+        assert Stream().feed(lines, summ) == []
+        assert summ.take().collectives
+    assert calls == []
+
+
+def test_after_a_skip_a_self_contained_chunk_ends_the_resync_on_both_paths() -> None:
+    """Bare records whose marker was skipped are dropped quietly only until a header line; the
+    fast path must end the resync where the exact path does."""
+    for fast in (True, False):
+        stream, summ = Stream(resyncing=True), Summarizer()
+        first = [_v40(), _v40()] if fast else [_v40(), b"garbage"]
+        errors = stream.feed(first, summ)
+        assert not stream.resyncing
+        errors += stream.feed([_BARE], summ)
+        assert [e.kind for e in errors][-1] == "malformed"  # an orphan now, reported
+
+
+def test_stand_alone_dump_stats_among_v41_records_take_the_fast_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    lines = [_v40().replace(b'"v4.0"', b'"v4.1"'), _marker(version="v4.1", coll=3), _v40(), _marker(coll=1)]
+    ref = Summarizer()
+    Stream()._resolve_all([inspector._LINE.decode(ln) for ln in lines], ref)
+    calls: list[int] = []
+    monkeypatch.setattr(Stream, "resolve", lambda self, line: calls.append(1))
+    stream, summ = Stream(), Summarizer()
+    assert stream.feed(lines, summ) == []
+    assert calls == [] and summ.take() == ref.take()
+    monkeypatch.undo()
+    # The v4.3 marker at the end: its batch goes on in the next chunk.
+    summ = Summarizer()
+    assert stream.feed([_BARE], summ) == [] and summ.take().collectives[0].comm == "0xdef"

@@ -346,14 +346,14 @@ class NcclInspectorCollector:
                         state.resync = True
                         continue
                     break  # a line still being written: the next cycle reads it whole
-                chunk = data[: end + 1]
-                lines = chunk.count(b"\n")
+                chunk = data if end + 1 == len(data) else data[: end + 1]
+                lines = inspector.count_lines(chunk)
                 room = share_lines - used_lines
                 if lines > room:
                     # Up to the room-th newline: what splitting off that many lines leaves over.
                     chunk = chunk[: len(chunk) - len(chunk.split(b"\n", room)[-1])]
                     lines = room
-                for e in state.stream.feed_chunk(chunk, self._summary):
+                for e in state.stream.feed_chunk(chunk, self._summary, lines):
                     _problem(problems, f.rel, e.kind, str(e))
                 state.offset += len(chunk)
                 used_bytes += len(chunk)

@@ -3,8 +3,9 @@
 Each report's ``jobs`` section has, per communicator rank seen on the node, collective kind and
 message-size bucket, the cycle's bus bandwidth and kernel-time quantiles (``agent.inspector``).
 One communicator's id is the same on every rank, so rows of many nodes make up one communicator;
-communicators that share a node make up one job. Over a sliding window (``window_seconds``),
-per row the medians of the cycles' medians; then, every run:
+communicators that share a pod (the report's ``pods``: a rank's Inspector hostname is its pod's
+name) make up one job, or, where a node's pods are not known, communicators that share the node.
+Over a sliding window (``window_seconds``), per row the medians of the cycles' medians; then, every run:
 
 - **like with like**: a communicator is compared with the communicators of its *class* (the
   same collective kind, size bucket, rank count, node count, timing source and pool) across the
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import statistics
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -52,6 +54,7 @@ from typing import Annotated, ClassVar, Final
 
 from msgspec import UNSET, Meta
 
+from agent.attribution import pod_hostname
 from agent.report import Report
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import Pair, Verdict
@@ -267,6 +270,8 @@ class JobLocalizer:
         self.every_seconds = self.config.every_seconds
         self._rows: dict[tuple[str, str, int], _Row] = {}
         self._placements: dict[str, Placement] = {}
+        # Per node, its last PodResources answer as hostname -> (namespace, pod) (absent: none).
+        self._pods: dict[str, dict[str, tuple[str, str]]] = {}
         self._streaks: dict[tuple[str, ...], tuple[int, float]] = {}  # blame -> (runs, first run)
         self._judged: set[str] = set()
         self._workload: set[str] = set()  # jobs slow everywhere at the last run (logged on change)
@@ -279,6 +284,19 @@ class JobLocalizer:
     # -- input ----------------------------------------------------------------------------------
 
     def observe_report(self, report: Report, placement: Placement, received: float) -> None:
+        if report.pods is not UNSET:
+            # Which pod each Inspector hostname is (a pod's hostname is its name, cut as the
+            # kubelet cuts it); a name two namespaces share on this node says nothing.
+            named: dict[str, tuple[str, str]] = {}
+            seen: set[str] = set()
+            for a in report.pods:
+                host = pod_hostname(a.pod)
+                if host in seen and named.get(host) != (a.namespace, a.pod):
+                    named.pop(host, None)
+                    continue
+                seen.add(host)
+                named[host] = (a.namespace, a.pod)
+            self._pods[report.node] = named
         if report.jobs is UNSET:
             return
         self._placements[report.node] = placement
@@ -310,6 +328,7 @@ class JobLocalizer:
 
     def forget(self, node: str) -> None:
         self._placements.pop(node, None)
+        self._pods.pop(node, None)
         for key in [k for k, r in self._rows.items() if any(x.node == node for x in r.ranks.values())]:
             del self._rows[key]
 
@@ -341,7 +360,7 @@ class JobLocalizer:
     def run(self, frames: FleetFrames, now: float) -> Verdict:
         cfg = self.config
         views = self._views(now)
-        jobs = _components(views)
+        jobs = _components(views, self._pods)
         refs = self._references(views, jobs)
         out: dict[str, list[Finding]] = {n: [] for v in views for n in v.nodes}
         links: dict[Pair, Finding] = {}
@@ -614,29 +633,86 @@ def _kind(views: Iterable[_View], comm: str) -> str:
     return next((v.row.collective for v in views if v.row.comm == comm), "")
 
 
-def _components(views: Sequence[_View]) -> dict[str, list[_View]]:
-    """Jobs: communicators linked by the nodes they share; each named by its pods (the
-    Inspector's hostnames) where they have one common stem, else by its first node and size."""
-    parent: dict[str, str] = {}
+# The trailing parts of a pod's name that its controller adds, not its job: an index (Job,
+# StatefulSet, JobSet, PyTorchJob, MPIJob, LeaderWorkerSet), a role (Kubeflow's training operator:
+# master/worker/ps/chief/evaluator, MPIJob's launcher, LeaderWorkerSet's leader), or a random
+# suffix (generateName: 5 characters of apimachinery's rand alphabet, which has no vowels; a
+# ReplicaSet's pod-template-hash of up to 10 of the same).
+_ROLES: Final = frozenset({"master", "worker", "ps", "chief", "evaluator", "launcher", "leader", "driver"})
+_RANDOM_SUFFIX: Final = re.compile(r"[bcdfghjklmnpqrstvwxz2456789]{5,10}")
 
-    def find(x: str) -> str:
+
+def job_stem(pod: str) -> str:
+    """A pod name's job part: ``llm-c-worker-0009`` -> ``llm-c``, ``train-0-1-x7k2p`` -> ``train``.
+    Used to name a job, never to join two jobs: a stem can be shared by unrelated runs."""
+    parts = pod.split("-")
+    while len(parts) > 1 and (
+        parts[-1].isdigit() or parts[-1] in _ROLES or _RANDOM_SUFFIX.fullmatch(parts[-1]) is not None
+    ):
+        parts.pop()
+    return "-".join(parts)
+
+
+# Where a rank runs: ("pod", namespace, pod) when the node's PodResources answer has a pod of that
+# name holding GPUs (Inspector's hostname in a pod is the pod's name), else ("node", node).
+_Owner = tuple[str, ...]
+
+
+def _components(
+    views: Sequence[_View], pods: Mapping[str, Mapping[str, tuple[str, str]]] | None = None
+) -> dict[str, list[_View]]:
+    """Jobs: communicators linked by the pods they share, or by the nodes where a rank's pod is
+    not known (no attribution on its node, a hostname that is no pod of it).
+
+    A communicator never spans two jobs, so the pods its ranks run in are one job's; two jobs on
+    one node (a node split between jobs) stay apart when the node says which pod holds what, and
+    are one component when it does not (the communicators then share the node, which is all that
+    is known). Each job is named ``namespace/stem`` when its pods have one stem (``job_stem``),
+    else by its pods' common stem alone (no attribution: the Inspector's hostnames), else by its
+    first node and size."""
+    pods = pods or {}
+    parent: dict[_Owner, _Owner] = {}
+
+    def find(x: _Owner) -> _Owner:
         while parent.setdefault(x, x) != x:
             parent[x] = parent[parent[x]]
             x = parent[x]
         return x
 
-    for v in views:
-        first = find(v.nodes[0])
-        for n in v.nodes[1:]:
-            parent[find(n)] = first
-    groups: dict[str, list[_View]] = defaultdict(list)
-    for v in views:
-        groups[find(v.nodes[0])].append(v)
+    def owners(v: _View) -> list[_Owner]:
+        out: list[_Owner] = []
+        for r, node in enumerate(v.nodes):
+            host = v.row.ranks[r].hostname
+            held = pods.get(node, {}).get(host) if host else None
+            out.append(("pod", *held) if held is not None else ("node", node))
+        return out
+
+    of_view = [owners(v) for v in views]
+    for os_ in of_view:
+        first = find(os_[0])
+        for o in os_[1:]:
+            parent[find(o)] = first
+    groups: dict[_Owner, list[_View]] = defaultdict(list)
+    members_of: dict[_Owner, set[_Owner]] = defaultdict(set)
+    for v, os_ in zip(views, of_view, strict=True):
+        root = find(os_[0])
+        groups[root].append(v)
+        members_of[root].update(os_)
     out: dict[str, list[_View]] = {}
-    for members in groups.values():
+    for root, members in groups.items():
         nodes = sorted({n for v in members for n in v.nodes})
+        in_pods = {(o[1], job_stem(o[2])) for o in members_of[root] if o[0] == "pod"}
         hosts = {r.hostname for v in members for r in v.row.ranks.values() if r.hostname}
-        stems = {h.rsplit("-", 2)[0] for h in hosts if h.count("-") >= 2}
-        name = stems.pop() if len(stems) == 1 else f"{nodes[0]}+{len(nodes) - 1}"
+        # A hostname that is a node's (a hostNetwork pod, bare metal) names no job.
+        stems = {job_stem(h) for h in hosts if h.count("-") >= 2 and h not in nodes}
+        if len(in_pods) == 1:
+            namespace, stem = in_pods.pop()
+            name = f"{namespace}/{stem}"
+        elif len(stems) == 1 and not in_pods:
+            name = stems.pop()
+        else:
+            name = f"{nodes[0]}+{len(nodes) - 1}"
+        while name in out:  # two jobs of one name (a stem shared by two runs): both kept apart
+            name += "'"
         out[name] = members
     return out
