@@ -121,14 +121,22 @@ def test_slow_pairs_through_one_leaf_are_one_switch_alert() -> None:
     assert all(v.nodes[n] == [] for n in NODES if n not in alert.nodes)
 
 
-def test_too_few_partners_judges_nobody() -> None:
-    # Three nodes: two partners each, a slow node and a slow link look the same.
+def test_one_partner_never_decides_two_do() -> None:
+    # A node slow with its one partner: a slow node and a slow link look the same. With a second
+    # slow partner, each normal with the third node, "the node" is one fault and "two slow links
+    # at once, both at this node" two: the node.
     few = ["gpu-0000", "gpu-0001", "gpu-0002"]
+    slow: Factor = lambda a, b, _t: 0.6 if "gpu-0000" in (a, b) else 1.0  # noqa: E731
     loc = LinkLocalizer()
-    now = feed(loc, lambda a, b, _t: 0.6 if "gpu-0000" in (a, b) else 1.0, nodes=few)
+    now = feed(loc, slow, nodes=few[:2])
     v = loc.run(FRAMES, now)
-    assert set(v.nodes) == set(few)
-    assert all(fs == [] for fs in v.nodes.values())
+    assert set(v.nodes) == set(few[:2]) and all(fs == [] for fs in v.nodes.values())
+    assert v.links == {}
+    loc = LinkLocalizer()
+    now = feed(loc, slow, nodes=few)
+    v = loc.run(FRAMES, now)
+    assert quarantined(v) == {"gpu-0000"}
+    assert v.nodes["gpu-0000"][0].evidence["decided_on_partners"] == 2
     assert v.links == {}
 
 
@@ -286,7 +294,11 @@ def sparse(loc: LinkLocalizer, factor: Factor, pairs: list[tuple[float, str, str
     """Only the given (seconds after T0, a, b) probes, as a prober that tests one or two partners
     per idle window leaves them; returns a moment after the last."""
     rng = random.Random(seed)
-    for dt, a, b in pairs:
+    # The rest of the pool, measured in full twice before (leaf-1's last six nodes): what the
+    # localizer learns the pool's noise from. A sparse prober over a real pool leaves as many.
+    rest = NODES[10:]
+    background = [(-3600.0 + 60 * k, a, b) for k in range(2) for a, b in itertools.combinations(rest, 2)]
+    for dt, a, b in background + pairs:
         pt = T0 + dt
         bw = BW * factor(a, b, pt) * rng.gauss(1.0, 0.015)
         for me, peer in ((a, b), (b, a)):
@@ -328,8 +340,8 @@ def test_sparse_prober_an_end_slow_with_its_other_partner_too_is_no_link() -> No
     now = sparse(loc, lambda a, b, _t: 0.65 if "gpu-0004" in (a, b) else 1.0, SPARSE)
     v = loc.run(FRAMES, now)
     assert v.links == {}
-    # Two partners are too few to quarantine a node on: it waits for a third.
-    assert quarantined(v) == set()
+    # Slow with both its partners, each normal with someone else: the node.
+    assert quarantined(v) == {"gpu-0004"}
 
 
 def test_a_node_gone_slow_is_not_vouched_for_by_its_results_from_before() -> None:
