@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections.abc import Callable
 
@@ -407,3 +408,127 @@ def test_a_slow_node_among_the_partners_does_not_hide_a_link() -> None:
     v = loc.run(FRAMES, sparse(loc, factor, pairs))
     assert quarantined(v) == {"gpu-0002"}
     assert set(v.links) == {("gpu-0004", "gpu-0005")}
+
+
+# -- the sequential test at the probe scheduler's defaults --------------------------------------
+# aggregator/probes (docs/probes.md, "What a node gets"): one rotation pair per node per 600-s
+# round, a new partner each round (circle method); a result under the suspicious line (0.85 of
+# expected) gets the same pair again 40 s after it, then two fresh partners for each end, ahead of
+# rotation. A probe takes about 15 s (start delay) plus its run, and a node is in one at a time.
+ROUND_S = 600.0
+LEAF = NODES[:8]
+SUSPICIOUS = 0.85
+RUN_EVERY_S = 60.0  # LinkConfig.every_seconds
+PERSIST_S = 120.0  # health.suspect_for_seconds: a node finding must persist this long
+
+
+def _circle(nodes: list[str], r: int) -> list[tuple[str, str]]:
+    """Round r of the circle method: every node once, a new partner each round."""
+    n = len(nodes)
+    fixed, rest = nodes[0], nodes[1:]
+    rot = rest[r % (n - 1) :] + rest[: r % (n - 1)]
+    ring = [fixed, *rot]
+    return [(ring[i], ring[n - 1 - i]) for i in range(n // 2)]
+
+
+def scheduled(
+    factor: Factor, *, rounds: int, noise: float, seed: int, nodes: list[str] = LEAF
+) -> list[tuple[float, str, str, float]]:
+    """(time, a, b, bandwidth) of every result the default schedule gives an idle leaf."""
+    rng = random.Random(seed)
+    out: list[tuple[float, str, str, float]] = []
+    met: set[frozenset[str]] = set()
+
+    def measure(t: float, a: str, b: str) -> float:
+        bw = BW * factor(a, b, t) * math.exp(rng.gauss(0.0, noise))
+        out.append((t, a, b, bw))
+        met.add(frozenset((a, b)))
+        return bw
+
+    for r in range(rounds):
+        start = r * ROUND_S
+        free_at = dict.fromkeys(nodes, start)
+        for a, b in _circle(nodes, r):
+            t = start + 15.0 + rng.uniform(0, 30)
+            bw = measure(t, a, b)
+            free_at[a] = free_at[b] = t + 20.0
+            if bw >= SUSPICIOUS * BW:
+                continue
+            t = measure_at = t + 40.0
+            measure(measure_at, a, b)
+            for end in (a, b):
+                fresh = [n for n in nodes if n not in (a, b) and frozenset((end, n)) not in met]
+                for k, other in enumerate(rng.sample(fresh, min(2, len(fresh)))):
+                    at = max(t + 60.0 + 60.0 * k, free_at[other]) + rng.uniform(0, 10)
+                    measure(at, end, other)
+                    free_at[other] = at + 20.0
+    return sorted(out)
+
+
+def first_flag(
+    results: list[tuple[float, str, str, float]], want: Callable[[Verdict], bool], *, until: float
+) -> float | None:
+    """When the localizer, run every minute over the results reported so far, first says ``want``."""
+    loc = LinkLocalizer()
+    i, t = 0, RUN_EVERY_S
+    while t <= until:
+        while i < len(results) and results[i][0] + 5.0 <= t:  # in the ends' next reports
+            pt, a, b, bw = results[i]
+            for me, peer in ((a, b), (b, a)):
+                p = Probe(
+                    kind="nccl_allreduce_pair", time=T0 + pt, ok=True, peer=peer, busbw_bytes_per_second=bw
+                )
+                loc.observe(report(me, T0 + pt + 5, [p]), PLACE[me], received=T0 + pt + 5)
+            i += 1
+        if want(loc.run(FRAMES, T0 + t)):
+            return t
+        t += RUN_EVERY_S
+    return None
+
+
+def _slow_node_decided(ratio: float, noise: float, seed: int) -> float | None:
+    bad = "gpu-0003"
+    factor: Factor = lambda a, b, _t: ratio if bad in (a, b) else 1.0  # noqa: E731
+    results = scheduled(factor, rounds=3, noise=noise, seed=seed)
+    first_slow = min(t for t, a, b, _ in results if bad in (a, b))
+    at = first_flag(results, lambda v: quarantined(v) == {bad}, until=3 * ROUND_S)
+    return None if at is None else at + PERSIST_S - first_slow
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_nic_25_percent_slow_is_quarantined_within_10_minutes_at_the_default_schedule(seed: int) -> None:
+    # From its first slow result: the localizer's run, then the health machine's persistence.
+    took = _slow_node_decided(0.75, noise=0.015, seed=seed)
+    assert took is not None and took <= 600.0
+
+
+def test_a_larger_slowdown_is_decided_on_fewer_results() -> None:
+    # In a noisy pool (TCP-like, 6 % per result), 25 % slow needs more partners than one result
+    # each can give; 40 % slow is decided on its first two partners.
+    took25 = [_slow_node_decided(0.75, noise=0.06, seed=s) for s in range(4)]
+    took40 = [_slow_node_decided(0.60, noise=0.06, seed=s) for s in range(4)]
+    assert all(t is not None for t in took40)
+    assert all(t40 <= (t25 if t25 is not None else math.inf) for t25, t40 in zip(took25, took40, strict=True))
+    assert (
+        sum(t40 < (t25 if t25 is not None else math.inf) for t25, t40 in zip(took25, took40, strict=True))
+        >= 2
+    )  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_degraded_link_at_the_default_schedule_is_a_link_with_neither_end_blamed(seed: int) -> None:
+    slow = {"gpu-0001", "gpu-0006"}
+    factor: Factor = lambda a, b, _t: 0.7 if {a, b} == slow else 1.0  # noqa: E731
+    results = scheduled(factor, rounds=7, noise=0.015, seed=seed)  # the pair meets within 7 rounds
+    first_slow = min(t for t, a, b, _ in results if {a, b} == slow)
+    blamed: list[str] = []
+
+    def link(v: Verdict) -> bool:
+        blamed.extend(quarantined(v))
+        return set(v.links or {}) == {("gpu-0001", "gpu-0006")}
+
+    at = first_flag(results, link, until=7 * ROUND_S)
+    assert at is not None
+    # The link's own state machine waits one more localizer run to confirm it.
+    assert at + RUN_EVERY_S - first_slow <= 600.0
+    assert blamed == []

@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 Float = npt.NDArray[np.float64]
 MAD_SCALE: Final = 1.4826
+# Fewest values a MAD is taken of: with two, one outlier is half of them and sets the scale alone;
+# with three a single slow node or path no longer does. Below it the prior stands alone.
+MAD_MIN: Final = 3
 PAIR_KINDS: Final = frozenset({"nccl_allreduce_pair", "tcp_pair"})
 # With fewer partners at an end the median polish cannot tell a slow end from a slow pair (with two
 # a node's effect is the midpoint of its slow and its normal pair): such pairs are judged on each
@@ -462,7 +465,7 @@ class LinkLocalizer:
 
         def shrunk(values: Float) -> float:
             n = len(values)
-            if n == 0:
+            if n < MAD_MIN:
                 return prior
             mad = MAD_SCALE * float(np.median(np.abs(values - np.median(values))))
             return (n * mad**2 + n0 * prior) / (n + n0)

@@ -34,6 +34,7 @@ from msgspec import UNSET, Meta
 from agent.report import Report
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import Verdict
+from aggregator.detect.links import MAD_MIN, MAD_SCALE
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.pools import Placement
 from aggregator.model import Finding
@@ -41,7 +42,6 @@ from aggregator.model import Finding
 log = logging.getLogger(__name__)
 
 LOCAL_KINDS = frozenset({"nccl_allreduce_local"})
-_MAD_SCALE = 1.4826
 
 
 class LocalProbeConfig(DetectorSettings, frozen=True):
@@ -212,7 +212,7 @@ class LocalProbeDetector:
 def _shrunk(values: npt.NDArray[np.float64], prior: float, weight: float) -> float:
     """The robust variance (MAD) of ``values`` about their median, shrunk toward ``prior``."""
     n = len(values)
-    if n == 0:
+    if n < MAD_MIN:
         return prior
-    mad = _MAD_SCALE * float(np.median(np.abs(values - np.median(values))))
+    mad = MAD_SCALE * float(np.median(np.abs(values - np.median(values))))
     return (n * mad**2 + weight * prior) / (n + weight)
