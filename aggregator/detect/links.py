@@ -8,19 +8,21 @@ and decomposed robustly (weighted median polish, so one bad node or pair cannot 
 
     log(bw_ij / expected) = mu + a_i + a_j + r_ij
 
-- a node whose effect ``a_i`` is clearly low (below ``log(node_ratio)``, ``z`` standard errors
-  below zero given the pool's spread, with ``min_partners`` partners and ``min_low_probes`` slow
-  probes) is the bad node: a ``link`` finding with action ``quarantine`` (not hard: the health
-  machine still wants it to persist);
-- a pair whose residual ``r_ij`` is clearly low while both ends are normal (each judged on at least
-  ``min_partners`` partners) is a degraded link: a link finding for ``aggregator.links.LinkHealth``,
-  nothing on either node;
+- a node whose results with its partners, each less that partner's own level then, carry enough
+  evidence of "slow by the design effect" (``design_ratio``) over "normal" (a sequential
+  likelihood-ratio test reaching ``threshold_nats``, with at least ``min_partners`` partners and
+  no one partner deciding) is the bad node: a ``link`` finding with action ``quarantine`` (not
+  hard: the health machine still wants it to persist);
+- a pair whose results less its ends' effects carry that evidence while both ends are normal
+  (each judged on its other partners at the time) is a degraded link: a link finding for
+  ``aggregator.links.LinkHealth``, nothing on either node;
 - ``switch_min_culprits`` or more culprits (bad nodes, degraded pairs) within one rack, else one
   leaf, point at the switch they share: one ``SwitchAlert``, and on each node involved an
   ``alert`` finding with the same key ``link-switch:<kind>:<name>`` (the node becomes suspect, no
   taint). A pair's domain is the narrowest one holding both ends, a node's is its rack.
 
-A single probe never decides: every verdict needs ``min_low_probes`` slow results of its own.
+The noise (run to run, path to path, node to node) is estimated from the pool's own results
+(``_noise``). A single probe never decides: each result adds at most half the threshold.
 Probe times are moved to the aggregator's clock (``received - report.time``), so both ends' copies
 of one measurement are recognized as one even when a node's clock is off.
 """
