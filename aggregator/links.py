@@ -23,11 +23,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 from aggregator.decisions import Decision, Reason
 from aggregator.model import Finding, LinkState
 
 log = logging.getLogger(__name__)
+
+# Evidence key of a pair finding whose slowness a sequential test has already decided (the link
+# localizer's): the accumulated evidence is the persistence, so only the confirm run is waited for.
+DECIDED: Final = "decided"
 
 Pair = tuple[str, str]
 
@@ -81,7 +86,8 @@ class LinkHealth:
             if st.state == "healthy":
                 out.append(self._move(st, "suspect", now, finding.summary))
             called = now - st.called_since
-            persisted = now - st.first_seen >= self.suspect_for_seconds
+            decided = finding.evidence.get(DECIDED) is True
+            persisted = decided or now - st.first_seen >= self.suspect_for_seconds
             if st.state == "suspect" and persisted and called >= self.confirm_for_seconds:
                 out.append(self._move(st, "degraded", now, finding.summary))
             return out

@@ -105,3 +105,56 @@ def test_failed_and_single_gpu_results_are_not_bandwidth() -> None:
     ]
     det.observe(report("gpu-0002", end, bad), POOL, received=end)
     assert flagged(det.run(FRAMES, end + 2).nodes) == set()
+
+
+def test_a_healthy_pool_over_two_thousand_node_hours_decides_nothing() -> None:
+    # 32 nodes, each with its own persistent offset (0.8 % spread) and 1.5 % run-to-run noise,
+    # a local probe every 5 minutes for 64 hours (2,048 node-hours, 24,576 results). The stated
+    # rate (docs/detection.md, "Local probes") is far under one in this many.
+    rng = random.Random(11)
+    offset = {f"gpu-{i:04d}": rng.gauss(1.0, 0.008) for i in range(32)}
+    det = LocalProbeDetector()
+    decided = 0
+    for k in range(64 * 12):
+        start = T0 + k * 300.0
+        for node, off in offset.items():
+            t = start + rng.uniform(0, 300.0)
+            bw = BW * off * rng.gauss(1.0, 0.015)
+            det.observe(
+                report(
+                    node, t, [Probe(kind="nccl_allreduce_local", time=t, ok=True, busbw_bytes_per_second=bw)]
+                ),
+                POOL,
+                received=t + 1,
+            )
+        decided += len(flagged(det.run(FRAMES, start + 300.0).nodes))
+    assert decided == 0
+
+
+@pytest.mark.parametrize("ratio", [0.90, 0.80])
+def test_a_slow_node_is_decided_within_ten_minutes_of_local_probes_every_five(ratio: float) -> None:
+    # The second generator's cadence (a local probe every 5 minutes on an idle node): decided on
+    # its second or third slow result, the larger slowdown no later than the smaller.
+    det = LocalProbeDetector()
+    end = feed(det, {}, rounds=6, seed=3)
+    bad = "gpu-0009"
+    at = None
+    rng = random.Random(5)
+    for k in range(4):
+        t = end + k * 300.0
+        for i in range(32):
+            node = f"gpu-{i:04d}"
+            pt = t + rng.uniform(0, 300.0)
+            bw = BW * (ratio if node == bad else 1.0) * rng.gauss(1.0, 0.015)
+            det.observe(
+                report(
+                    node,
+                    pt,
+                    [Probe(kind="nccl_allreduce_local", time=pt, ok=True, busbw_bytes_per_second=bw)],
+                ),
+                POOL,
+                received=pt + 1,
+            )
+        if at is None and bad in flagged(det.run(FRAMES, t + 300.0).nodes):
+            at = t + 300.0
+    assert at is not None and at - end <= 600.0

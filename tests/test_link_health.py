@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 
 from aggregator.decisions import Decision
-from aggregator.links import LinkHealth
+from aggregator.links import DECIDED, LinkHealth
 from aggregator.model import Finding
 
 T0 = 1_764_000_000.0
@@ -122,3 +124,17 @@ def test_pairs_are_independent() -> None:
     ds = lh.update({PAIR: slow()}, T0 + 120)
     assert states(ds) == [("suspect", *PAIR, "degraded")]
     assert lh.get(*other) is not None and lh.get(*other).state == "suspect"  # type: ignore[union-attr]
+
+
+def test_a_finding_the_sequential_test_decided_degrades_on_the_confirm_run() -> None:
+    # The localizer's evidence already accumulated to its threshold: only the second run's
+    # confirmation is waited for, not suspect_for_seconds; a verdict seen once still never degrades.
+    decided = dataclasses.replace(slow(since=T0), evidence={"residual_ratio": 0.65, DECIDED: True})
+    lh = LinkHealth(suspect_for_seconds=120.0, clear_for_seconds=900.0, confirm_for_seconds=60.0)
+    assert [d.state for d in lh.update({PAIR: decided}, T0)] == ["suspect"]
+    assert [d.state for d in lh.update({PAIR: decided}, T0 + 60)] == ["degraded"]
+    once = LinkHealth(suspect_for_seconds=120.0, clear_for_seconds=900.0, confirm_for_seconds=60.0)
+    out = once.update({PAIR: decided}, T0)
+    for k in range(1, 20):
+        out += once.update({}, T0 + 60 * k)
+    assert [d.state for d in out] == ["suspect", "healthy"]

@@ -74,7 +74,6 @@ detectors:
     dedupe_seconds: 1.0          # both ends' copies of one probe land within ~0.1 s
     judge_after_seconds: 4.0     # one round: a fresh end is judged on the partners that follow
     min_partners: 3
-    min_low_probes: 2
 links:
   link_clear_for_seconds: 6.0
 remediation:

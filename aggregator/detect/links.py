@@ -8,19 +8,21 @@ and decomposed robustly (weighted median polish, so one bad node or pair cannot 
 
     log(bw_ij / expected) = mu + a_i + a_j + r_ij
 
-- a node whose effect ``a_i`` is clearly low (below ``log(node_ratio)``, ``z`` standard errors
-  below zero given the pool's spread, with ``min_partners`` partners and ``min_low_probes`` slow
-  probes) is the bad node: a ``link`` finding with action ``quarantine`` (not hard: the health
-  machine still wants it to persist);
-- a pair whose residual ``r_ij`` is clearly low while both ends are normal (each judged on at least
-  ``min_partners`` partners) is a degraded link: a link finding for ``aggregator.links.LinkHealth``,
-  nothing on either node;
+- a node whose results with its partners, each less that partner's own level then, carry enough
+  evidence of "slow by the design effect" (``design_ratio``) over "normal" (a sequential
+  likelihood-ratio test reaching ``threshold_nats``, with at least ``min_partners`` partners and
+  no one partner deciding) is the bad node: a ``link`` finding with action ``quarantine`` (not
+  hard: the health machine still wants it to persist);
+- a pair whose results less its ends' effects carry that evidence while both ends are normal
+  (each judged on its other partners at the time) is a degraded link: a link finding for
+  ``aggregator.links.LinkHealth``, nothing on either node;
 - ``switch_min_culprits`` or more culprits (bad nodes, degraded pairs) within one rack, else one
   leaf, point at the switch they share: one ``SwitchAlert``, and on each node involved an
   ``alert`` finding with the same key ``link-switch:<kind>:<name>`` (the node becomes suspect, no
   taint). A pair's domain is the narrowest one holding both ends, a node's is its rack.
 
-A single probe never decides: every verdict needs ``min_low_probes`` slow results of its own.
+The noise (run to run, path to path, node to node) is estimated from the pool's own results
+(``_noise``). A single probe never decides: each result adds at most half the threshold.
 Probe times are moved to the aggregator's clock (``received - report.time``), so both ends' copies
 of one measurement are recognized as one even when a node's clock is off.
 """
@@ -43,13 +45,23 @@ from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import Pair, SwitchAlert, Verdict
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.pools import Placement
+from aggregator.links import DECIDED
 from aggregator.model import Finding
 
 log = logging.getLogger(__name__)
 
 Float = npt.NDArray[np.float64]
 MAD_SCALE: Final = 1.4826
+# Fewest values a MAD is taken of: with two, one outlier is half of them and sets the scale alone;
+# with three a single slow node or path no longer does. Below it the prior stands alone.
+MAD_MIN: Final = 3
 PAIR_KINDS: Final = frozenset({"nccl_allreduce_pair", "tcp_pair"})
+# With fewer partners at an end the median polish cannot tell a slow end from a slow pair (with two
+# a node's effect is the midpoint of its slow and its normal pair): such pairs are judged on each
+# end's other partners directly.
+POLISH_PARTNERS: Final = 3
+# Nearest other partners of a node that say what its own level was around a result.
+PARTNER_VOTES: Final = 3
 
 
 class LinkConfig(DetectorSettings, frozen=True):
@@ -62,18 +74,38 @@ class LinkConfig(DetectorSettings, frozen=True):
     max_age_seconds: PositiveSeconds = 4 * 3600.0  # older probes are forgotten (weight under 1/256)
     dedupe_seconds: PositiveSeconds = 30.0  # both ends' copies of one probe land this close on our clock
     max_samples_per_pair: Annotated[int, Meta(ge=1)] = 64
-    min_partners: Annotated[int, Meta(ge=2)] = 3  # a node is judged only on this many distinct partners
-    min_low_probes: Annotated[int, Meta(ge=1)] = 2  # a verdict needs this many slow results of its own
-    node_ratio: Ratio = 0.85  # node effect below this share of the pool's bandwidth
-    pair_ratio: Ratio = 0.85  # pair residual below this share
-    z: Annotated[float, Meta(ge=0)] = 3.0  # how many standard errors below normal an effect must be
-    spread_floor: Annotated[float, Meta(gt=0)] = 0.02  # lower bound of the robust spread of log bandwidth
+    # Distinct partners a node verdict needs: with one, a slow node and a slow link give the same
+    # results; with two slow partners that are each normal elsewhere, "the node" is one fault and
+    # "two links at once, both at this node" is two, so two partners decide.
+    min_partners: Annotated[int, Meta(ge=2)] = 2
+    # The sequential test (docs/detection.md, "Links"): evidence for "slow by the design effect"
+    # against "normal" accumulates per node and per pair until it crosses ``threshold_nats``.
+    # The design effect is the smallest slowdown we are asked to call a fault (a NIC or path 25 %
+    # slow); larger effects cross on fewer results, smaller ones on more or never.
+    design_ratio: Ratio = 0.75
+    # log(1/alpha): Lorden's bound for a CUSUM on the log-likelihood ratio gives at least e^18
+    # (6.6e7) results between false alarms under the noise model; see the docs for the rate.
+    threshold_nats: Annotated[float, Meta(gt=0)] = 18.0
+    # Noise of one result (log bandwidth) is estimated from the pool; until the pool has shown it,
+    # it is shrunk toward this prior with the weight of ``noise_prior_weight`` results. Not a
+    # floor: it fades as results come in. 3 % is twice the run-to-run spread of either generator
+    # and wider than the network-namespace test's TCP results, so a pool that has not yet shown
+    # its noise decides slower, never faster.
+    noise_prior: Annotated[float, Meta(gt=0)] = 0.03
+    noise_prior_weight: Annotated[float, Meta(ge=0)] = 5.0
+    max_change_points: Annotated[int, Meta(ge=1)] = 32  # newest results a change may start at
     switch_min_culprits: Annotated[int, Meta(ge=1)] = 3  # culprits in one rack/leaf that make a switch alert
     # An end of a slow pair with too few other partners by the pair's last slow result (it ran a
     # job until just before) is judged "normal then" on those that follow within this long: the
     # confirm step's fresh partners come minutes later.
     judge_after_seconds: Annotated[float, Meta(ge=0)] = 300.0
     polish_iterations: Annotated[int, Meta(ge=1)] = 30
+
+    @property
+    def slow_line(self) -> float:
+        """Log ratio under which one result is "slow": halfway (in log) between normal and the
+        design effect, where the two hypotheses are equally likely for one result."""
+        return 0.5 * math.log(self.design_ratio)
 
 
 @dataclass
@@ -83,6 +115,29 @@ class _Verdict:
     nodes: dict[str, list[Finding]] = field(default_factory=dict)
     links: dict[Pair, Finding] = field(default_factory=dict)
     switches: list[SwitchAlert] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Noise:
+    """Variances of log bandwidth in one pool, estimated from its own results (shrunk toward the
+    prior while they are few)."""
+
+    result_var: float  # one result about its pair's own level: run to run
+    pair_var: float  # a pair's level about its two ends' effects (healthy paths differ a little)
+    node_var: float  # a node's effect about the pool (healthy NICs differ a little)
+    results: int  # how many within-pair deviations went into result_var
+
+
+@dataclass(frozen=True)
+class _Test:
+    """The best change point of a sequential test: its log-likelihood ratio and what it rests on."""
+
+    llr: float  # nats for "slow by the design effect" over "normal"
+    since: float  # the first result it rests on (our clock)
+    results: int
+    partners: int
+    effect: float  # the mean log ratio it saw (node: median over partners)
+    slow: int  # of its results, those under the slow line
 
 
 @dataclass
@@ -229,8 +284,6 @@ class LinkLocalizer:
         # the node's other partners and put the blame on whichever end the polish visits first.
         mu, eff = self._polish(len(nodes), ii, jj, y, np.ones_like(w))
         resid = y - mu - eff[ii] - eff[jj]
-        spread = max(MAD_SCALE * _wmedian(np.abs(resid - _wmedian(resid, w)), w), cfg.spread_floor)
-
         partners: dict[str, set[str]] = defaultdict(set)
         involving: dict[str, list[_Obs]] = defaultdict(list)
         for o in obs:
@@ -238,21 +291,20 @@ class LinkLocalizer:
             partners[o.pair[1]].add(o.pair[0])
             involving[o.pair[0]].append(o)
             involving[o.pair[1]].append(o)
-        low_node, low_pair = math.log(cfg.node_ratio), math.log(cfg.pair_ratio)
+        # Spreads of effects and residuals only where the polish determines them (an end with one
+        # or two partners carries its own pairs' slowness in its effect).
+        solid = np.array([len(partners[n]) >= POLISH_PARTNERS for n in nodes])
+        noise = self._noise(obs, resid[solid[ii] & solid[jj]], eff[solid])
+        slow_line = cfg.slow_line
 
         bad_nodes: dict[str, Finding] = {}
         for n in nodes:
-            k = idx[n]
-            npart = len(partners[n])
-            if npart < cfg.min_partners:
+            if len(partners[n]) < cfg.min_partners:
                 continue
-            effect = float(eff[k])
-            se = spread / math.sqrt(npart)
-            mine = involving[n]
-            slow = sum(1 for o in mine for r in o.ratios if r < cfg.node_ratio)
-            if effect < low_node and effect / se < -cfg.z and slow >= cfg.min_low_probes:
+            test = self._node_test(n, involving, noise)
+            if test is not None and test.llr >= cfg.threshold_nats:
                 bad_nodes[n] = self._node_finding(
-                    pool, node=n, effect=effect, z=effect / se, mine=mine, slow=slow, now=now
+                    pool, node=n, test=test, mine=involving[n], noise=noise, now=now
                 )
 
         bad_pairs: dict[Pair, Finding] = {}
@@ -267,11 +319,11 @@ class LinkLocalizer:
             if fewest < 2:
                 continue  # an end seen with this partner only: a slow pair and a slow end look the same
             wq = w[qs]
-            if fewest >= cfg.min_partners:
+            if fewest >= POLISH_PARTNERS:
                 end_eff = (float(eff[idx[a]]), float(eff[idx[b]]))
                 ends = end_eff[0] + end_eff[1] + float(mu)
-                r = float(np.dot(wq, resid[qs]) / wq.sum())
-                need = cfg.min_partners - 1
+                need = POLISH_PARTNERS - 1
+                votes = min(len(partners[a]), len(partners[b])) - 1
             else:
                 # Too few partners for the polish to tell a slow end from a slow pair (with two
                 # partners a node's effect is the midpoint of its slow and its normal pair): each
@@ -286,23 +338,27 @@ class LinkLocalizer:
                 end_eff = (ea, eb)
                 ends = ea + eb
                 own = float(np.dot(wq, y[qs]) / wq.sum())
-                if own >= low_pair:
+                if own >= slow_line:
                     continue  # slow only against its ends, not against the pool: nothing to say
-                r = own - ends
                 need = 1
-            if min(end_eff) < low_node:
+                votes = 1
+            if min(end_eff) < slow_line:
                 continue
-            slow = sum(1 for q in qs for x in obs[q].ratios if math.log(x) - ends < low_pair)
-            if r < low_pair and r < -cfg.z * spread and slow >= cfg.min_low_probes:
-                mine = [obs[q] for q in qs]
-                if not all(
-                    self._normal_then(end, pair, mine, involving[end], need=need, bad=set(bad_nodes))
-                    for end in pair
-                ):
-                    continue
-                bad_pairs[pair] = self._pair_finding(
-                    pool, pair=pair, resid=r, mine=[obs[q] for q in qs], slow=slow, now=now
-                )
+            results = sorted(
+                (t, math.log(x) - ends) for q in qs for x, t in zip(obs[q].ratios, obs[q].times, strict=True)
+            )
+            # The ends' effects are estimates too: their error adds to the residual's.
+            ends_var = 2 * (noise.pair_var + noise.result_var) / max(votes, 1)
+            test = self._pair_test([x for _, x in results], noise, ends_var)
+            if test is None or test.llr < cfg.threshold_nats:
+                continue
+            mine = [obs[q] for q in qs]
+            if not all(
+                self._normal_then(end, pair, mine, involving[end], need=need, bad=set(bad_nodes))
+                for end in pair
+            ):
+                continue
+            bad_pairs[pair] = self._pair_finding(pool, pair=pair, test=test, mine=mine, noise=noise, now=now)
 
         switched = self._switches_of(pool, bad_nodes, bad_pairs, now, out)
         for n, f in bad_nodes.items():
@@ -336,7 +392,7 @@ class LinkLocalizer:
         last_slow = run[1]
         until = last_slow + cfg.dedupe_seconds
         then = self._votes(end, pair, involving, until, bad)
-        slow_line = math.log(cfg.node_ratio)
+        slow_line = cfg.slow_line
         if len(then) < need:
             if any(m < slow_line for _, m in then):
                 return False  # slow near the time, too few to outvote: what follows may be recovery
@@ -363,11 +419,12 @@ class LinkLocalizer:
     def _slow_run(self, mine: list[_Obs]) -> tuple[float, float] | None:
         """First and last time of the pair's latest unbroken run of slow results (None: none slow)."""
         results = sorted((t, x) for o in mine for x, t in zip(o.ratios, o.times, strict=True))
-        slow = [i for i, (_, x) in enumerate(results) if x < self.config.pair_ratio]
+        line = math.exp(self.config.slow_line)
+        slow = [i for i, (_, x) in enumerate(results) if x < line]
         if not slow:
             return None
         i = slow[-1]
-        while i > 0 and results[i - 1][1] < self.config.pair_ratio:
+        while i > 0 and results[i - 1][1] < line:
             i -= 1
         return results[i][0], results[slow[-1]][0]
 
@@ -378,7 +435,7 @@ class LinkLocalizer:
         A slow result with a partner in ``bad`` (found slow with everyone) does not vote: it is
         slow through no fault of ``end``. A normal one still does (measured before that partner
         went bad, it says ``end`` was fine)."""
-        slow_line = math.log(self.config.node_ratio)
+        slow_line = self.config.slow_line
         latest: dict[str, tuple[float, float]] = {}
         for o in involving:
             if o.pair == pair:
@@ -390,6 +447,128 @@ class LinkLocalizer:
         if bad:
             latest = {n: v for n, v in latest.items() if n not in bad or v[1] >= slow_line}
         return list(latest.values())
+
+    # -- the sequential tests ---------------------------------------------------------------------
+
+    def _noise(self, obs: list[_Obs], resid: Float, eff: Float) -> _Noise:
+        """Robust scales (MAD) of the pool's own results, shrunk toward ``noise_prior`` with the
+        weight of ``noise_prior_weight`` results: run to run (each pair's results about its own
+        mean), pair to pair (``resid``, the decomposition's residuals) and node to node (``eff``,
+        its effects)."""
+        cfg = self.config
+        within: list[float] = []
+        for o in obs:
+            k = len(o.ratios)
+            if k >= 2:
+                logs = np.log(np.array(o.ratios))
+                # Deviations from a mean of k are narrower than the noise by sqrt((k-1)/k).
+                within.extend(((logs - logs.mean()) * math.sqrt(k / (k - 1))).tolist())
+        prior, n0 = cfg.noise_prior**2, cfg.noise_prior_weight
+
+        def shrunk(values: Float) -> float:
+            n = len(values)
+            if n < MAD_MIN:
+                return prior
+            mad = MAD_SCALE * float(np.median(np.abs(values - np.median(values))))
+            return (n * mad**2 + n0 * prior) / (n + n0)
+
+        return _Noise(
+            result_var=shrunk(np.array(within)),
+            pair_var=shrunk(resid),
+            node_var=shrunk(eff),
+            results=len(within),
+        )
+
+    def _partner_level(
+        self, other: str, pair: Pair, involving: list[_Obs], t: float
+    ) -> tuple[float, int] | None:
+        """What ``other`` measured around ``t`` with its partners outside ``pair``: the median log
+        ratio of its results nearest in time with up to ``PARTNER_VOTES`` partners, and how many."""
+        nearest: dict[str, tuple[float, float]] = {}
+        for o in involving:
+            if o.pair == pair:
+                continue
+            partner = o.pair[1] if o.pair[0] == other else o.pair[0]
+            for x, ts in zip(o.ratios, o.times, strict=True):
+                dt = abs(ts - t)
+                if dt < nearest.get(partner, (math.inf, 0.0))[0]:
+                    nearest[partner] = (dt, math.log(x))
+        if not nearest:
+            return None
+        votes = sorted(nearest.values())[:PARTNER_VOTES]
+        return float(np.median([v for _, v in votes])), len(votes)
+
+    def _node_test(self, node: str, involving: Mapping[str, list[_Obs]], noise: _Noise) -> _Test | None:
+        """The node's evidence of being slow by the design effect, from its results with each
+        partner less that partner's own level then (so a slow partner is not held against it).
+
+        Per partner the mean of its results is one Gaussian observation of the node's effect (node
+        and path spread, the results' noise and the partner level's error in its variance); its
+        log-likelihood ratio is capped at half the threshold, so no one partner decides (one slow
+        pair is equally a slow link). The statistic is the sum over partners since the change
+        point that gives it its largest value (among the newest ``max_change_points`` results):
+        results from before a NIC went slow do not vouch for it, and a repaired node's normal
+        results outweigh its slow past."""
+        cfg = self.config
+        d = -math.log(cfg.design_ratio)
+        cap = cfg.threshold_nats / 2
+        rows: list[tuple[float, str, float, int]] = []
+        for o in involving[node]:
+            other = o.pair[1] if o.pair[0] == node else o.pair[0]
+            for x, t in zip(o.ratios, o.times, strict=True):
+                level = self._partner_level(other, o.pair, involving[other], t)
+                if level is not None:  # a partner seen with nobody else: its result says nothing
+                    rows.append((t, other, math.log(x) - level[0], level[1]))
+        rows.sort()
+        best: _Test | None = None
+        for s0 in range(max(0, len(rows) - cfg.max_change_points), len(rows)):
+            per: dict[str, list[float]] = defaultdict(list)
+            votes: dict[str, int] = {}
+            for _, other, x, m in rows[s0:]:
+                per[other].append(x)
+                votes[other] = m
+            if len(per) < cfg.min_partners:
+                break  # later change points leave fewer partners still
+            llr, means = 0.0, []
+            for other, xs in per.items():
+                mean = sum(xs) / len(xs)
+                var = (
+                    noise.node_var
+                    + noise.pair_var
+                    + noise.result_var / len(xs)
+                    + (noise.pair_var + noise.result_var) / votes[other]
+                )
+                llr += min(cap, d * (-mean - d / 2) / var)
+                means.append(mean)
+            if best is None or llr > best.llr:
+                best = _Test(
+                    llr=llr,
+                    since=rows[s0][0],
+                    results=len(rows) - s0,
+                    partners=len(per),
+                    effect=float(np.median(means)),
+                    slow=sum(1 for _, _, x, _ in rows[s0:] if x < cfg.slow_line),
+                )
+        return best
+
+    def _pair_test(self, xs: list[float], noise: _Noise, ends_var: float) -> _Test | None:
+        """The pair's evidence of a path slow by the design effect, from its results less its ends'
+        effects (``xs``, oldest first): the mean since the best change point is one Gaussian
+        observation of the pair's residual; each result adds at most half the threshold, so one
+        result never decides (a transient, or a partner that was busy for a moment)."""
+        cfg = self.config
+        d = -math.log(cfg.design_ratio)
+        cap = cfg.threshold_nats / 2
+        best: _Test | None = None
+        for s0 in range(max(0, len(xs) - cfg.max_change_points), len(xs)):
+            tail = xs[s0:]
+            k = len(tail)
+            mean = sum(tail) / k
+            var = noise.pair_var + noise.result_var / k + ends_var
+            llr = min(k * cap, d * (-mean - d / 2) / var)
+            if best is None or llr > best.llr:
+                best = _Test(llr, 0.0, k, 2, mean, sum(1 for x in tail if x < cfg.slow_line))
+        return best
 
     def _polish(
         self, n: int, ii: npt.NDArray[np.int_], jj: npt.NDArray[np.int_], y: Float, w: Float
@@ -414,13 +593,13 @@ class LinkLocalizer:
     # -- verdicts -------------------------------------------------------------------------------
 
     def _node_finding(
-        self, pool: str, *, node: str, effect: float, z: float, mine: list[_Obs], slow: int, now: float
+        self, pool: str, *, node: str, test: _Test, mine: list[_Obs], noise: _Noise, now: float
     ) -> Finding:
         pairs = {
             (o.pair[1] if o.pair[0] == node else o.pair[0]) + f" ({o.kind})": round(math.exp(o.y), 3)
             for o in mine
         }
-        pct = (1 - math.exp(effect)) * 100
+        pct = (1 - math.exp(test.effect)) * 100
         return Finding(
             detector=LinkConfig.name,
             key="link-node",
@@ -428,24 +607,28 @@ class LinkLocalizer:
             action="quarantine",
             summary=(
                 f"every pair probe with {node} is slow: {pct:.0f} % under pool {pool}'s expected bandwidth "
-                f"with {len(pairs)} partners ({slow} slow results): the node, not the links"
+                f"with {test.partners} partners ({test.slow} slow results, {test.llr:.0f} nats of evidence): "
+                "the node, not the links"
             ),
             since=now,
             evidence={
                 "pool": pool,
-                "effect_ratio": round(math.exp(effect), 3),
-                "z": round(z, 1),
+                "effect_ratio": round(math.exp(test.effect), 3),
+                "llr_nats": round(test.llr, 1),
+                "threshold_nats": self.config.threshold_nats,
+                "noise": round(math.sqrt(noise.result_var), 4),
                 "partners": len({o.pair[1] if o.pair[0] == node else o.pair[0] for o in mine}),
-                "slow_probes": slow,
+                "decided_on_partners": test.partners,
+                "slow_probes": test.slow,
                 "pairs": pairs,
             },
         )
 
     def _pair_finding(
-        self, pool: str, *, pair: Pair, resid: float, mine: list[_Obs], slow: int, now: float
+        self, pool: str, *, pair: Pair, test: _Test, mine: list[_Obs], noise: _Noise, now: float
     ) -> Finding:
         a, b = pair
-        pct = (1 - math.exp(resid)) * 100
+        pct = (1 - math.exp(test.effect)) * 100
         # Since the first of the pair's latest unbroken run of slow results: two slow results ten
         # minutes apart have persisted for ten minutes, however late the localizer heard of them.
         run = self._slow_run(mine)
@@ -457,15 +640,20 @@ class LinkLocalizer:
             action="none",
             summary=(
                 f"the path between {a} and {b} is {pct:.0f} % slow while both nodes are normal with "
-                f"their other partners ({slow} slow results): the link, not the nodes"
+                f"their other partners ({test.slow} slow results, {test.llr:.0f} nats of evidence): "
+                "the link, not the nodes"
             ),
             since=since,
             peer=b,
             evidence={
                 "pool": pool,
-                "residual_ratio": round(math.exp(resid), 3),
-                "slow_probes": slow,
+                "residual_ratio": round(math.exp(test.effect), 3),
+                "llr_nats": round(test.llr, 1),
+                "threshold_nats": self.config.threshold_nats,
+                "noise": round(math.sqrt(noise.result_var), 4),
+                "slow_probes": test.slow,
                 "ratios": {o.kind: [round(r, 3) for r in o.ratios] for o in mine},
+                DECIDED: True,
             },
         )
 

@@ -6,13 +6,16 @@ a percent or two. A GPU running 12 % slow paces every ring the node runs, so its
 is slow too, and this shows while the node is idle: the peer detector, which compares clocks
 under load, needs a job to see it.
 
-Per pool: each node's recent local results are averaged in log space with recency weights
-(``half_life_seconds``); the pool's expected value is the median of the node means, its spread
-the MAD of them (floored at ``spread_floor``). A node is slow when its mean is below
-``node_ratio`` of the expected value, ``z`` spreads below it, with at least ``min_low_probes``
-slow results of its own and a pool of at least ``min_pool_nodes`` measured nodes (fewer cannot
-say what normal is). The finding is quarantine evidence (soft: it must persist, as any); it
-clears when fresh results are normal again.
+Per pool: the expected value is the median of the nodes' recency-weighted mean log results. Each
+node's results since its most likely change point (among its newest ``max_change_points``) are
+one Gaussian observation of its offset from the pool, whose variance is the pool's own node-to-node
+spread plus its run-to-run noise over the number of results (both robust MADs of the pool's
+results, shrunk toward ``noise_prior`` while they are few). Their log-likelihood ratio of "slow by
+the design effect" (``design_ratio``) over "normal" must reach ``threshold_nats``; each result adds
+at most half of it, so one result never decides. A node's persistent offset does not add up as
+results come in: the spread between healthy nodes stays in the variance however many there are.
+A pool needs ``min_pool_nodes`` measured nodes (fewer cannot say what normal is). The finding is
+quarantine evidence (soft: it must persist, as any); it clears when fresh results are normal.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from dataclasses import dataclass
 from typing import Annotated, ClassVar
 
 import numpy as np
+import numpy.typing as npt
 from msgspec import UNSET, Meta
 
 from agent.report import Report
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import Verdict
+from aggregator.detect.links import MAD_MIN, MAD_SCALE
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.pools import Placement
 from aggregator.model import Finding
@@ -37,7 +42,6 @@ from aggregator.model import Finding
 log = logging.getLogger(__name__)
 
 LOCAL_KINDS = frozenset({"nccl_allreduce_local"})
-_MAD_SCALE = 1.4826
 
 
 class LocalProbeConfig(DetectorSettings, frozen=True):
@@ -49,10 +53,17 @@ class LocalProbeConfig(DetectorSettings, frozen=True):
     max_age_seconds: PositiveSeconds = 4 * 3600.0
     max_samples_per_node: Annotated[int, Meta(ge=1)] = 32
     min_pool_nodes: Annotated[int, Meta(ge=2)] = 5
-    min_low_probes: Annotated[int, Meta(ge=1)] = 2
-    node_ratio: Ratio = 0.95  # nccl-tests' run-to-run spread on one node is about 1 %
-    z: Annotated[float, Meta(ge=0)] = 3.0
-    spread_floor: Annotated[float, Meta(gt=0)] = 0.01
+    # The smallest slowdown of the node's all-reduce we are asked to call a fault: a GPU 10 % slow
+    # under load paces every ring of the node, about 8 % of bus bandwidth (bandwidth-bound steps
+    # slow less than the clock). Larger slowdowns cross on fewer results, smaller ones later or never.
+    design_ratio: Ratio = 0.92
+    threshold_nats: Annotated[float, Meta(gt=0)] = 18.0  # as the link localizer's: docs/detection.md
+    # Shrinkage prior of both spreads (weight: that many results or nodes). Not a floor: it fades
+    # with data. 2 %: "nodes of one pool measure the same within a percent or two", wider than
+    # either generator's node and run-to-run spread (0.8 % each).
+    noise_prior: Annotated[float, Meta(gt=0)] = 0.02
+    noise_prior_weight: Annotated[float, Meta(ge=0)] = 5.0
+    max_change_points: Annotated[int, Meta(ge=1)] = 16
 
 
 @dataclass(frozen=True)
@@ -142,12 +153,30 @@ class LocalProbeDetector:
             w = np.power(0.5, (now - t) / cfg.half_life_seconds)
             means[i] = float(np.dot(w, [s.log_bw for s in nodes[n]]) / w.sum())
         expected = float(np.median(means))
-        spread = max(_MAD_SCALE * float(np.median(np.abs(means - expected))), cfg.spread_floor)
-        low = math.log(cfg.node_ratio)
-        for i, n in enumerate(names):
-            dev = float(means[i]) - expected
-            slow = sum(1 for s in nodes[n] if s.log_bw - expected < low)
-            if dev < low and dev / spread < -cfg.z and slow >= cfg.min_low_probes:
+        prior, n0 = cfg.noise_prior**2, cfg.noise_prior_weight
+        within: list[float] = []
+        for n in names:
+            logs = np.array([x.log_bw for x in nodes[n]])
+            k = len(logs)
+            if k >= 2:  # deviations from a mean of k are narrower than the noise by sqrt((k-1)/k)
+                within.extend(((logs - logs.mean()) * math.sqrt(k / (k - 1))).tolist())
+        result_var = _shrunk(np.array(within), prior, n0)
+        node_var = _shrunk(means, prior, n0)
+        d = -math.log(cfg.design_ratio)
+        cap = cfg.threshold_nats / 2
+        slow_line = -d / 2  # halfway to the design effect: one result as likely slow as normal
+        for n in names:
+            devs = [x.log_bw - expected for x in sorted(nodes[n], key=lambda x: x.time)]
+            llr, dev, k = -math.inf, 0.0, 0
+            for s0 in range(max(0, len(devs) - cfg.max_change_points), len(devs)):
+                tail = devs[s0:]
+                mean = sum(tail) / len(tail)
+                var = node_var + result_var / len(tail)
+                value = min(len(tail) * cap, d * (-mean - d / 2) / var)
+                if value > llr:
+                    llr, dev, k = value, mean, len(tail)
+            slow = sum(1 for x in devs[len(devs) - k :] if x < slow_line)
+            if llr >= cfg.threshold_nats:
                 ratio = math.exp(dev)
                 out[n].append(
                     Finding(
@@ -157,20 +186,33 @@ class LocalProbeDetector:
                         action="quarantine",
                         summary=(
                             f"local all-reduce {(1 - ratio) * 100:.0f} % under pool {pool}'s "
-                            f"({math.exp(means[i]) / 1e9:.0f} vs {math.exp(expected) / 1e9:.0f} GB/s busbw) "
-                            f"in {slow} of {len(nodes[n])} recent probes: a slow GPU or NVLink"
+                            f"({math.exp(expected + dev) / 1e9:.0f} vs {math.exp(expected) / 1e9:.0f} GB/s "
+                            f"busbw) in {slow} of {k} recent probes ({llr:.0f} nats of evidence): "
+                            "a slow GPU or NVLink"
                         ),
                         since=now,
                         evidence={
                             "pool": pool,
                             "kind": kind,
                             "ratio": round(ratio, 3),
-                            "busbw_bytes_per_second": round(math.exp(means[i])),
+                            "busbw_bytes_per_second": round(math.exp(expected + dev)),
                             "pool_busbw_bytes_per_second": round(math.exp(expected)),
-                            "z": round(dev / spread, 1),
+                            "llr_nats": round(llr, 1),
+                            "threshold_nats": cfg.threshold_nats,
+                            "noise": round(math.sqrt(result_var), 4),
+                            "node_spread": round(math.sqrt(node_var), 4),
                             "slow_probes": slow,
-                            "probes": len(nodes[n]),
+                            "probes": k,
                             "pool_nodes": len(names),
                         },
                     )
                 )
+
+
+def _shrunk(values: npt.NDArray[np.float64], prior: float, weight: float) -> float:
+    """The robust variance (MAD) of ``values`` about their median, shrunk toward ``prior``."""
+    n = len(values)
+    if n < MAD_MIN:
+        return prior
+    mad = MAD_SCALE * float(np.median(np.abs(values - np.median(values))))
+    return (n * mad**2 + weight * prior) / (n + weight)
