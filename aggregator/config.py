@@ -269,9 +269,10 @@ class ProbesConfig(_Section, frozen=True):
     bandwidth_window_seconds: PositiveSeconds = 60.0
     # Confirm re-probes: a pair result under suspicious_ratio of the pool's expected bandwidth, or
     # a failed one, gets the pair again and fresh partners for each end, within
-    # confirm_within_rounds rounds; at most max_pending_confirms per node. The ratio is the link
-    # localizer's (LinkConfig.node_ratio, pair_ratio): what it will count as slow is confirmed.
-    suspicious_ratio: Ratio = 0.85
+    # confirm_within_rounds rounds; at most max_pending_confirms per node. The ratio is at or just
+    # above the link localizer's slow line (LinkConfig.slow_line: sqrt(design_ratio) = 0.866 of
+    # expected), so what it will count as slow evidence is confirmed (tests/test_probe_scheduler.py).
+    suspicious_ratio: Ratio = 0.87
     fresh_partners: NonNegative = 2
     confirm_within_rounds: Positive = 2
     max_pending_confirms: Positive = 3

@@ -89,7 +89,7 @@ PROBES = {
 # Panels whose series only appear after events this test does not cause; every other panel query
 # must return data. (dashboard, panel title): why.
 NO_DATA_EXPECTED: dict[tuple[str, str], str] = {
-    # Three nodes give each node two partners, under links.min_partners: no link verdict here.
+    # Three nodes, all healthy: no slow pair, so no link verdict here.
     ("network.json", "Link decisions (last 15 minutes)"): "the link detector needs more partners",
     # The job-data tables fill only from NCCL Inspector summaries of multi-node jobs, which this
     # fleet's agents do not run (tests/test_detect_jobs.py covers them).

@@ -678,3 +678,13 @@ def test_metrics_export_coverage_without_a_series_per_node() -> None:
         s for m in registry.collect() for s in m.samples if m.name == "gpuwarden_probe_node_untested_seconds"
     ]
     assert len(samples) == 3  # quantiles, never one per node
+
+
+def test_what_the_link_localizer_counts_as_slow_is_confirmed() -> None:
+    """A result the localizer counts as slow evidence (under its slow line) must get a confirm
+    re-probe: the scheduler's line sits at or above the localizer's."""
+    import math
+
+    from aggregator.detect.links import LinkConfig
+
+    assert ProbesConfig().suspicious_ratio >= math.exp(LinkConfig().slow_line)

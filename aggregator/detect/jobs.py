@@ -81,7 +81,7 @@ class JobConfig(DetectorSettings, frozen=True):
     max_comms: Annotated[int, Meta(ge=1)] = 20_000  # communicator rows kept (oldest dropped first)
     max_samples: Annotated[int, Meta(ge=1)] = 32  # cycles kept per communicator rank
     # NCCL's run-to-run spread on a healthy ring is a few percent (nccl-tests); 15 % below its
-    # peers is the pair probes' line too (detectors.link node_ratio/pair_ratio).
+    # peers is well past the pair probes' slow line (detectors.link, sqrt(design_ratio) = 0.866).
     low_ratio: Ratio = 0.85
     # Above this a communicator vouches for the hops and NICs it crosses; between the two lines
     # it neither blames nor vouches (a borderline ring must not clear a hop by noise).
