@@ -310,3 +310,75 @@ def test_unknown_pool_snapshot_is_empty() -> None:
     assert names == [] and values.shape == (0, 0, FleetConfig().max_gpus, len(GPU_FIELDS))
     names, values = frames.nic_snapshot("nope", 0, 100)
     assert names == [] and values.shape[0] == 0
+
+
+class _AnyView:
+    """A ``NodeView`` that is not a ``HistoryView``: the frame reads it one value at a time."""
+
+    def __init__(self, view: Any) -> None:
+        self._view = view
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._view, name)
+
+
+def test_block_of_a_history_view_equals_the_value_at_a_time_reading() -> None:
+    import random
+
+    from aggregator.fleet.frame import gpu_block, nic_block
+
+    rng = random.Random(7)
+
+    def maybe(value: float) -> float | None:
+        return None if rng.random() < 0.2 else value
+
+    def node_report(t: float, boot: str) -> Report:
+        gpus = [
+            gpu(
+                i,
+                utilization_ratio=maybe(rng.random()),
+                sm_clock_hz=maybe(rng.choice([0, 1_500_000_000, 1_980_000_000])),
+                sm_clock_max_hz=maybe(rng.choice([0, 1_980_000_000])),
+                temperature_celsius=maybe(40.0 + i),
+                power_watts=maybe(300.0),
+                clock_event_reasons=maybe(rng.choice([0, 0x4, 0x88, 2**64 - 1])),
+                pcie_link_width=maybe(16),
+                pcie_link_width_max=maybe(rng.choice([0, 16])),
+                ecc_sbe_volatile_total=maybe(rng.choice([0, 5, int(t)])),
+                pcie_replay_total=maybe(int(t) // 20),
+                nvlink=[
+                    NvLink(
+                        link=k, crc_flit_errors_total=maybe(rng.choice([3, int(t)])), replay_errors_total=0
+                    )
+                    for k in range(4)
+                ],
+            )
+            for i in range(8)
+            if rng.random() > 0.1  # now and then a GPU falls off
+        ]
+        nics = [
+            Nic(
+                device=f"mlx5_{k}",
+                link_layer="InfiniBand",
+                port=1,
+                state=rng.choice(["ACTIVE", "DOWN", None]),
+                rx_bytes_total=maybe(int(t) * 1000),
+                counters={"symbol_error": int(t) // 30} if rng.random() > 0.2 else {"rx_errors": 2},
+            )
+            for k in range(3)
+        ]
+        return report(t, gpus=gpus, nics=nics, boot=boot)
+
+    fleet = Fleet(FleetConfig())
+    twin = Fleet(FleetConfig())
+    compared = 0
+    for step in range(40):
+        r = node_report(10.0 * step, "a" if step < 25 else "b")
+        view, other = fleet.add(r), twin.add(r)
+        keys = sorted((n.device, n.port) for n in r.nics)
+        fast, slow = gpu_block(view, 8), gpu_block(_AnyView(other), 8)  # type: ignore[arg-type]
+        assert fast.tobytes() == slow.tobytes(), step
+        fast, slow = nic_block(view, keys), nic_block(_AnyView(other), keys)  # type: ignore[arg-type]
+        assert fast.tobytes() == slow.tobytes(), step
+        compared += int(np.isfinite(fast).any())
+    assert compared > 30  # the values compared are mostly real ones, not all NaN
