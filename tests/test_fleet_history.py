@@ -379,24 +379,3 @@ def test_unchanged_counters_across_a_reboot_start_the_new_boot_from_them() -> No
     assert view.gpu_rate(0, ECC, 60.0) == pytest.approx(3 / 20)
     assert view.nvlink_rate(0, "crc_flit_errors_total", 60.0) == pytest.approx(6 / 20)
     assert view.rates(60.0).gpus([(0, ECC)]) == [view.gpu_rate(0, ECC, 60.0)]
-
-
-def test_driver_counters_unchanged_missing_or_across_a_reboot() -> None:
-    def ib(t: float, boot: str, counters: dict[str, int]) -> Report:
-        nic = Nic(device="mlx5_0", link_layer="InfiniBand", port=1, rx_bytes_total=int(t), counters=counters)
-        return report(t, boot=boot, nics=[nic])
-
-    fleet = Fleet()
-    fleet.registry.track_nic_counters("symbol_error", "link_downed", "rx_bytes_total")
-    steps = [
-        ("a", {"symbol_error": 4, "link_downed": 1}),
-        ("a", {"symbol_error": 4, "link_downed": 1}),
-        ("b", {"symbol_error": 4, "link_downed": 1}),  # a reboot with the same values: a baseline
-        ("b", {"symbol_error": 4}),  # link_downed missing: no value, not a reset
-        ("b", {"symbol_error": 6, "link_downed": 3}),
-    ]
-    for i, (boot, counters) in enumerate(steps):
-        view = fleet.add(ib(10.0 * i, boot, counters))
-    assert view.nic_rate("mlx5_0", 1, "symbol_error", 60.0) == pytest.approx(2 / 20)
-    assert view.nic_rate("mlx5_0", 1, "link_downed", 60.0) == pytest.approx(2 / 20)
-    assert view.nic_rate("mlx5_0", 1, "rx_bytes_total", 60.0) == pytest.approx(1.0)

@@ -70,8 +70,8 @@ import math
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Mapping
-from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
+from operator import attrgetter
+from typing import TYPE_CHECKING, Final, Literal, TypeVar
 
 from agent.errors import ConfigError, ReportError
 from agent.report import (
@@ -305,48 +305,11 @@ class _PushPlan:
         for (gi, name), lc in h._nvlinks.items():
             by_link.setdefault(gi, []).append((name, lc))
         self.links = [(gi, [c for _, c in cs]) for gi, cs in by_link.items()]
-        by_nic: dict[NicKey, list[tuple[str, _Counter]]] = {}
+        by_nic: dict[NicKey, list[tuple[str, bool, _Counter]]] = {}
         for (device, port, counter), c in h._nic_counters.items():
-            by_nic.setdefault((device, port), []).append((counter, c))
-        self.nics = []
-        for key, cs in by_nic.items():
-            typed = [(n, c) for n, c in cs if n in NIC_TYPED_COUNTER_FIELDS]
-            names = tuple(n for n, _ in cs if n not in NIC_TYPED_COUNTER_FIELDS)
-            driven = [c for n, c in cs if n not in NIC_TYPED_COUNTER_FIELDS]
-            self.nics.append((key, typed, names, driven, _item_getter(names)))
+            by_nic.setdefault((device, port), []).append((counter, counter in NIC_TYPED_COUNTER_FIELDS, c))
+        self.nics = list(by_nic.items())
         self.gauges = [(gi, name, g) for (gi, name), g in h._gauges.items()]
-
-
-def _item_getter(names: tuple[str, ...]) -> Callable[[dict[str, int]], tuple[object, ...]]:
-    """``itemgetter(*names)``, a tuple also for one name or none."""
-    if len(names) == 1:
-        one = itemgetter(names[0])
-        return lambda d: (one(d),)
-    if not names:
-        return lambda d: ()
-    return itemgetter(*names)
-
-
-def _push_values(counters: list[_Counter], values: list[int | None], boot: str) -> None:
-    """``c.push(float(v), boot)`` for each pair, inlined: the history's innermost loop."""
-    for c, raw in zip(counters, values, strict=True):
-        if raw is None:
-            c.cum.append(_NAN)
-            continue
-        value = float(raw)
-        if boot == c.last_boot:
-            last = c.last_raw
-            if value == last:
-                c.cum.append(c.last_cum)
-                continue
-            d = value - last
-            cum = c.last_cum + (d if d >= 0 else value)
-        else:
-            cum = c.last_cum
-        c.cum.append(cum)
-        c.last_raw = value
-        c.last_cum = cum
-        c.last_boot = boot
 
 
 def _getter(names: list[str]) -> Callable[[object], tuple[object, ...]]:
@@ -443,9 +406,8 @@ class NodeHistory:
         self._gauges: dict[tuple[int, str], _Gauge] = {}
         self._columns: list[array[float]] = []  # every series' array, for row deletions
         self._plan: _PushPlan | None = None  # None: the series changed since it was built
-        # ("gpu" | "nvlink", GPU) or ("nic", NIC) -> (boot, what was read, what each series
-        # appended) of the last push of that group.
-        self._memo: dict[tuple[str, object], tuple[str, Any, list[float]]] = {}
+        # ("gpu" | "nvlink", GPU) -> (boot, values, what each series appended) of the last push.
+        self._memo: dict[tuple[str, int], tuple[str, object, list[float]]] = {}
         self._layout: tuple[object, ...] | None = None
         self._rows_version = 0  # changes whenever rows are added or removed
         self._span_key: tuple[float, float, int] | None = None
@@ -588,41 +550,38 @@ class NodeHistory:
             memo[key] = (boot, links, [lc.cum[-1] for lc in links_counters])
         if plan.nics:
             nics = {(n.device, n.port): n for n in report.nics}
-            for nic_key, typed, names, driven, get_driven in plan.nics:
+            for nic_key, entries in plan.nics:
                 n = nics.get(nic_key)
-                mkey = ("nic", nic_key)
                 if n is None:
-                    for _, c in typed:
+                    for _, _, c in entries:
                         c.cum.append(_NAN)
-                    for c in driven:
-                        c.cum.append(_NAN)
-                    memo.pop(mkey, None)
-                    continue
-                if typed:
-                    _push_values([c for _, c in typed], [getattr(n, name) for name, _ in typed], boot)
-                if not driven:
                     continue
                 driver = n.counters if isinstance(n.counters, dict) else None
-                hit = memo.get(mkey)
-                if driver is not None and hit is not None and hit[0] == boot:
-                    # The driver's error counters rarely move: compared with those of the last
-                    # push (its report's dict, kept anyway), as for the GPUs above.
-                    try:
-                        same = get_driven(driver) == get_driven(hit[1])
-                    except KeyError:  # a counter missing from either: read one by one
-                        same = False
-                    if same:
-                        for c, v in zip(driven, hit[2], strict=True):
-                            c.cum.append(v)
+                for name, typed, c in entries:
+                    # _nic_value and _Counter.push, inlined: this loop runs 80 times a report.
+                    if typed:
+                        raw_value = getattr(n, name)
+                    elif driver is not None:
+                        raw_value = driver.get(name)
+                    else:
+                        raw_value = None
+                    if raw_value is None:
+                        c.cum.append(_NAN)
                         continue
-                read: list[int | None] = (
-                    [driver.get(name) for name in names] if driver is not None else [None] * len(names)
-                )
-                _push_values(driven, read, boot)
-                if driver is not None:
-                    memo[mkey] = (boot, driver, [c.cum[-1] for c in driven])
-                else:
-                    memo.pop(mkey, None)
+                    fv = float(raw_value)
+                    if boot == c.last_boot:
+                        last = c.last_raw
+                        if fv == last:
+                            c.cum.append(c.last_cum)
+                            continue
+                        d = fv - last
+                        cum = c.last_cum + (d if d >= 0 else fv)
+                    else:
+                        cum = c.last_cum
+                    c.cum.append(cum)
+                    c.last_raw = fv
+                    c.last_cum = cum
+                    c.last_boot = boot
         for gi, name, gauge in plan.gauges:
             gauge.vals.append(_gauge_value(gpus.get(gi), name))
 
