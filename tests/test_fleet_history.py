@@ -360,22 +360,3 @@ def test_field_lists_cover_every_numeric_gpu_field() -> None:
     }
     assert numeric == GPU_COUNTER_FIELDS | GPU_GAUGE_FIELDS | GPU_FLAG_FIELDS
     assert not (GPU_COUNTER_FIELDS & GPU_GAUGE_FIELDS)
-
-
-def test_unchanged_counters_across_a_reboot_start_the_new_boot_from_them() -> None:
-    # The same raw values before and after a reboot: the new boot's first sample is its baseline,
-    # and what it counts next is a rate of the new boot (the history may skip re-reading a GPU
-    # whose values did not move only within one boot).
-    def nv(t: float, boot: str, value: int) -> Report:
-        links = [NvLink(link=k, crc_flit_errors_total=value) for k in range(2)]
-        return report(t, boot=boot, gpus=[gpu(0, ecc_sbe_volatile_total=value, nvlink=links)])
-
-    fleet = Fleet()
-    fleet.registry.track_gpu_counters(ECC)
-    fleet.registry.track_nvlink_counters("crc_flit_errors_total")
-    for r in (nv(0, "a", 5), nv(10, "a", 5), nv(20, "b", 5), nv(30, "b", 5)):
-        fleet.add(r)
-    view = fleet.add(nv(40, "b", 8))
-    assert view.gpu_rate(0, ECC, 60.0) == pytest.approx(3 / 20)
-    assert view.nvlink_rate(0, "crc_flit_errors_total", 60.0) == pytest.approx(6 / 20)
-    assert view.rates(60.0).gpus([(0, ECC)]) == [view.gpu_rate(0, ECC, 60.0)]
