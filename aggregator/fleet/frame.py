@@ -42,7 +42,6 @@ import logging
 import math
 import types
 from collections.abc import Callable, Mapping
-from operator import attrgetter
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -133,42 +132,18 @@ if {reason for _, reason in _REASON_COLUMNS if CLOCK_EVENT_REASONS[reason].slowd
 }:
     raise TypeError("every slowdown reason of CLOCK_EVENT_REASONS needs a frame column")
 
-# Gauge columns: a field's value (column, field), a share (column, numerator, denominator: NaN
-# unless the denominator is positive), a clock event reason's bit (_REASON_COLUMNS).
-_GPU_VALUE_COLUMNS: Final[tuple[tuple[str, str], ...]] = (
-    ("utilization_ratio", "utilization_ratio"),
-    ("temperature_celsius", "temperature_celsius"),
-    ("memory_temperature_celsius", "memory_temperature_celsius"),
-    ("power_watts", "power_watts"),
-    ("power_limit_watts", "power_limit_watts"),
+# (column, value from the GPU of the latest report).
+_GPU_GAUGES: Final[tuple[tuple[str, Callable[[Gpu], float]], ...]] = (
+    ("utilization_ratio", _value(Gpu, "utilization_ratio")),
+    ("sm_clock_ratio", _share("sm_clock_hz", "sm_clock_max_hz")),
+    ("temperature_celsius", _value(Gpu, "temperature_celsius")),
+    ("memory_temperature_celsius", _value(Gpu, "memory_temperature_celsius")),
+    ("power_watts", _value(Gpu, "power_watts")),
+    ("power_limit_watts", _value(Gpu, "power_limit_watts")),
+    *((column, _bit(reason)) for column, reason in _REASON_COLUMNS),
+    ("pcie_link_width_ratio", _share("pcie_link_width", "pcie_link_width_max")),
+    ("pcie_link_gen_ratio", _share("pcie_link_gen", "pcie_link_gen_max")),
 )
-_GPU_SHARE_COLUMNS: Final[tuple[tuple[str, str, str], ...]] = (
-    ("sm_clock_ratio", "sm_clock_hz", "sm_clock_max_hz"),
-    ("pcie_link_width_ratio", "pcie_link_width", "pcie_link_width_max"),
-    ("pcie_link_gen_ratio", "pcie_link_gen", "pcie_link_gen_max"),
-)
-_GAUGE_BY_COLUMN: Final[dict[str, Callable[[Gpu], float]]] = {
-    **{column: _value(Gpu, name) for column, name in _GPU_VALUE_COLUMNS},
-    **{column: _share(num, den) for column, num, den in _GPU_SHARE_COLUMNS},
-    **{column: _bit(reason) for column, reason in _REASON_COLUMNS},
-}
-# (column, value from the GPU of the latest report), in column order.
-_GPU_GAUGES: Final[tuple[tuple[str, Callable[[Gpu], float]], ...]] = tuple(
-    (column, _GAUGE_BY_COLUMN[column])
-    for column in (
-        "utilization_ratio",
-        "sm_clock_ratio",
-        "temperature_celsius",
-        "memory_temperature_celsius",
-        "power_watts",
-        "power_limit_watts",
-        *(column for column, _ in _REASON_COLUMNS),
-        "pcie_link_width_ratio",
-        "pcie_link_gen_ratio",
-    )
-)
-if len(_GPU_GAUGES) != len(_GAUGE_BY_COLUMN):
-    raise TypeError("every gauge column of the GPU frame is listed once in the column order")
 # (column, which rate of the view, the fields summed): per second over the last interval.
 _GPU_RATES: Final[tuple[tuple[str, Literal["gpu", "nvlink"], tuple[str, ...]], ...]] = (
     ("ecc_sbe_per_second", "gpu", ("ecc_sbe_volatile_total",)),
@@ -187,25 +162,6 @@ _NIC_RATES: Final[tuple[tuple[str, tuple[str, ...]], ...]] = (
     ("rx_bytes_per_second", ("rx_bytes_total",)),
     ("tx_bytes_per_second", ("tx_bytes_total",)),
 )
-
-
-# The fields of each kind the rate columns read, in column order (what gpu_block asks in one go).
-_GPU_RATE_FIELDS: Final = tuple(f for _, kind, fields in _GPU_RATES if kind == "gpu" for f in fields)
-_NVLINK_RATE_FIELDS: Final = tuple(f for _, kind, fields in _GPU_RATES if kind == "nvlink" for f in fields)
-
-
-# gpu_block's reading of _GPU_RATES: (kind, first field in that kind's list, how many fields).
-_RATE_PLAN: Final = tuple(
-    (
-        kind,
-        (_GPU_RATE_FIELDS if kind == "gpu" else _NVLINK_RATE_FIELDS).index(fields[0]),
-        len(fields),
-    )
-    for _, kind, fields in _GPU_RATES
-)
-if any(len(fields) > 2 for _, _, fields in _GPU_RATES):
-    # numpy adds three or more values in an order of its own; fsum rounds the exact sum once.
-    raise TypeError("a GPU rate column sums at most two fields (gpu_block adds them with numpy)")
 
 
 def _check_rates() -> None:
@@ -269,101 +225,16 @@ def _sum(values: list[float | None]) -> float:
     return math.fsum(present) if present else _NAN
 
 
-def _gauge_plan() -> tuple[
-    Callable[[Gpu], tuple[Any, ...]], list[tuple[str, int]], list[tuple[str, int, int]]
-]:
-    """What ``_gpu_gauge_rows`` reads: one getter of every plain field the gauge columns use, and
-    which columns are values (column, field) and which shares (column, numerator, denominator).
-    Built from the same helpers as ``_GPU_GAUGES`` and checked against it at import."""
-    fields: list[str] = []
-
-    def at(name: str) -> int:
-        if name not in fields:
-            fields.append(_gauge(Gpu, name))
-        return fields.index(name)
-
-    values = [(col, at(name)) for col, name in _GPU_VALUE_COLUMNS]
-    shares = [(col, at(num), at(den)) for col, num, den in _GPU_SHARE_COLUMNS]
-    return attrgetter(*fields), values, shares
-
-
-# The vectorized reading of _GPU_GAUGES (_gpu_gauge_rows): which raw field feeds which column.
-_GAUGE_GET, _VALUE_PLAN, _SHARE_PLAN = _gauge_plan()
-_GAUGE_INDEX: Final = {column: i for i, (column, _) in enumerate(_GPU_GAUGES)}
-_VALUE_OUT: Final = [_GAUGE_INDEX[column] for column, _ in _GPU_VALUE_COLUMNS]
-_VALUE_IN: Final = [raw for _, raw in _VALUE_PLAN]
-_SHARE_OUT: Final = [_GAUGE_INDEX[column] for column, _, _ in _GPU_SHARE_COLUMNS]
-_SHARE_NUM: Final = [num for _, num, _ in _SHARE_PLAN]
-_SHARE_DEN: Final = [den for _, _, den in _SHARE_PLAN]
-_BIT_OUT: Final = [_GAUGE_INDEX[column] for column, _ in _REASON_COLUMNS]
-_BIT_MASKS: Final = tuple(CLOCK_EVENT_REASONS[reason].bit for _, reason in _REASON_COLUMNS)
-_NO_BITS: Final = [_NAN] * len(_REASON_COLUMNS)
-_REASONS_GET: Final = attrgetter("clock_event_reasons")
-
-
-def _gpu_gauge_rows(gpus: list[Gpu]) -> npt.NDArray[np.float64]:
-    """``_GPU_GAUGES`` of every GPU at once: ``(len(gpus), len(_GPU_GAUGES))``, the same numbers
-    (None is NaN in both; a share is NaN unless its denominator is positive)."""
-    raw = np.array([_GAUGE_GET(g) for g in gpus], dtype=np.float64).reshape(len(gpus), -1)
-    out = np.empty((len(gpus), len(_GPU_GAUGES)), dtype=np.float64)
-    out[:, _VALUE_OUT] = raw[:, _VALUE_IN]
-    num, den = raw[:, _SHARE_NUM], raw[:, _SHARE_DEN]
-    out[:, _SHARE_OUT] = np.divide(num, den, out=np.full(num.shape, np.nan), where=den > 0)
-    out[:, _BIT_OUT] = [
-        _NO_BITS if r is None else [1.0 if r & m else 0.0 for m in _BIT_MASKS]
-        for r in map(_REASONS_GET, gpus)
-    ]
-    return out
-
-
 def gpu_block(view: NodeView, gpus: int) -> FloatArray:
     """One node's GPU row for one slot: ``(gpus, len(GPU_FIELDS))``, NaN where nothing is known."""
     report = view.report
     prev = view.previous
     window = report.time - prev.time + _WINDOW_SLACK_S if prev is not None else None
-    present = [g for g in report.gpus if g.index < gpus]
-    if len(present) < len(report.gpus):
-        for g in report.gpus:
-            if g.index >= gpus:
-                log.debug("GPU index beyond the frame's max_gpus", extra={"node": view.node, "gpu": g.index})
-    index = [g.index for g in present]
-    if not isinstance(view, HistoryView) or len(set(index)) < len(index):
-        return _gpu_block_generic(view, present, gpus, window)
-    out = np.full((gpus, len(GPU_FIELDS)), np.nan, np.float32)
-    if not present:
-        return out
-    out[index, : len(_GPU_GAUGES)] = _gpu_gauge_rows(present)
-    if window is not None:
-        # Every rate of the block in two calls (one per kind of series), then summed per column.
-        reader = view.rates(window)
-        n = len(index)
-        by_kind = {
-            "gpu": np.array(
-                reader.gpus([(gi, f) for gi in index for f in _GPU_RATE_FIELDS]), dtype=np.float64
-            ).reshape(n, len(_GPU_RATE_FIELDS)),
-            "nvlink": np.array(
-                reader.nvlinks([(gi, f) for gi in index for f in _NVLINK_RATE_FIELDS]), dtype=np.float64
-            ).reshape(n, len(_NVLINK_RATE_FIELDS)),
-        }  # None is NaN
-        col = len(_GPU_GAUGES)
-        for kind, first, count in _RATE_PLAN:
-            values = by_kind[kind][:, first : first + count]
-            if count == 1:
-                out[index, col] = values[:, 0]
-            else:
-                # _sum: the present ones added (two at most: one addition, rounded as fsum
-                # rounds it), NaN when none is.
-                total = np.nansum(values, axis=1)
-                total[np.isnan(values).all(axis=1)] = np.nan
-                out[index, col] = total
-            col += 1
-    return out
-
-
-def _gpu_block_generic(view: NodeView, present: list[Gpu], gpus: int, window: float | None) -> FloatArray:
-    """``gpu_block`` for any ``NodeView``, one value at a time."""
     rows: list[list[float]] = [[_NAN] * len(GPU_FIELDS) for _ in range(gpus)]
-    for g in present:
+    for g in report.gpus:
+        if g.index >= gpus:
+            log.debug("GPU index beyond the frame's max_gpus", extra={"node": view.node, "gpu": g.index})
+            continue
         row = rows[g.index]
         for col, (_, value) in enumerate(_GPU_GAUGES):
             row[col] = value(g)
@@ -383,8 +254,6 @@ def nic_block(view: NodeView, keys: list[NicKey]) -> FloatArray:
     prev = view.previous
     window = report.time - prev.time + _WINDOW_SLACK_S if prev is not None else None
     by_key = {(n.device, n.port): n for n in report.nics}
-    if isinstance(view, HistoryView):
-        return _nic_block_history(view, keys, by_key, window)
     rows: list[list[float]] = []
     for key in keys:
         row = [_NAN] * len(NIC_FIELDS)
@@ -399,34 +268,6 @@ def nic_block(view: NodeView, keys: list[NicKey]) -> FloatArray:
                     row[col] = _f(view.nic_rate(n.device, n.port, source, window))
         for col, (_, value) in enumerate(_NIC_GAUGES, start=len(_NIC_RATES)):
             row[col] = value(n)
-    return np.array(rows, dtype=np.float32).reshape(len(keys), len(NIC_FIELDS))
-
-
-def _nic_block_history(
-    view: HistoryView, keys: list[NicKey], by_key: dict[NicKey, Nic], window: float | None
-) -> FloatArray:
-    """``nic_block`` of a ``HistoryView``: the same values, every rate read in one call."""
-    rows: list[list[float]] = []
-    asked: list[tuple[str, int | None, str]] = []
-    where: list[tuple[list[float], int]] = []
-    for key in keys:
-        row = [_NAN] * len(NIC_FIELDS)
-        rows.append(row)
-        n = by_key.get(key)
-        if n is None:
-            continue
-        if window is not None:
-            for col, (_, names) in enumerate(_NIC_RATES):
-                source = _nic_source(n, names)
-                if source is not None:
-                    asked.append((n.device, n.port, source))
-                    where.append((row, col))
-        for col, (_, value) in enumerate(_NIC_GAUGES, start=len(_NIC_RATES)):
-            row[col] = value(n)
-    if asked:
-        assert window is not None
-        for (row, col), rate in zip(where, view.rates(window).nics(asked), strict=True):
-            row[col] = _f(rate)
     return np.array(rows, dtype=np.float32).reshape(len(keys), len(NIC_FIELDS))
 
 

@@ -69,9 +69,9 @@ import logging
 import math
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from operator import attrgetter
-from typing import TYPE_CHECKING, Final, Literal, TypeVar
+from typing import TYPE_CHECKING, Final, Literal
 
 from agent.errors import ConfigError, ReportError
 from agent.report import (
@@ -120,7 +120,6 @@ DEFAULT_MAX_NIC_KEYS: Final = 64
 
 Outcome = Literal["latest", "late", "duplicate", "expired"]
 NicKey = tuple[str, int | None]
-_K = TypeVar("_K", tuple[int, str], tuple[str, int | None, str])
 
 
 def _known(kind: str, name: str, known: frozenset[str]) -> None:
@@ -290,36 +289,6 @@ def _gpu_value(gpu: Gpu | None, name: str) -> float | None:
     return None if v is None else float(v)
 
 
-class _PushPlan:
-    """A node's series grouped the way ``NodeHistory._push`` reads a report: per GPU one getter of
-    every counter kept, per NIC its counters. Rebuilt whenever a series is added or dropped."""
-
-    __slots__ = ("gauges", "gpu", "links", "nics")
-
-    def __init__(self, h: NodeHistory) -> None:
-        by_gpu: dict[int, list[tuple[str, _Counter]]] = {}
-        for (gi, name), c in h._gpu_counters.items():
-            by_gpu.setdefault(gi, []).append((name, c))
-        self.gpu = [(gi, _getter([n for n, _ in cs]), [c for _, c in cs]) for gi, cs in by_gpu.items()]
-        by_link: dict[int, list[tuple[str, _LinkCounter]]] = {}
-        for (gi, name), lc in h._nvlinks.items():
-            by_link.setdefault(gi, []).append((name, lc))
-        self.links = [(gi, [c for _, c in cs]) for gi, cs in by_link.items()]
-        by_nic: dict[NicKey, list[tuple[str, bool, _Counter]]] = {}
-        for (device, port, counter), c in h._nic_counters.items():
-            by_nic.setdefault((device, port), []).append((counter, counter in NIC_TYPED_COUNTER_FIELDS, c))
-        self.nics = list(by_nic.items())
-        self.gauges = [(gi, name, g) for (gi, name), g in h._gauges.items()]
-
-
-def _getter(names: list[str]) -> Callable[[object], tuple[object, ...]]:
-    """``attrgetter(*names)``, a tuple also for a single name."""
-    if len(names) == 1:
-        one = attrgetter(names[0])
-        return lambda obj: (one(obj),)
-    return attrgetter(*names)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class HistoryView:
     """A node after one ``add``; implements ``aggregator.fleet.view.NodeView``."""
@@ -343,10 +312,6 @@ class HistoryView:
 
     def gpu_samples(self, gpu: int, field: str, window_s: float) -> list[tuple[float, float | None]]:
         return self._history.gpu_samples(gpu, field, window_s, self.report)
-
-    def rates(self, window_s: float) -> SpanRates:
-        """Many rates over one window at once (see ``SpanRates``); same numbers as ``gpu_rate`` etc."""
-        return self._history.rates(window_s, self.report)
 
 
 if TYPE_CHECKING:
@@ -405,9 +370,6 @@ class NodeHistory:
         self._nic_counters: dict[tuple[str, int | None, str], _Counter] = {}
         self._gauges: dict[tuple[int, str], _Gauge] = {}
         self._columns: list[array[float]] = []  # every series' array, for row deletions
-        self._plan: _PushPlan | None = None  # None: the series changed since it was built
-        # ("gpu" | "nvlink", GPU) -> (boot, values, what each series appended) of the last push.
-        self._memo: dict[tuple[str, int], tuple[str, object, list[float]]] = {}
         self._layout: tuple[object, ...] | None = None
         self._rows_version = 0  # changes whenever rows are added or removed
         self._span_key: tuple[float, float, int] | None = None
@@ -510,79 +472,22 @@ class NodeHistory:
 
     def _push(self, report: Report) -> None:
         boot = report.boot_id
-        plan = self._plan
-        if plan is None:
-            plan = self._plan = _PushPlan(self)
         gpus = {g.index: g for g in report.gpus}
-        memo = self._memo
-        # GPU and NVLink counters: the values of one GPU come as one tuple. When the tuple and the
-        # boot are those of the last push, every series of the group appends what it appended
-        # then (a push is idempotent: pushing the same value of the same boot again leaves the
-        # series' state as it is and appends the same cumulative value, or NaN again), so the
-        # common case, error counters that did not move, costs one comparison per GPU.
-        for gi, get, counters in plan.gpu:
+        for (gi, name), c in self._gpu_counters.items():
             g = gpus.get(gi)
-            raw = None if g is None else get(g)
-            key = ("gpu", gi)
-            hit = memo.get(key)
-            if hit is not None and hit[0] == boot and hit[1] == raw:
-                for c, v in zip(counters, hit[2], strict=True):
-                    c.cum.append(v)
-                continue
-            values = raw if raw is not None else (None,) * len(counters)
-            for c, value in zip(counters, values, strict=True):
-                c.push(None if value is None else float(value), boot)  # type: ignore[arg-type]
-            memo[key] = (boot, raw, [c.cum[-1] for c in counters])
-        for gi, links_counters in plan.links:
-            g = gpus.get(gi)
-            links = g.nvlink if g is not None and isinstance(g.nvlink, list) else []
-            key = ("nvlink", gi)
-            hit = memo.get(key)
-            # The links of the last push (held by that report anyway): equal structs mean equal
-            # counters, so nothing is copied out to compare.
-            if hit is not None and hit[0] == boot and hit[1] == links:
-                for lc, v in zip(links_counters, hit[2], strict=True):
-                    lc.cum.append(v)
-                continue
-            ids = [link.link for link in links]
-            for lc in links_counters:
-                lc.push_links(links, ids, boot)
-            memo[key] = (boot, links, [lc.cum[-1] for lc in links_counters])
-        if plan.nics:
+            v = None if g is None else getattr(g, name)
+            c.push(None if v is None else float(v), boot)
+        links: dict[int, tuple[list[NvLink], list[int]]] = {}
+        for (gi, _), lc in self._nvlinks.items():
+            per_gpu = links.get(gi)
+            if per_gpu is None:
+                per_gpu = links[gi] = _links(gpus.get(gi))
+            lc.push_links(per_gpu[0], per_gpu[1], boot)
+        if self._nic_counters:
             nics = {(n.device, n.port): n for n in report.nics}
-            for nic_key, entries in plan.nics:
-                n = nics.get(nic_key)
-                if n is None:
-                    for _, _, c in entries:
-                        c.cum.append(_NAN)
-                    continue
-                driver = n.counters if isinstance(n.counters, dict) else None
-                for name, typed, c in entries:
-                    # _nic_value and _Counter.push, inlined: this loop runs 80 times a report.
-                    if typed:
-                        raw_value = getattr(n, name)
-                    elif driver is not None:
-                        raw_value = driver.get(name)
-                    else:
-                        raw_value = None
-                    if raw_value is None:
-                        c.cum.append(_NAN)
-                        continue
-                    fv = float(raw_value)
-                    if boot == c.last_boot:
-                        last = c.last_raw
-                        if fv == last:
-                            c.cum.append(c.last_cum)
-                            continue
-                        d = fv - last
-                        cum = c.last_cum + (d if d >= 0 else fv)
-                    else:
-                        cum = c.last_cum
-                    c.cum.append(cum)
-                    c.last_raw = fv
-                    c.last_cum = cum
-                    c.last_boot = boot
-        for gi, name, gauge in plan.gauges:
+            for (device, port, counter), c in self._nic_counters.items():
+                c.push(_nic_value(nics.get((device, port)), counter), boot)
+        for (gi, name), gauge in self._gauges.items():
             gauge.vals.append(_gauge_value(gpus.get(gi), name))
 
     def _insert_late(self, report: Report, latest: Report) -> None:
@@ -666,7 +571,6 @@ class NodeHistory:
         columns = {id(c.cum) for (dev, port, _), c in self._nic_counters.items() if (dev, port) in gone}
         self._nic_counters = {k: c for k, c in self._nic_counters.items() if (k[0], k[1]) not in gone}
         self._columns = [col for col in self._columns if id(col) not in columns]
-        self._series_changed()
 
     def nic_keys(self) -> list[NicKey]:
         """The NICs the node's history holds series for (present or gone less than the window)."""
@@ -704,33 +608,25 @@ class NodeHistory:
         c = _Counter(len(self._times))
         self._start(c, lambda r: c.push(_gpu_value(_find_gpu(r, gpu), name), r.boot_id), first)
         self._gpu_counters[(gpu, name)] = c
-        self._series_changed()
         return c
 
     def _new_nvlink(self, gpu: int, name: str, first: float) -> _LinkCounter:
         c = _LinkCounter(len(self._times), name)
         self._start(c, lambda r: c.push_links(*_links(_find_gpu(r, gpu)), r.boot_id), first)
         self._nvlinks[(gpu, name)] = c
-        self._series_changed()
         return c
 
     def _new_nic_counter(self, nic: NicKey, counter: str, first: float) -> _Counter:
         c = _Counter(len(self._times))
         self._start(c, lambda r: c.push(_nic_value(_find_nic(r, nic), counter), r.boot_id), first)
         self._nic_counters[(nic[0], nic[1], counter)] = c
-        self._series_changed()
         return c
 
     def _new_gauge(self, gpu: int, name: str, first: float) -> _Gauge:
         g = _Gauge(len(self._times))
         self._start(g, lambda r: g.vals.append(_gauge_value(_find_gpu(r, gpu), name)), first)
         self._gauges[(gpu, name)] = g
-        self._series_changed()
         return g
-
-    def _series_changed(self) -> None:
-        self._plan = None
-        self._memo.clear()
 
     # -- eviction and thinning -----------------------------------------------------------------
 
@@ -809,10 +705,6 @@ class NodeHistory:
             lo, hi = self._span_rows
         else:
             lo, hi = self._span(window_s, at.time)
-        return self._rate_in(series, lo, hi)
-
-    def _rate_in(self, series: _Counter, lo: int, hi: int) -> float | None:
-        """The series' rate over rows ``[lo, hi]`` (a ``_span``)."""
         if lo > hi or series.since > self._times[lo]:
             # The series was started after the window (this boot's part of it) began: its rate
             # would spread the window's increase over less time than the window. No rate is
@@ -831,10 +723,6 @@ class NodeHistory:
         if dt <= 0:
             return None
         return (cum[hi] - cum[lo]) / dt
-
-    def rates(self, window_s: float, at: Report) -> SpanRates:
-        """A reader of many rates over one window as of ``at``: the window's rows are found once."""
-        return SpanRates(self, window_s, at)
 
     def gpu_rate(self, gpu: int, name: str, window_s: float, at: Report) -> float | None:
         c = self._gpu_counters.get((gpu, name))
@@ -884,78 +772,6 @@ class NodeHistory:
         hi = bisect_right(times, now)
         vals = g.vals
         return [(times[i], None if vals[i] != vals[i] else vals[i]) for i in range(lo, hi)]
-
-
-class SpanRates:
-    """``gpu_rate``/``nvlink_rate``/``nic_rate`` of one node over one window as of one report,
-    the same numbers, for a caller that asks many (the pool frame asks about a hundred per
-    report): the window's rows are found once instead of once per rate. A series not kept yet
-    is created exactly as the single-rate calls do. Valid until the node's next ``add``."""
-
-    __slots__ = ("_at", "_hi", "_history", "_lo", "_ok", "_window")
-
-    def __init__(self, history: NodeHistory, window_s: float, at: Report) -> None:
-        _check_window(window_s)
-        self._history, self._window, self._at = history, window_s, at
-        latest = history.latest
-        self._ok = latest is not None and (at is latest or at.boot_id == latest.boot_id)
-        self._lo, self._hi = history._span(window_s, at.time) if self._ok else (0, -1)
-
-    def gpu(self, gpu: int, name: str) -> float | None:
-        return self.gpus([(gpu, name)])[0]
-
-    def nvlink(self, gpu: int, name: str) -> float | None:
-        return self.nvlinks([(gpu, name)])[0]
-
-    def nic(self, device: str, port: int | None, counter: str) -> float | None:
-        return self.nics([(device, port, counter)])[0]
-
-    def gpus(self, keys: Iterable[tuple[int, str]]) -> list[float | None]:
-        """``gpu(gpu, name)`` of every ``(gpu, name)``, in order."""
-        h = self._history
-        return self._many(h._gpu_counters, keys, lambda g, n: h.gpu_rate(g, n, self._window, self._at))
-
-    def nvlinks(self, keys: Iterable[tuple[int, str]]) -> list[float | None]:
-        """``nvlink(gpu, name)`` of every ``(gpu, name)``, in order."""
-        h = self._history
-        return self._many(h._nvlinks, keys, lambda g, n: h.nvlink_rate(g, n, self._window, self._at))
-
-    def nics(self, keys: Iterable[tuple[str, int | None, str]]) -> list[float | None]:
-        """``nic(device, port, counter)`` of every key, in order."""
-        h = self._history
-        return self._many(h._nic_counters, keys, lambda d, p, c: h.nic_rate(d, p, c, self._window, self._at))
-
-    def _many(
-        self,
-        series: Mapping[_K, _Counter],
-        keys: Iterable[_K],
-        create: Callable[..., float | None],
-    ) -> list[float | None]:
-        # NodeHistory._rate_in, inlined: this is the loop the frame runs a hundred times a report.
-        out: list[float | None] = []
-        lo0, hi0, ok = self._lo, self._hi, self._ok
-        times = self._history._times
-        first = times[lo0] if ok and lo0 <= hi0 else math.inf
-        for key in keys:
-            c = series.get(key)
-            if c is None:
-                out.append(create(*key))  # created and registered as gpu_rate etc. do
-                continue
-            if not ok or lo0 > hi0 or c.since > first:
-                out.append(None)
-                continue
-            cum = c.cum
-            lo, hi = lo0, hi0
-            while lo < hi and cum[lo] != cum[lo]:
-                lo += 1
-            while hi > lo and cum[hi] != cum[hi]:
-                hi -= 1
-            if hi <= lo:
-                out.append(None)
-                continue
-            dt = times[hi] - times[lo]
-            out.append((cum[hi] - cum[lo]) / dt if dt > 0 else None)
-        return out
 
 
 def _find_gpu(report: Report, index: int) -> Gpu | None:
