@@ -360,3 +360,42 @@ def test_field_lists_cover_every_numeric_gpu_field() -> None:
     }
     assert numeric == GPU_COUNTER_FIELDS | GPU_GAUGE_FIELDS | GPU_FLAG_FIELDS
     assert not (GPU_COUNTER_FIELDS & GPU_GAUGE_FIELDS)
+
+
+def test_unchanged_counters_across_a_reboot_start_the_new_boot_from_them() -> None:
+    # The same raw values before and after a reboot: the new boot's first sample is its baseline,
+    # and what it counts next is a rate of the new boot (an implementation that skips counters
+    # that did not move must do so within one boot only).
+    def nv(t: float, boot: str, value: int) -> Report:
+        links = [NvLink(link=k, crc_flit_errors_total=value) for k in range(2)]
+        return report(t, boot=boot, gpus=[gpu(0, ecc_sbe_volatile_total=value, nvlink=links)])
+
+    fleet = Fleet()
+    fleet.registry.track_gpu_counters(ECC)
+    fleet.registry.track_nvlink_counters("crc_flit_errors_total")
+    for r in (nv(0, "a", 5), nv(10, "a", 5), nv(20, "b", 5), nv(30, "b", 5)):
+        fleet.add(r)
+    view = fleet.add(nv(40, "b", 8))
+    assert view.gpu_rate(0, ECC, 60.0) == pytest.approx(3 / 20)
+    assert view.nvlink_rate(0, "crc_flit_errors_total", 60.0) == pytest.approx(6 / 20)
+
+
+def test_driver_counters_unchanged_missing_or_across_a_reboot() -> None:
+    def ib(t: float, boot: str, counters: dict[str, int]) -> Report:
+        nic = Nic(device="mlx5_0", link_layer="InfiniBand", port=1, rx_bytes_total=int(t), counters=counters)
+        return report(t, boot=boot, nics=[nic])
+
+    fleet = Fleet()
+    fleet.registry.track_nic_counters("symbol_error", "link_downed", "rx_bytes_total")
+    steps = [
+        ("a", {"symbol_error": 4, "link_downed": 1}),
+        ("a", {"symbol_error": 4, "link_downed": 1}),
+        ("b", {"symbol_error": 4, "link_downed": 1}),  # a reboot with the same values: a baseline
+        ("b", {"symbol_error": 4}),  # link_downed missing: no value, not a reset
+        ("b", {"symbol_error": 6, "link_downed": 3}),
+    ]
+    for i, (boot, counters) in enumerate(steps):
+        view = fleet.add(ib(10.0 * i, boot, counters))
+    assert view.nic_rate("mlx5_0", 1, "symbol_error", 60.0) == pytest.approx(2 / 20)
+    assert view.nic_rate("mlx5_0", 1, "link_downed", 60.0) == pytest.approx(2 / 20)
+    assert view.nic_rate("mlx5_0", 1, "rx_bytes_total", 60.0) == pytest.approx(1.0)
