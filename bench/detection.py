@@ -43,7 +43,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -680,7 +680,7 @@ def _cell_row(gen: str, name: str, runs: list[dict[str, Any]]) -> tuple[str, lis
 def render_matrix(runs: list[dict[str, Any]], command: str) -> str:
     """The matrix as markdown: one row per (generator, cell), pooled over seeds, then the misses."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in runs:
+    for r in sorted(runs, key=lambda r: r["scenario"] == OTHERGEN):
         groups.setdefault((r["scenario"], r["cell"]["name"]), []).append(r)
     out = [
         f"Command: `{command}`  ",
@@ -709,12 +709,39 @@ def render_matrix(runs: list[dict[str, Any]], command: str) -> str:
 def matrix_jobs(
     scenarios: Sequence[str], seeds: int, cells: Sequence[Cell], minutes: float, nodes: int | None
 ) -> list[Job]:
+    # Seed by seed: a run cut short still has whole matrices for its first seeds (``--partial``).
     return [
         Job(scen, seed, None, cell=cell, minutes=minutes, nodes=nodes if scen == OTHERGEN else None)
+        for seed in range(1, seeds + 1)
         for scen in scenarios
         for cell in cells
-        for seed in range(1, seeds + 1)
     ]
+
+
+def _job_key(scenario: str, seed: int, cell: str) -> tuple[str, int, str]:
+    return (scenario, seed, cell)
+
+
+def run_partial(jobs: Sequence[Job], workers: int, partial: Path) -> list[dict[str, Any]]:
+    """``run_jobs``, appending each run to ``partial`` (JSON Lines) as it ends and skipping the runs
+    already there, so an interrupted matrix resumes where it stopped."""
+    done: list[dict[str, Any]] = []
+    if partial.exists():
+        done = [json.loads(line) for line in partial.read_text("utf-8").splitlines() if line.strip()]
+    have = {_job_key(r["scenario"], r["seed"], r["cell"]["name"]) for r in done}
+    todo = [j for j in jobs if j.cell is not None and _job_key(j.scenario, j.seed, j.cell.name) not in have]
+    wanted = {_job_key(j.scenario, j.seed, j.cell.name) for j in jobs if j.cell is not None}
+    log.info("%d runs already in %s, %d to go", len(have & wanted), partial, len(todo))
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    with ProcessPoolExecutor(max_workers=workers) as pool, partial.open("a", encoding="utf-8") as out:
+        futures = {pool.submit(run_job, j): j for j in todo}
+        for future in as_completed(futures):
+            job, result = futures[future], future.result()
+            log.info("%s: %d reports, %.1f s", _label(job), result["reports"], result["seconds"])
+            out.write(json.dumps(result) + "\n")
+            out.flush()
+            done.append(result)
+    return [r for r in done if _job_key(r["scenario"], r["seed"], r["cell"]["name"]) in wanted]
 
 
 def run_jobs(jobs: Sequence[Job], workers: int) -> list[dict[str, Any]]:
@@ -782,6 +809,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--minutes", type=float, default=MATRIX_MINUTES, help=f"--matrix: trace length ({MATRIX_MINUTES:g})"
     )
     p.add_argument("--nodes", type=int, default=None, help="--matrix: othergen's fleet size (64)")
+    p.add_argument(
+        "--partial",
+        type=Path,
+        help="--matrix: append each run here as it ends, and skip the runs already there",
+    )
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     p.add_argument(
         "--sweep", action="append", help=f"KIND.PARAM=V1,V2,... (default {DEFAULT_SWEEP}; 'none' for none)"
@@ -852,7 +884,10 @@ def _matrix_main(p: argparse.ArgumentParser, args: argparse.Namespace, command: 
     except ConfigError as exc:
         p.error(str(exc))
     started = time.perf_counter()
-    results = run_jobs(matrix_jobs(scenarios, seeds, cells, args.minutes, args.nodes), args.jobs)
+    jobs = matrix_jobs(scenarios, seeds, cells, args.minutes, args.nodes)
+    results = run_partial(jobs, args.jobs, args.partial) if args.partial else run_jobs(jobs, args.jobs)
+    order = {_job_key(j.scenario, j.seed, j.cell.name): i for i, j in enumerate(jobs) if j.cell is not None}
+    results.sort(key=lambda r: order[_job_key(r["scenario"], r["seed"], r["cell"]["name"])])
     print(render_matrix(results, command))
     log.info("done in %.0f s", time.perf_counter() - started)
     if args.json:
