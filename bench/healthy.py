@@ -3,7 +3,7 @@
 Run from the repository root (no network; traces live in a temporary directory)::
 
     .venv/bin/python bench/healthy.py [--node-hours 10000] [--chunk-hours 2] [--nodes 64]
-        [--generators sim,othergen] [--jobs 2] [--json FILE] [--estimate]
+        [--generators sim,othergen] [--jobs 2] [--max-minutes M] [--json FILE] [--estimate]
 
 The node-hours are split evenly over the generators and cut into chunks of ``--nodes`` nodes for
 ``--chunk-hours`` hours, one trace per chunk (its own seed), so memory stays bounded whatever the
@@ -16,7 +16,9 @@ evidence carries from one chunk to the next, so a detector whose false alarms ne
 chunk's length of history to build up is not exercised here beyond that length.
 
 Every node quarantine is a false one (there is no fault to find); every decision entering a state
-other than healthy is counted per detector named in its reasons. ``--estimate`` replays one short
+other than healthy is counted per detector named in its reasons. ``--max-minutes`` starts no chunk
+after that long (chunks alternate between the generators, so a cut run has both, and the table
+says how many node-hours it covered). ``--estimate`` replays one short
 chunk per generator and prints the CPU seconds per report and what the full size would take, then
 stops. Markdown to stdout, progress to stderr. Not a test: nothing here fails a build.
 """
@@ -34,7 +36,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -135,22 +137,40 @@ def plan(node_hours: float, nodes: int, chunk_hours: float, generators: Sequence
     return [Chunk(g, SEED_BASE + i, nodes, chunk_hours) for g in generators for i in range(count)]
 
 
-def run(chunks: Sequence[Chunk], workers: int) -> list[dict[str, Any]]:
-    results = []
+def run(chunks: Sequence[Chunk], workers: int, max_s: float = math.inf) -> list[dict[str, Any]]:
+    """Every chunk's outcome; with ``max_s``, no chunk starts after that many seconds (the ones
+    running finish), alternating generators so that a cut run still has both."""
+    order = sorted(chunks, key=lambda c: (c.seed, GENERATORS.index(c.generator)))
+    started = time.perf_counter()
+    results: list[dict[str, Any]] = []
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        for chunk, r in zip(chunks, pool.map(run_chunk, chunks), strict=True):
-            log.info(
-                "%s seed %d: %d reports, %.0f node-hours, cpu %.0f s (replay %.0f s), %d quarantines",
-                chunk.generator,
-                chunk.seed,
-                r["reports"],
-                r["node_hours"],
-                r["cpu_generate_s"] + r["cpu_replay_s"],
-                r["cpu_replay_s"],
-                len(r["quarantines"]),
-            )
-            results.append(r)
+        pending = {pool.submit(run_chunk, c): c for c in order[:workers]}
+        queue = list(order[workers:])
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                chunk, r = pending.pop(future), future.result()
+                results.append(r)
+                if queue and time.perf_counter() - started < max_s:
+                    nxt = queue.pop(0)
+                    pending[pool.submit(run_chunk, nxt)] = nxt
+                _log_chunk(chunk, r)
+    if len(results) < len(chunks):
+        log.info("stopped at the time budget: %d of %d chunks", len(results), len(chunks))
     return results
+
+
+def _log_chunk(chunk: Chunk, r: dict[str, Any]) -> None:
+    log.info(
+        "%s seed %d: %d reports, %.0f node-hours, cpu %.0f s (replay %.0f s), %d quarantines",
+        chunk.generator,
+        chunk.seed,
+        r["reports"],
+        r["node_hours"],
+        r["cpu_generate_s"] + r["cpu_replay_s"],
+        r["cpu_replay_s"],
+        len(r["quarantines"]),
+    )
 
 
 def render(results: list[dict[str, Any]], command: str, wall_s: float) -> str:
@@ -200,6 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--generators", default=",".join(GENERATORS), help="sim,othergen")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     p.add_argument("--json", type=Path, help="write every chunk's outcome here")
+    p.add_argument(
+        "--max-minutes", type=float, default=math.inf, help="start no chunk after this many minutes"
+    )
     p.add_argument("--estimate", action="store_true", help="time one short chunk per generator, and stop")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -225,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         return 0
     chunks = plan(args.node_hours, args.nodes, args.chunk_hours, gens)
-    results = run(chunks, args.jobs)
+    results = run(chunks, args.jobs, args.max_minutes * 60.0)
     print(render(results, command.strip(), time.perf_counter() - started))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
