@@ -651,7 +651,8 @@ def _cell_row(gen: str, name: str, runs: list[dict[str, Any]]) -> tuple[str, lis
     """One matrix row, and its misses (soft faults visible but not quarantined in time; false
     quarantines), each named with its seed."""
     soft = [(r["seed"], f) for r in runs for f in r["faults"] if f["class"] == "soft"]
-    vis = [(seed, f) for seed, f in soft if f.get("visible")]
+    # As ``observable``: a fault caught in time counts as visible whatever its window showed.
+    vis = [(seed, f) for seed, f in soft if f.get("visible") or _in_time(f)]
     caught = [f for _, f in vis if _in_time(f)]
     ttd = [f["ttd_s"] for f in caught]
     hard = [f for r in runs for f in r["faults"] if f["class"] == "hard" and f["first_seen"] is not None]
@@ -674,20 +675,30 @@ def _cell_row(gen: str, name: str, runs: list[dict[str, Any]]) -> tuple[str, lis
         f"false quarantine {q['node']} seed {seed} ({q['cause']}, {'+'.join(q['detectors'])})"
         for seed, q in fq
     ]
+    hidden = [
+        f"{f['kind']} {f['node']} seed {seed}"
+        + ("" if f["ttd_s"] is None else f" (caught at {f['ttd_s']:.0f} s)")
+        for seed, f in soft
+        if not (f.get("visible") or _in_time(f))
+    ]
+    if hidden:
+        misses.append(f"not visible for 10 minutes: {', '.join(hidden)}")
     return row, misses
 
 
 def render_matrix(runs: list[dict[str, Any]], command: str) -> str:
     """The matrix as markdown: one row per (generator, cell), pooled over seeds, then the misses."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in sorted(runs, key=lambda r: r["scenario"] == OTHERGEN):
+    rank = {c.name: i for i, c in enumerate(MATRIX_CELLS)}
+    for r in sorted(runs, key=lambda r: (r["scenario"] == OTHERGEN, rank.get(r["cell"]["name"], len(rank)))):
         groups.setdefault((r["scenario"], r["cell"]["name"]), []).append(r)
     out = [
         f"Command: `{command}`  ",
         f"Date: {datetime.now(UTC):%Y-%m-%d}; machine: {machine()}.",
         "",
         f"Soft recall: soft faults visible for {SOFT_WITHIN_S / 60:.0f} minutes after first showing "
-        f"(``visibility``) and quarantined within {SOFT_WITHIN_S / 60:.0f} minutes; TTD from the first "
+        f"(``visibility``; one caught in time counts as visible) and quarantined within "
+        f"{SOFT_WITHIN_S / 60:.0f} minutes; TTD from the first "
         f"report showing the fault; hard recall within {HARD_WITHIN_S:.0f} s; link recall within "
         f"{LINK_WITHIN_S / 60:.0f} minutes, of the links shown that long; loaded: the share of reports "
         "whose GPUs average at least 50 % utilisation.",
