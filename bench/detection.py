@@ -30,6 +30,7 @@ a build; the published table is in docs/detection.md ("Results").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import logging
@@ -40,17 +41,20 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
+import msgspec
 import othergen  # bench/othergen.py, beside this script
 from _common import cpuinfo_model
 
 from agent.errors import ConfigError
+from agent.report import CLOCK_EVENT_BITS
 from aggregator.config import Config
 from aggregator.replay import replay
 from aggregator.rules.model import default_rules_dir, load_rules
@@ -89,11 +93,78 @@ class Perturb:
 
 
 @dataclass(frozen=True)
+class Cell:
+    """One cell of the robustness matrix: the generators' knobs (sim.scenario.vary, othergen.Knobs)."""
+
+    name: str
+    noise: float = 1.0
+    job_median_s: float = 600.0
+    busy_share: float = 0.60
+    loss: float = 0.01
+    faults_at_start: bool = True
+    low_magnitudes: bool = True
+
+    def scenario(self, s: scenario_mod.Scenario) -> scenario_mod.Scenario:
+        return scenario_mod.vary(
+            s,
+            noise=self.noise,
+            job_median_s=self.job_median_s,
+            busy_share=self.busy_share,
+            lost_fraction=self.loss,
+            faults_at_start=self.faults_at_start,
+            low_magnitudes=self.low_magnitudes,
+        )
+
+    def knobs(self) -> othergen.Knobs:
+        return othergen.Knobs(
+            noise=self.noise,
+            job_median_s=self.job_median_s,
+            busy_share=self.busy_share,
+            loss=self.loss,
+            faults_at_start=self.faults_at_start,
+            low_magnitudes=self.low_magnitudes,
+        )
+
+
+# The matrix: one factor at a time around the baseline (the independent traces' setting: jobs
+# turning over every 10 minutes, 60 % of nodes busy, 1 % of reports lost; faults from the first
+# report at the low end of their magnitudes), each factor over its other levels.
+MATRIX_BASELINE: Final = Cell("baseline")
+MATRIX_CELLS: Final = (
+    MATRIX_BASELINE,
+    replace(MATRIX_BASELINE, name="noise x2", noise=2.0),
+    replace(MATRIX_BASELINE, name="noise x3", noise=3.0),
+    replace(MATRIX_BASELINE, name="jobs 5 min", job_median_s=300.0),
+    replace(MATRIX_BASELINE, name="jobs 30 min", job_median_s=1800.0),
+    replace(MATRIX_BASELINE, name="busy 30 %", busy_share=0.30),
+    replace(MATRIX_BASELINE, name="busy 95 %", busy_share=0.95),
+    replace(MATRIX_BASELINE, name="loss 5 %", loss=0.05),
+    replace(MATRIX_BASELINE, name="loss 10 %", loss=0.10),
+)
+# Faults start at the first report, so 20 minutes give each its 10-minute window with room for a
+# first showing that needs a probe or a job to come first.
+MATRIX_MINUTES: Final = 20.0
+# A fault is visible for its window when the evidence (``_evidence``) is in at least this share of
+# the window's report slots: 10 % of reports may be lost, and a little more of a load-only fault's
+# window may fall in a checkpoint or a job change.
+VISIBLE_SHARE: Final = 0.8
+# A slow NIC shows only in pair probes; telling it from one bad link needs probes with two peers.
+VISIBLE_NIC_PEERS: Final = 2
+LOADED_UTILIZATION: Final = 0.5  # a GPU at or above this is under load
+_THERMAL_BITS: Final = CLOCK_EVENT_BITS["sw_thermal_slowdown"] | CLOCK_EVENT_BITS["hw_thermal_slowdown"]
+_BRAKE_BIT: Final = CLOCK_EVENT_BITS["hw_power_brake_slowdown"]
+_IDLE_BIT: Final = CLOCK_EVENT_BITS["gpu_idle"]
+
+
+@dataclass(frozen=True)
 class Job:
     scenario: str  # path
     seed: int
     sweep: tuple[str, str, float] | None  # (kind, parameter, value)
     perturb: Perturb = Perturb()
+    cell: Cell | None = None  # a robustness-matrix cell
+    minutes: float | None = None  # the trace's length (None: the scenario's own, othergen's 30)
+    nodes: int | None = None  # othergen only (None: 64)
 
 
 def perturb_trace(path: Path, perturb: Perturb, seed: int) -> int:
@@ -123,7 +194,98 @@ def perturb_trace(path: Path, perturb: Perturb, seed: int) -> int:
 
 def _label(job: Job) -> str:
     base = f"{Path(job.scenario).stem} seed {job.seed}"
+    if job.cell is not None:
+        return f"{base} [{job.cell.name}]"
     return base if job.sweep is None else f"{base} {job.sweep[0]}.{job.sweep[1]}={job.sweep[2]:g}"
+
+
+def _evidence(f: TruthFault, report: dict[str, Any]) -> bool:
+    """Whether this report of the fault's node carries what a detector needs to see the fault.
+
+    Load-only kinds need their GPU under load (``slow_gpu``: no reason bit, only a slow clock while
+    loaded) or the reason bit the hardware raises (``thermal``, ``power_brake``); a downtrained
+    PCIe link shows as a width below the maximum, or a generation below it while the GPU is not
+    idle (an idle link trains down on healthy GPUs too); NVLink CRC and symbol errors show in
+    every report (their counters, whether or not they moved in that interval).
+    """
+    gpus = report.get("gpus") or []
+    mine = [g for g in gpus if g.get("index") == f.gpu]
+    if f.kind == "slow_gpu":
+        return any((g.get("utilization_ratio") or 0.0) >= LOADED_UTILIZATION for g in mine)
+    if f.kind == "thermal":
+        return any(int(g.get("clock_event_reasons") or 0) & _THERMAL_BITS for g in mine)
+    if f.kind == "power_brake":
+        return any(int(g.get("clock_event_reasons") or 0) & _BRAKE_BIT for g in gpus)
+    if f.kind == "pcie_downtrain":
+        return any(
+            g["pcie_link_width"] < g["pcie_link_width_max"]
+            or (g["pcie_link_gen"] < g["pcie_link_gen_max"] and not int(g["clock_event_reasons"]) & _IDLE_BIT)
+            for g in mine
+        )
+    return True
+
+
+def visibility(trace: Path, truth: Truth, window_s: float = SOFT_WITHIN_S) -> tuple[dict[int, bool], float]:
+    """Per soft fault (by its index in ``truth.faults``) whether the trace showed it for its whole
+    window after it first showed; and the share of reports whose GPUs are, on average, loaded.
+
+    A fault is visible when the window ``first_seen .. first_seen + window_s`` lies within the
+    trace and either (``slow_nic``) the node's reports carry successful pair probes with at least
+    ``VISIBLE_NIC_PEERS`` distinct peers in it, or (every other kind) at least ``VISIBLE_SHARE``
+    of the window's report slots (window / the node's interval) carry the evidence (``_evidence``).
+    A report delivered twice counts once.
+    """
+    soft = {i: f for i, f in enumerate(truth.faults) if f.fault_class == "soft" and f.first_seen is not None}
+    by_node: dict[str, list[int]] = defaultdict(list)
+    for i, f in soft.items():
+        by_node[f.node].append(i)
+    slots: dict[int, int] = dict.fromkeys(soft, 0)
+    peers: dict[int, set[str]] = {i: set() for i in soft}
+    interval: dict[int, float] = {}
+    seen: set[tuple[str, str, int]] = set()
+    loaded = total = 0
+    decoder = msgspec.json.Decoder()
+    with gzip.open(trace, "rb") as fh:
+        for line in fh:
+            r = decoder.decode(line)
+            total += 1
+            gpus = r.get("gpus") or []
+            if (
+                gpus
+                and statistics.fmean(g.get("utilization_ratio") or 0.0 for g in gpus) >= LOADED_UTILIZATION
+            ):
+                loaded += 1
+            ids = by_node.get(r["node"])
+            if not ids:
+                continue
+            key = (r["node"], r.get("boot_id", ""), r["seq"])
+            if key in seen:
+                continue
+            seen.add(key)
+            for i in ids:
+                f = soft[i]
+                assert f.first_seen is not None
+                if not f.first_seen <= r["time"] < f.first_seen + window_s:
+                    continue
+                interval[i] = float(r["interval_seconds"])
+                if f.kind == "slow_nic":
+                    peers[i] |= {
+                        p["peer"]
+                        for p in r.get("probes") or []
+                        if p.get("kind") == "nccl_allreduce_pair" and p.get("ok") and p.get("peer")
+                    }
+                elif _evidence(f, r):
+                    slots[i] += 1
+    out: dict[int, bool] = {}
+    for i, f in soft.items():
+        assert f.first_seen is not None
+        if f.first_seen + window_s > truth.end + 1.0 or i not in interval:
+            out[i] = False
+        elif f.kind == "slow_nic":
+            out[i] = len(peers[i]) >= VISIBLE_NIC_PEERS
+        else:
+            out[i] = slots[i] >= VISIBLE_SHARE * window_s / interval[i]
+    return out, (loaded / total if total else 0.0)
 
 
 def _with_sweep(s: scenario_mod.Scenario, sweep: tuple[str, str, float] | None) -> scenario_mod.Scenario:
@@ -183,11 +345,20 @@ def run_job(job: Job) -> dict[str, Any]:
         trace = Path(tmp) / "trace.jsonl.gz"
         decisions_path = Path(tmp) / "decisions.jsonl"
         if job.scenario == OTHERGEN:
-            truth = othergen.write(job.seed, trace, Path(tmp) / "truth.json")
+            kw: dict[str, Any] = {} if job.cell is None else {"knobs": job.cell.knobs()}
+            if job.minutes is not None:
+                kw["minutes"] = job.minutes
+            if job.nodes is not None:
+                kw["nodes"] = job.nodes
+            truth = othergen.write(job.seed, trace, Path(tmp) / "truth.json", **kw)
             with gzip.open(trace, "rt", encoding="utf-8") as f:
                 reports = sum(1 for _ in f)
         else:
-            s = scenario_mod.load(Path(job.scenario)).with_overrides(seed=job.seed, nodes=None, minutes=None)
+            s = scenario_mod.load(Path(job.scenario)).with_overrides(
+                seed=job.seed, nodes=None, minutes=job.minutes
+            )
+            if job.cell is not None:
+                s = job.cell.scenario(s)
             reports, truth = write_trace(_with_sweep(s, job.sweep), trace)
         if job.perturb:
             reports = perturb_trace(trace, job.perturb, job.seed)
@@ -196,6 +367,15 @@ def run_job(job: Job) -> dict[str, Any]:
         replay(trace, decisions_path, config, rules)
         mine = sorted(sim_eval.load_decisions(decisions_path), key=lambda d: d.time)
         base = sorted(sim_eval.baseline(trace), key=lambda d: d.time)
+        visible, loaded = visibility(trace, truth) if job.cell is not None else ({}, None)
+    faults = []
+    for i, f in enumerate(truth.faults):
+        if f.fault_class == "lookalike":
+            continue
+        outcome = _fault_outcome(f, mine, base, truth.end)
+        if job.cell is not None and f.fault_class == "soft":
+            outcome["visible"] = visible.get(i, False)
+        faults.append(outcome)
     return {
         "scenario": job.scenario,
         "seed": job.seed,
@@ -209,9 +389,9 @@ def run_job(job: Job) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - started, 1),
         "gpuwarden": sim_eval.score(truth, mine),
         "baseline": sim_eval.score(truth, base),
-        "faults": [
-            _fault_outcome(f, mine, base, truth.end) for f in truth.faults if f.fault_class != "lookalike"
-        ],
+        "cell": None if job.cell is None else dataclasses.asdict(job.cell),
+        "loaded_share": loaded,
+        "faults": faults,
         "false_quarantines": _false_quarantines(truth, mine),
         "links_degraded": [
             {"node": d.node, "peer": d.peer, "at_s": d.time - truth.start}
@@ -463,6 +643,155 @@ def render(main: list[dict[str, Any]], sweep: list[dict[str, Any]], command: str
     return "\n".join(out)
 
 
+def _gen_name(scenario: str) -> str:
+    return "othergen" if scenario == OTHERGEN else f"sim ({Path(scenario).stem})"
+
+
+def _cell_row(gen: str, name: str, runs: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    """One matrix row, and its misses (soft faults visible but not quarantined in time; false
+    quarantines), each named with its seed."""
+    soft = [(r["seed"], f) for r in runs for f in r["faults"] if f["class"] == "soft"]
+    # As ``observable``: a fault caught in time counts as visible whatever its window showed.
+    vis = [(seed, f) for seed, f in soft if f.get("visible") or _in_time(f)]
+    caught = [f for _, f in vis if _in_time(f)]
+    ttd = [f["ttd_s"] for f in caught]
+    hard = [f for r in runs for f in r["faults"] if f["class"] == "hard" and f["first_seen"] is not None]
+    link = [f for r in runs for f in r["faults"] if f["class"] == "link" and observable(f)]
+    fq = [(r["seed"], q) for r in runs for q in r["false_quarantines"]]
+    loaded = [r["loaded_share"] for r in runs if r.get("loaded_share") is not None]
+    row = (
+        f"| {gen} | {name} | {len(runs)} | {_pct(len(caught), len(vis))} | "
+        f"{f'{statistics.median(ttd):.0f} s' if ttd else '-'} | {len(soft) - len(vis)} | "
+        f"{_pct(sum(map(_in_time, hard)), len(hard))} | {_pct(sum(map(_in_time, link)), len(link))} | "
+        f"{len(fq)} | {f'{100 * statistics.fmean(loaded):.0f} %' if loaded else '-'} |"
+    )
+    misses = [
+        f"{f['kind']} {f['node']} seed {seed} "
+        + ("never" if f["ttd_s"] is None else f"at {f['ttd_s']:.0f} s")
+        for seed, f in vis
+        if not _in_time(f)
+    ]
+    misses += [
+        f"false quarantine {q['node']} seed {seed} ({q['cause']}, {'+'.join(q['detectors'])})"
+        for seed, q in fq
+    ]
+    hidden = [
+        f"{f['kind']} {f['node']} seed {seed}"
+        + ("" if f["ttd_s"] is None else f" (caught at {f['ttd_s']:.0f} s)")
+        for seed, f in soft
+        if not (f.get("visible") or _in_time(f))
+    ]
+    if hidden:
+        misses.append(f"not visible for 10 minutes: {', '.join(hidden)}")
+    return row, misses
+
+
+def render_matrix(runs: list[dict[str, Any]], command: str) -> str:
+    """The matrix as markdown: one row per (generator, cell), pooled over seeds, then the misses."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    rank = {c.name: i for i, c in enumerate(MATRIX_CELLS)}
+    for r in sorted(runs, key=lambda r: (r["scenario"] == OTHERGEN, rank.get(r["cell"]["name"], len(rank)))):
+        groups.setdefault((r["scenario"], r["cell"]["name"]), []).append(r)
+    out = [
+        f"Command: `{command}`  ",
+        f"Date: {datetime.now(UTC):%Y-%m-%d}; machine: {machine()}.",
+        "",
+        f"Soft recall: soft faults visible for {SOFT_WITHIN_S / 60:.0f} minutes after first showing "
+        f"(``visibility``; one caught in time counts as visible) and quarantined within "
+        f"{SOFT_WITHIN_S / 60:.0f} minutes; TTD from the first "
+        f"report showing the fault; hard recall within {HARD_WITHIN_S:.0f} s; link recall within "
+        f"{LINK_WITHIN_S / 60:.0f} minutes, of the links shown that long; loaded: the share of reports "
+        "whose GPUs average at least 50 % utilisation.",
+        "",
+        "| generator | cell | runs | soft recall <= 10 min (visible) | soft TTD median | soft not visible "
+        "| hard recall <= 30 s | link recall <= 10 min | false quarantines | loaded |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes: list[str] = []
+    for (scen, name), rs in groups.items():
+        row, misses = _cell_row(_gen_name(scen), name, sorted(rs, key=lambda r: r["seed"]))
+        out.append(row)
+        if misses:
+            notes.append(f"- {_gen_name(scen)}, {name}: {'; '.join(misses)}")
+    out += ["", "Misses and false quarantines:", "", *(notes or ["- none"]), ""]
+    return "\n".join(out)
+
+
+def matrix_jobs(
+    scenarios: Sequence[str], seeds: int, cells: Sequence[Cell], minutes: float, nodes: int | None
+) -> list[Job]:
+    # Seed by seed: a run cut short still has whole matrices for its first seeds (``--partial``).
+    return [
+        Job(scen, seed, None, cell=cell, minutes=minutes, nodes=nodes if scen == OTHERGEN else None)
+        for seed in range(1, seeds + 1)
+        for scen in scenarios
+        for cell in cells
+    ]
+
+
+def _job_key(scenario: str, seed: int, cell: str) -> tuple[str, int, str]:
+    return (scenario, seed, cell)
+
+
+def run_partial(jobs: Sequence[Job], workers: int, partial: Path) -> list[dict[str, Any]]:
+    """``run_jobs``, appending each run to ``partial`` (JSON Lines) as it ends and skipping the runs
+    already there, so an interrupted matrix resumes where it stopped."""
+    done: list[dict[str, Any]] = []
+    if partial.exists():
+        done = [json.loads(line) for line in partial.read_text("utf-8").splitlines() if line.strip()]
+    have = {_job_key(r["scenario"], r["seed"], r["cell"]["name"]) for r in done}
+    todo = [j for j in jobs if j.cell is not None and _job_key(j.scenario, j.seed, j.cell.name) not in have]
+    wanted = {_job_key(j.scenario, j.seed, j.cell.name) for j in jobs if j.cell is not None}
+    log.info("%d runs already in %s, %d to go", len(have & wanted), partial, len(todo))
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    with ProcessPoolExecutor(max_workers=workers) as pool, partial.open("a", encoding="utf-8") as out:
+        futures = {pool.submit(run_job, j): j for j in todo}
+        for future in as_completed(futures):
+            job, result = futures[future], future.result()
+            log.info("%s: %d reports, %.1f s", _label(job), result["reports"], result["seconds"])
+            out.write(json.dumps(result) + "\n")
+            out.flush()
+            done.append(result)
+    return [r for r in done if _job_key(r["scenario"], r["seed"], r["cell"]["name"]) in wanted]
+
+
+def run_jobs(jobs: Sequence[Job], workers: int) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        for job, result in zip(jobs, pool.map(run_job, jobs), strict=True):
+            log.info("%s: %d reports, %.1f s", _label(job), result["reports"], result["seconds"])
+            results.append(result)
+    return results
+
+
+def _select_cells(text: str | None) -> list[Cell]:
+    if text is None:
+        return list(MATRIX_CELLS)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = {c.name: c for c in MATRIX_CELLS}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ConfigError(f"--cells: unknown cell(s) {unknown}; cells are {', '.join(known)}")
+    return [known[n] for n in names]
+
+
+def _write_json(path: Path, command: str, results: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        json.dumps(
+            {
+                "command": command,
+                "date": f"{datetime.now(UTC):%Y-%m-%d}",
+                "machine": machine(),
+                "runs": results,
+            },
+            indent=1,
+        )
+        + "\n",
+        "utf-8",
+    )
+
+
 def _parse_sweep(text: str) -> list[tuple[str, str, float]]:
     try:
         target, values = text.split("=", 1)
@@ -479,8 +808,23 @@ def _parse_sweep(text: str) -> list[tuple[str, str, float]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0] if __doc__ else None)
-    p.add_argument("scenarios", nargs="*", type=Path, default=[DEFAULT_SCENARIO])
-    p.add_argument("--seeds", type=int, default=5, help="seeds 1..N for every scenario (5)")
+    p.add_argument("scenarios", nargs="*", type=Path, default=None)
+    p.add_argument("--seeds", type=int, default=None, help="seeds 1..N for every scenario (5; --matrix: 3)")
+    p.add_argument(
+        "--matrix",
+        action="store_true",
+        help="the robustness matrix over both generators (default scenarios: fleet64 and othergen)",
+    )
+    p.add_argument("--cells", help="--matrix: only these cells, by name, comma-separated")
+    p.add_argument(
+        "--minutes", type=float, default=MATRIX_MINUTES, help=f"--matrix: trace length ({MATRIX_MINUTES:g})"
+    )
+    p.add_argument("--nodes", type=int, default=None, help="--matrix: othergen's fleet size (64)")
+    p.add_argument(
+        "--partial",
+        type=Path,
+        help="--matrix: append each run here as it ends, and skip the runs already there",
+    )
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     p.add_argument(
         "--sweep", action="append", help=f"KIND.PARAM=V1,V2,... (default {DEFAULT_SWEEP}; 'none' for none)"
@@ -497,6 +841,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    command = ".venv/bin/python bench/detection.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.matrix:
+        return _matrix_main(p, args, command.strip())
+    if args.scenarios is None:
+        args.scenarios = [DEFAULT_SCENARIO]
+    if args.seeds is None:
+        args.seeds = 5
     if args.seeds < 1 or args.sweep_seeds < 1 or args.jobs < 1:
         p.error("--seeds, --sweep-seeds and --jobs must be >= 1")
     if not 0.0 <= args.drop < 1.0:
@@ -519,31 +870,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         for seed in range(1, args.sweep_seeds + 1)
     ]
     started = time.perf_counter()
-    results: list[dict[str, Any]] = []
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for job, result in zip(jobs, pool.map(run_job, jobs), strict=True):
-            log.info("%s: %d reports, %.1f s", _label(job), result["reports"], result["seconds"])
-            results.append(result)
+    results = run_jobs(jobs, args.jobs)
     main_runs = [r for r in results if r["sweep"] is None]
     sweep_runs = [r for r in results if r["sweep"] is not None]
-    command = ".venv/bin/python bench/detection.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(render(main_runs, sweep_runs, command.strip()))
     log.info("done in %.0f s", time.perf_counter() - started)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps(
-                {
-                    "command": command.strip(),
-                    "date": f"{datetime.now(UTC):%Y-%m-%d}",
-                    "machine": machine(),
-                    "runs": results,
-                },
-                indent=1,
-            )
-            + "\n",
-            "utf-8",
-        )
+        _write_json(args.json, command.strip(), results)
+    return 0
+
+
+def _matrix_main(p: argparse.ArgumentParser, args: argparse.Namespace, command: str) -> int:
+    seeds = 3 if args.seeds is None else args.seeds
+    if seeds < 1 or args.jobs < 1:
+        p.error("--seeds and --jobs must be >= 1")
+    if args.sweep or args.drop or args.strip_labels:
+        p.error("--matrix varies the generators' own knobs: no --sweep, --drop or --strip-labels")
+    scenarios = [str(s) for s in (args.scenarios or [DEFAULT_SCENARIO, Path(OTHERGEN)])]
+    for path in scenarios:
+        if path != OTHERGEN:
+            scenario_mod.load(path)
+    try:
+        cells = _select_cells(args.cells)
+    except ConfigError as exc:
+        p.error(str(exc))
+    started = time.perf_counter()
+    jobs = matrix_jobs(scenarios, seeds, cells, args.minutes, args.nodes)
+    results = run_partial(jobs, args.jobs, args.partial) if args.partial else run_jobs(jobs, args.jobs)
+    order = {_job_key(j.scenario, j.seed, j.cell.name): i for i, j in enumerate(jobs) if j.cell is not None}
+    results.sort(key=lambda r: order[_job_key(r["scenario"], r["seed"], r["cell"]["name"])])
+    print(render_matrix(results, command))
+    log.info("done in %.0f s", time.perf_counter() - started)
+    if args.json:
+        _write_json(args.json, command, results)
     return 0
 
 

@@ -138,6 +138,8 @@ from typing import Any, Final
 
 import msgspec
 
+from sim.profiles import symbol_errors_per_s
+from sim.scenario import LOW_SLOW_GPU_RATIO, LOW_SLOW_NIC_RATIO, LOW_SYMBOL_BER_BUDGETS
 from sim.truth import CLASSES, Truth, TruthFault
 from sim.truth import write as write_truth
 
@@ -296,6 +298,54 @@ DUR_MIN_S: Final = 180.0
 DUR_MAX_S: Final = 40 * 60.0
 
 
+@dataclass(frozen=True)
+class Knobs:
+    """Robustness knobs (bench/detection.py ``--matrix``, bench/healthy.py); the defaults are the
+    model above, and give the same traces bit for bit.
+
+    - ``noise``: every healthy random spread widened this many times around its centre: the
+      per-GPU manufacturing spread (efficiency, idle power, temperature offset), the per-node NIC
+      and NVLink factors, the rack inlets, the job intensity and utilisation spread, the per-report
+      jitter of utilisation, power and temperature, and the probes' noise.
+    - ``job_median_s``: the jobs' median duration (the clipping range moves with it).
+    - ``busy_share``: the share of node-time busy over the trace; the scheduler then backfills
+      (a queued job that fits starts even when the head does not) and the offered load is found
+      by bisection over the schedule alone. A share the 60-s scheduler cycle and the 30-s post-job
+      hold cannot reach is approached as closely as it can be; the trace says what it reached.
+    - ``loss``: the share of reports lost in delivery.
+    - ``faults_at_start``: every hard, soft and link fault from the trace's first report.
+    - ``low_magnitudes``: the soft faults' low end (sim.scenario: slow GPU at 0.90, symbol errors
+      at twice the port's BER budget at its own rate, slow NIC at 0.75).
+    - ``healthy``: no hard, soft or link fault (the look-alikes and the silent rack stay).
+    """
+
+    noise: float = 1.0
+    job_median_s: float = DUR_MEDIAN_S
+    busy_share: float | None = None
+    loss: float = LOSS_P
+    faults_at_start: bool = False
+    low_magnitudes: bool = False
+    healthy: bool = False
+
+    def check(self) -> None:
+        if not (math.isfinite(self.noise) and self.noise > 0):
+            raise ValueError(f"noise: must be > 0, got {self.noise}")
+        if not (math.isfinite(self.job_median_s) and self.job_median_s >= 60.0):
+            raise ValueError(f"job_median_s: at least 60 s, got {self.job_median_s}")
+        if self.busy_share is not None and not 0.0 < self.busy_share < 1.0:
+            raise ValueError(f"busy_share: must be in (0, 1), got {self.busy_share}")
+        if not 0.0 <= self.loss < 1.0:
+            raise ValueError(f"loss: must be in [0, 1), got {self.loss}")
+
+
+DEFAULT_KNOBS: Final = Knobs()
+
+
+def _widen(x: float, centre: float, k: float) -> float:
+    """``x`` spread ``k`` times as far from ``centre``; ``x`` itself at 1, bit for bit."""
+    return x if k == 1.0 else centre + (x - centre) * k
+
+
 def _rng(seed: int, *names: object) -> random.Random:
     """An independent stream per concern, so one choice does not shift every other draw."""
     digest = hashlib.sha256(":".join(str(x) for x in (seed, *names)).encode()).digest()
@@ -337,11 +387,14 @@ class Node:
     skew: float = 0.0
 
 
-def _build_fleet(seed: int, nodes: int) -> list[Node]:
+def _build_fleet(seed: int, nodes: int, k: float = 1.0) -> list[Node]:
     rng = _rng(seed, "fleet")
     racks = math.ceil(nodes / NODES_PER_RACK)
     h100_racks = min(racks - 1, max(1, round(racks * 0.75)))
-    inlets = [23.0 + rng.uniform(-1.5, 1.5) for _ in range(racks)]
+    inlets = [23.0 + rng.uniform(-1.5, 1.5) * k for _ in range(racks)]
+    # Clip bounds widen with the spread (k = 1: the datasheet-style bounds as written).
+    eff_lo, eff_hi = (0.94, 1.06) if k == 1.0 else (1.0 - 0.06 * k, 1.0 + 0.06 * k)
+    fac_lo, fac_hi = (0.98, 1.02) if k == 1.0 else (1.0 - 0.02 * k, 1.0 + 0.02 * k)
     fleet: list[Node] = []
     bus_ids = ("18", "2a", "3a", "5d", "9a", "ab", "ba", "db")  # an HGX baseboard's layout
     for i in range(nodes):
@@ -356,12 +409,18 @@ def _build_fleet(seed: int, nodes: int) -> list[Node]:
                 leaf=f"leaf-{rack // RACKS_PER_LEAF + 1}",
                 uuids=[f"GPU-{rng.getrandbits(128):032x}" for _ in range(GPUS)],
                 pci=[f"00000000:{b}:00.0" for b in bus_ids],
-                efficiency=[min(1.06, max(0.94, rng.gauss(1.0, 0.025))) for _ in range(GPUS)],
-                idle_w=[rng.uniform(*hw.idle_power_w) for _ in range(GPUS)],
-                temp_offset=[rng.gauss(0.0, 1.2) + (3.0 if g >= 4 else 0.0) for g in range(GPUS)],
+                efficiency=[min(eff_hi, max(eff_lo, rng.gauss(1.0, 0.025 * k))) for _ in range(GPUS)],
+                idle_w=[
+                    max(
+                        0.5 * hw.idle_power_w[0],
+                        _widen(rng.uniform(*hw.idle_power_w), sum(hw.idle_power_w) / 2, k),
+                    )
+                    for _ in range(GPUS)
+                ],
+                temp_offset=[rng.gauss(0.0, 1.2 * k) + (3.0 if g >= 4 else 0.0) for g in range(GPUS)],
                 weak_ecc=[rng.random() < 0.02 for _ in range(GPUS)],
-                nic_factor=min(1.02, max(0.98, rng.gauss(1.0, 0.008))),
-                local_factor=min(1.02, max(0.98, rng.gauss(1.0, 0.008))),
+                nic_factor=min(fac_hi, max(fac_lo, rng.gauss(1.0, 0.008 * k))),
+                local_factor=min(fac_hi, max(fac_lo, rng.gauss(1.0, 0.008 * k))),
                 rack_inlet=inlets[rack],
                 uptime_s=rng.uniform(2, 40) * 86400.0,
             )
@@ -439,17 +498,21 @@ def _job_sizes(pool_size: int, leaf_share: int) -> list[tuple[int, float]]:
     ]
 
 
-def _make_job(rng: random.Random, jid: int, pool: str, sizes: list[tuple[int, float]]) -> Job:
+def _make_job(
+    rng: random.Random, jid: int, pool: str, sizes: list[tuple[int, float]], knobs: Knobs = DEFAULT_KNOBS
+) -> Job:
     k = rng.choices([s for s, _ in sizes], weights=[w for _, w in sizes])[0]
     k1 = k > 1
+    median, noise = knobs.job_median_s, knobs.noise
+    scale = median / DUR_MEDIAN_S  # the clipping range moves with the median
     return Job(
         id=jid,
         pool=pool,
         k=k,
-        duration=min(DUR_MAX_S, max(DUR_MIN_S, DUR_MEDIAN_S * math.exp(rng.gauss(0.0, DUR_SIGMA)))),
+        duration=min(DUR_MAX_S * scale, max(DUR_MIN_S * scale, median * math.exp(rng.gauss(0.0, DUR_SIGMA)))),
         startup_s=rng.uniform(30, 120),
-        util=rng.uniform(0.90, 0.99),
-        intensity=rng.uniform(0.6, 1.05),
+        util=min(0.999, _widen(rng.uniform(0.90, 0.99), 0.945, noise)),
+        intensity=max(0.1, _widen(rng.uniform(0.6, 1.05), 0.825, noise)),
         ckpt_period=rng.uniform(180, 480),
         ckpt_len=rng.uniform(15, 45),
         ckpt_phase=rng.uniform(0, 480),
@@ -458,13 +521,59 @@ def _make_job(rng: random.Random, jid: int, pool: str, sizes: list[tuple[int, fl
     )
 
 
-def _mean_duration() -> float:
+def _mean_duration(median: float = DUR_MEDIAN_S) -> float:
     # The lognormal's mean, median x e^(sigma^2 / 2); the clipping moves it by about 1 %.
-    return DUR_MEDIAN_S * math.exp(DUR_SIGMA**2 / 2)
+    return median * math.exp(DUR_SIGMA**2 / 2)
+
+
+def busy_share(sched: Schedule, t0: float, t1: float) -> float:
+    """The share of node-time in ``t0..t1`` that the schedule keeps busy (a job on the node)."""
+    busy = 0.0
+    for tl in sched.timelines:
+        for a, b, kind, _job in tl.segs:
+            if kind == "busy":
+                busy += max(0.0, min(b, t1) - max(a, t0))
+    return busy / (len(sched.timelines) * (t1 - t0))
+
+
+def _schedule_for_share(
+    seed: int,
+    fleet: list[Node],
+    t0: float,
+    t1: float,
+    outages: dict[int, tuple[float, float]],
+    *,
+    knobs: Knobs,
+) -> Schedule:
+    """The backfilling schedule whose busy share over ``t0..t1`` is nearest ``knobs.busy_share``:
+    bisection on the offered load (the share grows with it), over the schedule alone."""
+    assert knobs.busy_share is not None
+    lo, hi = 0.02, 4.0
+    best: tuple[float, Schedule] | None = None
+    for _ in range(12):
+        mid = (lo + hi) / 2
+        sched = _schedule(seed, fleet, t0 - WARMUP_S, t1, outages, knobs=knobs, offered=mid, backfill=True)
+        got = busy_share(sched, t0, t1)
+        if best is None or abs(got - knobs.busy_share) < abs(best[0] - knobs.busy_share):
+            best = (got, sched)
+        if got < knobs.busy_share:
+            lo = mid
+        else:
+            hi = mid
+    assert best is not None
+    return best[1]
 
 
 def _schedule(
-    seed: int, fleet: list[Node], t_begin: float, t_end: float, outages: dict[int, tuple[float, float]]
+    seed: int,
+    fleet: list[Node],
+    t_begin: float,
+    t_end: float,
+    outages: dict[int, tuple[float, float]],
+    *,
+    knobs: Knobs = DEFAULT_KNOBS,
+    offered: float = OFFERED_LOAD,
+    backfill: bool = False,
 ) -> Schedule:
     rng = _rng(seed, "jobs")
     timelines = [Timeline() for _ in fleet]
@@ -492,13 +601,13 @@ def _schedule(
             per_leaf[fleet[n].leaf] = per_leaf.get(fleet[n].leaf, 0) + 1
         sizes = _job_sizes(size, max(per_leaf.values()))
         mean_k = sum(k * w for k, w in sizes) / sum(w for _, w in sizes)
-        rate = OFFERED_LOAD * size / (mean_k * _mean_duration())
+        rate = offered * size / (mean_k * _mean_duration(knobs.job_median_s))
         t = t_begin
         while True:
             t += rng.expovariate(rate)
             if t >= t_end:
                 break
-            job = _make_job(rng, len(jobs), hw.pool, sizes)
+            job = _make_job(rng, len(jobs), hw.pool, sizes, knobs)
             jobs.append(job)
             push(t, "arrive", job.id)
     push(t_begin + rng.uniform(0, SCHED_CYCLE_S), "cycle", 0)
@@ -513,9 +622,10 @@ def _schedule(
 
     def try_start(pool: str, t: float) -> None:
         queue = queues[pool]
-        while queue:
+        skipped = 0  # with backfill: queued jobs passed over because they do not fit yet
+        while len(queue) > skipped:
             free = [n for n in members[pool] if status[n] == "free"]
-            job = queue[0]
+            job = queue[skipped]
             by_leaf: dict[str, list[int]] = {}
             for n in free:
                 by_leaf.setdefault(fleet[n].leaf, []).append(n)
@@ -523,8 +633,11 @@ def _schedule(
             if len(free) < job.k or (
                 job.k >= LEAF_LOCAL_K and max((len(v) for v in by_leaf.values()), default=0) < job.k
             ):
-                return
-            queue.popleft()
+                if not backfill or not free:
+                    return
+                skipped += 1
+                continue
+            del queue[skipped]
             if job.k >= LEAF_LOCAL_K:
                 leaf = max(sorted(by_leaf), key=lambda lf: len(by_leaf[lf]))
                 by_leaf = {leaf: by_leaf[leaf]}
@@ -756,14 +869,17 @@ def _pair_counts(runs: list[ProbeRun], after: float) -> dict[tuple[int, int], in
 class _Planner:
     """Draws every fault: nodes, times and magnitudes, all from the seed."""
 
-    def __init__(self, seed: int, fleet: list[Node], t0: float, t1: float) -> None:
+    def __init__(self, seed: int, fleet: list[Node], t0: float, t1: float, at_start: bool = False) -> None:
         self.rng = _rng(seed, "faults")
         self.fleet, self.t0, self.t1 = fleet, t0, t1
+        self.at_start = at_start
         self.used: set[int] = set()
         self.faults: list[Fault] = []
 
-    def onset(self, lo: float = 0.1, hi: float = 0.5) -> float:
-        return self.t0 + self.rng.uniform(lo, hi) * (self.t1 - self.t0)
+    def onset(self, lo: float = 0.1, hi: float = 0.5, *, fault: bool = True) -> float:
+        """A fault's onset (drawn either way, so ``at_start`` moves no other draw)."""
+        at = self.t0 + self.rng.uniform(lo, hi) * (self.t1 - self.t0)
+        return self.t0 if self.at_start and fault else at
 
     def pick(self, candidates: Sequence[int] | None = None) -> int:
         pool = [n for n in (candidates if candidates is not None else range(len(self.fleet)))]
@@ -829,7 +945,7 @@ class _ProbeResult:
 
 
 def _probe_results(
-    seed: int, fleet: list[Node], runs: list[ProbeRun], faults: list[Fault]
+    seed: int, fleet: list[Node], runs: list[ProbeRun], faults: list[Fault], k: float = 1.0
 ) -> list[_ProbeResult]:
     rng = _rng(seed, "probe-values")
     by_node: dict[int, list[Fault]] = {}
@@ -843,14 +959,14 @@ def _probe_results(
             continue
         shows: set[int] = set()
         if r.kind == "nccl_allreduce_local":
-            bw = hw.local_busbw * fleet[r.nodes[0]].local_factor * rng.gauss(1.0, 0.008)
+            bw = hw.local_busbw * fleet[r.nodes[0]].local_factor * rng.gauss(1.0, 0.008 * k)
             for f in by_node.get(r.nodes[0], []):
                 if f.kind == "slow_gpu" and f.active(r.t0):
                     bw *= f.level
                     shows.add(f.id)
         else:
             a, b = r.nodes
-            bw = hw.pair_busbw * min(fleet[a].nic_factor, fleet[b].nic_factor) * rng.gauss(1.0, 0.015)
+            bw = hw.pair_busbw * min(fleet[a].nic_factor, fleet[b].nic_factor) * rng.gauss(1.0, 0.015 * k)
             for n in r.nodes:
                 for f in by_node.get(n, []):
                     if not f.active(r.t0):
@@ -879,6 +995,7 @@ class _Ctx:
     faults: dict[int, list[Fault]]
     probes: dict[int, list[_ProbeResult]]
     app_xids: dict[int, list[Fault]]
+    noise: float = 1.0
 
 
 @dataclass
@@ -1138,7 +1255,7 @@ class _NodeSim:
             xid(code, texts.get(code, "pid=30211, name=python3"))
 
     def _gpu(self, g: int, m: _Moment) -> dict[str, Any]:
-        node, hw, rng = self.node, self.hw, self.rng
+        node, hw, rng, k = self.node, self.hw, self.rng, self.ctx.noise
         state, t, dt, phase, job, active, shows = self.gpus[g], m.t, m.dt, m.phase, m.job, m.active, m.shows
         idle_w = node.idle_w[g]
         reasons = 0
@@ -1147,7 +1264,7 @@ class _NodeSim:
         util = 0.0
         target_temp: float | None = None
         if phase == "idle":
-            power = idle_w * rng.gauss(1.0, 0.015)
+            power = idle_w * rng.gauss(1.0, 0.015 * k)
             clock, reasons, pstate = hw.sm_idle_hz, R_IDLE, 8
         else:
             assert job is not None
@@ -1157,15 +1274,15 @@ class _NodeSim:
                 frac = min(1.0, (t - job.start) / job.startup_s)
                 mem_used = int(hw.idle_memory_bytes + frac * job.mem_frac * hw.memory_bytes)
                 util = rng.uniform(0.0, 0.03)
-                power = idle_w * 1.4 * rng.gauss(1.0, 0.02)
+                power = idle_w * 1.4 * rng.gauss(1.0, 0.02 * k)
                 clock, reasons = hw.sm_idle_hz, R_IDLE
             else:
                 mem_used = int(job.mem_frac * hw.memory_bytes) + rng.randint(-64, 64) * MIB
                 if phase == "ckpt":
                     util = rng.uniform(0.02, 0.25)
                 else:
-                    util = min(1.0, max(0.0, rng.gauss(job.util, 0.02)))
-                power = idle_w + (full - idle_w) * util * rng.gauss(1.0, 0.01)
+                    util = min(1.0, max(0.0, rng.gauss(job.util, 0.02 * k)))
+                power = idle_w + (full - idle_w) * util * rng.gauss(1.0, 0.01 * k)
                 if power > hw.power_limit_w:
                     clock = _quantize(hw.sm_max_hz * (hw.power_limit_w / power) ** (1 / 2.5), hw)
                     power = hw.power_limit_w * rng.uniform(0.985, 1.0)
@@ -1201,8 +1318,8 @@ class _NodeSim:
             state.temp = steady_temp
         else:
             state.temp = steady_temp + (state.temp - steady_temp) * math.exp(-dt / 30.0)
-        temp = float(round(state.temp + rng.gauss(0.0, 0.3)))
-        mem_temp = float(round(state.temp + 2.0 + 0.006 * power + rng.gauss(0.0, 0.4)))
+        temp = float(round(state.temp + rng.gauss(0.0, 0.3 * k)))
+        mem_temp = float(round(state.temp + 2.0 + 0.006 * power + rng.gauss(0.0, 0.4 * k)))
         prev_power = power if state.power is None or m.first else state.power
         state.energy += (prev_power + power) / 2 * dt
         state.power = power
@@ -1370,8 +1487,10 @@ class _NodeSim:
 # -- the whole trace ------------------------------------------------------------------------
 
 
-def _plan(seed: int, fleet: list[Node], t0: float, t1: float) -> tuple[list[Fault], Schedule, list[ProbeRun]]:
-    plan = _Planner(seed, fleet, t0, t1)
+def _plan(
+    seed: int, fleet: list[Node], t0: float, t1: float, knobs: Knobs = DEFAULT_KNOBS
+) -> tuple[list[Fault], Schedule, list[ProbeRun]]:
+    plan = _Planner(seed, fleet, t0, t1, knobs.faults_at_start)
     rng = plan.rng
     span = t1 - t0
     racks = sorted({n.rack for n in fleet})
@@ -1387,11 +1506,16 @@ def _plan(seed: int, fleet: list[Node], t0: float, t1: float) -> tuple[list[Faul
 
     # Faults that change the schedule: the lost GPU's job dies, the rebooting node's too.
     xid79 = plan.add("xid79", "hard", plan.pick(), plan.onset(), gpu=rng.randrange(GPUS))
-    reboot_at = plan.onset(0.15, 0.6)
+    reboot_at = plan.onset(0.15, 0.6, fault=False)
     reboot = plan.add("reboot", "lookalike", plan.pick(), reboot_at, end=reboot_at + rng.uniform(120, 300))
     assert reboot.end is not None
     outages = {xid79.node: (xid79.start, math.inf), reboot.node: (reboot.start, reboot.end)}
-    sched = _schedule(seed, fleet, t0 - WARMUP_S, t1, outages)
+    if knobs.healthy:
+        del outages[xid79.node]
+    if knobs.busy_share is None:
+        sched = _schedule(seed, fleet, t0 - WARMUP_S, t1, outages, knobs=knobs)
+    else:
+        sched = _schedule_for_share(seed, fleet, t0, t1, outages, knobs=knobs)
     runs = _plan_probes(seed, fleet, sched, t0, t1)
 
     # The degraded link: a same-pool, same-leaf pair the prober tests at least 3 times after onset.
@@ -1429,7 +1553,10 @@ def _plan(seed: int, fleet: list[Node], t0: float, t1: float) -> tuple[list[Faul
         tested[x] = tested.get(x, 0) + c
         tested[y] = tested.get(y, 0) + c
     probed = [n for n, c in sorted(tested.items()) if c >= 2]
-    plan.add("slow_nic", "soft", plan.pick(probed or None), nic_at, ratio=rng.uniform(0.6, 0.8))
+    nic_node, nic_ratio = plan.pick(probed or None), rng.uniform(0.6, 0.8)
+    plan.add(
+        "slow_nic", "soft", nic_node, nic_at, ratio=LOW_SLOW_NIC_RATIO if knobs.low_magnitudes else nic_ratio
+    )
 
     # Load-only faults: on nodes that will run a job for a while after the onset.
     for kind in ("thermal", "power_brake", "slow_gpu"):
@@ -1449,13 +1576,14 @@ def _plan(seed: int, fleet: list[Node], t0: float, t1: float) -> tuple[list[Faul
         elif kind == "power_brake":
             plan.add(kind, "soft", node, at, ratio=rng.uniform(0.5, 0.7))
         else:
+            gpu, ratio = rng.randrange(GPUS), rng.uniform(0.85, 0.92)
             plan.add(
                 kind,
                 "soft",
                 node,
                 at,
-                gpu=rng.randrange(GPUS),
-                ratio=rng.uniform(0.85, 0.92),
+                gpu=gpu,
+                ratio=LOW_SLOW_GPU_RATIO if knobs.low_magnitudes else ratio,
                 level=rng.uniform(0.85, 0.93),
             )
 
@@ -1483,13 +1611,21 @@ def _plan(seed: int, fleet: list[Node], t0: float, t1: float) -> tuple[list[Faul
         port=rng.randrange(fleet[crc_node].hw.nvlinks),
         rate=rng.uniform(0.5, 5.0),
     )
+    storm_node, storm_at, storm_port, storm_rate = (
+        plan.pick(),
+        plan.onset(),
+        rng.randrange(PORTS),
+        rng.uniform(10.0, 100.0),
+    )
+    if knobs.low_magnitudes:
+        storm_rate = symbol_errors_per_s(LOW_SYMBOL_BER_BUDGETS, fleet[storm_node].hw.ib_rate)
     plan.add(
         "symbol_storm",
         "soft",
-        plan.pick(),
-        plan.onset(),
-        port=rng.randrange(PORTS),
-        rate=rng.uniform(10.0, 100.0),
+        storm_node,
+        storm_at,
+        port=storm_port,
+        rate=storm_rate,
         level=rng.uniform(0.01, 0.05),
     )
 
@@ -1504,6 +1640,8 @@ def _plan(seed: int, fleet: list[Node], t0: float, t1: float) -> tuple[list[Faul
     fleet[skewed].skew = rng.uniform(20.0, 60.0)
     plan.add("clock_skew", "lookalike", skewed, t0, ratio=fleet[skewed].skew)
     del silent
+    if knobs.healthy:
+        return [f for f in plan.faults if f.fault_class in ("lookalike", "silent")], sched, runs
     return plan.faults, sched, runs
 
 
@@ -1514,7 +1652,13 @@ class _Delivered:
 
 
 def _deliver(
-    seed: int, fleet: list[Node], outs: dict[int, list[_Out]], silent: Fault, spool_flush: bool
+    seed: int,
+    fleet: list[Node],
+    outs: dict[int, list[_Out]],
+    silent: Fault,
+    spool_flush: bool,
+    *,
+    loss: float = LOSS_P,
 ) -> list[_Delivered]:
     rng = _rng(seed, "delivery")
     delivered: list[_Delivered] = []
@@ -1523,7 +1667,7 @@ def _deliver(
         cut = node.rack == silent.rack
         backlog = 0
         for o in outs[node.idx]:
-            if rng.random() < LOSS_P:
+            if rng.random() < loss:
                 continue
             if cut and silent.start <= o.time < silent.end:
                 if not spool_flush:
@@ -1552,13 +1696,20 @@ def _check_args(nodes: int, minutes: float, interval_s: float) -> None:
 
 
 def _simulate(
-    seed: int, nodes: int, minutes: float, interval_s: float, spool_flush: bool
+    seed: int,
+    nodes: int,
+    minutes: float,
+    interval_s: float,
+    spool_flush: bool,
+    *,
+    knobs: Knobs = DEFAULT_KNOBS,
 ) -> tuple[list[_Delivered], Truth]:
     _check_args(nodes, minutes, interval_s)
+    knobs.check()
     t0, t1 = START, START + minutes * 60.0
-    fleet = _build_fleet(seed, nodes)
-    faults, sched, runs = _plan(seed, fleet, t0, t1)
-    results = _probe_results(seed, fleet, runs, faults)
+    fleet = _build_fleet(seed, nodes, knobs.noise)
+    faults, sched, runs = _plan(seed, fleet, t0, t1, knobs)
+    results = _probe_results(seed, fleet, runs, faults, knobs.noise)
     by_node: dict[int, list[Fault]] = {}
     app: dict[int, list[Fault]] = {}
     for f in faults:
@@ -1583,11 +1734,12 @@ def _simulate(
         by_node,
         probes,
         app,
+        knobs.noise,
     )
     # A link fault lives on both ends for the probes, but only its own node's reports step it.
     outs = {n.idx: _NodeSim(ctx, n).run() for n in fleet}
     silent = next(f for f in faults if f.kind == "silent_rack")
-    delivered = _deliver(seed, fleet, outs, silent, spool_flush)
+    delivered = _deliver(seed, fleet, outs, silent, spool_flush, loss=knobs.loss)
 
     first_seen: dict[int, float] = {}
     for d in delivered:
@@ -1622,15 +1774,21 @@ def _simulate(
 
 
 def generate(
-    seed: int, *, nodes: int = 64, minutes: float = 30, interval_s: float = 10.0, spool_flush: bool = True
+    seed: int,
+    *,
+    nodes: int = 64,
+    minutes: float = 30,
+    interval_s: float = 10.0,
+    spool_flush: bool = True,
+    knobs: Knobs = DEFAULT_KNOBS,
 ) -> tuple[list[dict[str, Any]], Truth]:
     """The reports (JSON-ready dicts, in the order the aggregator receives them) and the truth.
 
     Same arguments, same output. ``spool_flush=False`` drops the silent rack's backlog instead of
-    delivering it after the cut heals. Raises ``ValueError`` for a fleet or trace too small to
-    hold every fault apart.
+    delivering it after the cut heals; ``knobs`` are the robustness knobs (``Knobs``). Raises
+    ``ValueError`` for a fleet or trace too small to hold every fault apart, or a bad knob.
     """
-    delivered, truth = _simulate(seed, nodes, float(minutes), float(interval_s), spool_flush)
+    delivered, truth = _simulate(seed, nodes, float(minutes), float(interval_s), spool_flush, knobs=knobs)
     return [d.out.report for d in delivered], truth
 
 
@@ -1677,6 +1835,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="drop the silent rack's backlog instead of delivering it late",
     )
+    p.add_argument("--noise", type=float, default=1.0, help="healthy spreads widened this many times (1)")
+    p.add_argument(
+        "--job-median", type=float, default=DUR_MEDIAN_S / 60, help="median job duration, minutes (8)"
+    )
+    p.add_argument("--busy", type=float, default=None, help="share of node-time busy, 0..1 (default: FIFO)")
+    p.add_argument("--loss", type=float, default=LOSS_P, help="share of reports lost (0.01)")
+    p.add_argument("--faults-at-start", action="store_true", help="every fault from the first report")
+    p.add_argument("--low-magnitudes", action="store_true", help="soft faults at their low end")
+    p.add_argument("--healthy", action="store_true", help="no faults (look-alikes and the silent rack stay)")
     p.add_argument("--trace", type=Path, required=True, help="output trace, .jsonl or .jsonl.gz")
     p.add_argument("--truth", type=Path, required=True, help="output truth file (JSON)")
     args = p.parse_args(argv)
@@ -1691,6 +1858,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             minutes=args.minutes,
             interval_s=args.interval,
             spool_flush=not args.no_spool_flush,
+            knobs=Knobs(
+                noise=args.noise,
+                job_median_s=args.job_median * 60.0,
+                busy_share=args.busy,
+                loss=args.loss,
+                faults_at_start=args.faults_at_start,
+                low_magnitudes=args.low_magnitudes,
+                healthy=args.healthy,
+            ),
         )
     except ValueError as exc:
         print(f"othergen: {exc}", file=sys.stderr)

@@ -64,6 +64,12 @@ class Delivery:
     shows: frozenset[int]
 
 
+def _widen(x: float, centre: float, k: float) -> float:
+    """A draw ``x`` spread ``k`` times as far from ``centre`` (``Scenario.noise``); ``x`` itself at 1,
+    bit for bit, so the calibrated fleet's traces do not move."""
+    return x if k == 1.0 else centre + (x - centre) * k
+
+
 def _kernel_bus_id(pci_bus_id: str) -> str:
     domain, bus, dev_fn = pci_bus_id.split(":")
     return f"PCI:{domain[-4:]}:{bus.lower()}:{dev_fn.split('.')[0]}"
@@ -147,7 +153,7 @@ def _plan_pair_probes(
 
     def measure(a: str, b: str, t: float) -> PairProbe:
         noise = random.Random(f"gpuwarden-sim-pair:{s.seed}:{a}:{b}:{t:.3f}").gauss(
-            1.0, profiles[a].probe_noise_ratio
+            1.0, profiles[a].probe_noise_ratio * s.noise
         )
         probe = _pair_result(s, profiles[a], a=a, b=b, t=t, noise=noise, by_node=by_node)
         shows = frozenset(
@@ -472,15 +478,22 @@ class _Node:
         return report, shows
 
     def _gpu(self, g: _GpuState, t: float, dt: float, busy: bool, rel: float) -> tuple[Gpu, set[int]]:
-        p, rng = self.profile, self.rng
+        p, rng, k = self.profile, self.rng, self.s.noise
         shows: set[int] = set()
         reasons = 0
         if busy:
-            util = rng.uniform(0.3, 0.6) if rng.random() < 0.05 else rng.uniform(0.85, 1.0)
+            if rng.random() < 0.05:
+                util = min(1.0, max(0.05, _widen(rng.uniform(0.3, 0.6), 0.45, k)))
+            else:
+                util = min(1.0, max(0.05, _widen(rng.uniform(0.85, 1.0), 0.925, k)))
             lo, hi = p.load_power_w
-            power = lo + (hi - lo) * util * rng.uniform(0.7, 1.0) if util > 0.8 else lo * util * 1.3
+            if util > 0.8:
+                power = lo + (hi - lo) * util * _widen(rng.uniform(0.7, 1.0), 0.85, k)
+            else:
+                power = lo * util * 1.3
             capped = power > p.power_limit_w * 0.97
-            clock = p.sm_clock_max_hz - (15e6 * rng.randint(1, 8) if capped else 0.0)
+            steps = rng.randint(1, 8) if capped else 0
+            clock = p.sm_clock_max_hz - 15e6 * (steps if k == 1.0 else round(steps * k))
             reasons = REASON_SW_POWER_CAP if capped else 0
             pcie_gen = p.pcie_gen_max
         else:
@@ -526,7 +539,7 @@ class _Node:
                     g.nvlink_crc[link] = g.nvlink_crc.get(link, 0) + grow
                     shows.add(idx)
         g.temperature += (target - g.temperature) * (1.0 - math.exp(-dt / _THERMAL_TIME_CONSTANT_S))
-        temperature = float(round(min(84.0, g.temperature + rng.uniform(-0.7, 0.7))))
+        temperature = float(round(min(84.0, g.temperature + rng.uniform(-0.7, 0.7) * k)))
         g.energy_j += power * dt
         g.memory_used = int(rng.uniform(60.0, 78.0) * _GIB) if busy else 512 << 20
         nvlink = [
@@ -640,7 +653,7 @@ class _Node:
                         )
                     )
                 else:
-                    busbw = p.local_busbw_bytes_per_second * rng.gauss(1.0, p.probe_noise_ratio)
+                    busbw = p.local_busbw_bytes_per_second * rng.gauss(1.0, p.probe_noise_ratio * s.noise)
                     for idx, f in self.faults:
                         if not f.active(rel):
                             continue

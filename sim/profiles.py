@@ -20,6 +20,8 @@ Sources (numbers below carry the letter of the source they come from):
     across two nodes over 8x 400G with the Ring algorithm; ~230 GB/s within an 8x A100 node,
     ~180-190 GB/s across two nodes over 8x HDR.
 [g] NVML API reference (``nvmlClocksEventReasons``): bit values used for ``clock_event_reasons``.
+[i] InfiniBand Architecture Specification (IBTA), physical layer: a link keeps its bit error ratio
+    at or below 1e-12 (the budget the shipped rule ``ib-symbol-errors`` checks).
 [h] NVIDIA GPU thermal guidance for data centre GPUs: slowdown begins near 85-87 C on H100/A100
     (the "GPU Slowdown Temp" of ``nvidia-smi -q -d TEMPERATURE``); dcgm-exporter's usual alert is 85 C.
 """
@@ -42,6 +44,14 @@ REASON_HW_POWER_BRAKE: Final = CLOCK_EVENT_BITS["hw_power_brake_slowdown"]
 
 GB: Final = 1e9
 TEMPERATURE_ALERT_C: Final = 85.0  # [h]
+IB_BER_BUDGET: Final = 1e-12  # [i]
+
+
+def symbol_errors_per_s(ber_budgets: float, rate_bytes_per_second: float) -> float:
+    """Symbol errors per second at ``ber_budgets`` times the [i] budget on a port of this rate
+    (each symbol error counted as one bit error, as the shipped rule counts them)."""
+    return ber_budgets * IB_BER_BUDGET * rate_bytes_per_second * 8.0
+
 
 # An HGX board's GPUs, in NVML index order (the same on HGX H100 and HGX A100 boards).
 HGX_PCI_BUS_IDS: Final = (

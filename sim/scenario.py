@@ -16,7 +16,7 @@ import yaml
 
 from agent.errors import ConfigError
 from sim.jobs import JobSpec, parse_jobs, validate_jobs
-from sim.profiles import PROFILES, NodeProfile
+from sim.profiles import PROFILES, NodeProfile, symbol_errors_per_s
 
 START_TIME: Final = 1_764_000_000.0  # 2025-11-24 16:00:00 UTC
 APP_XIDS: Final = frozenset({13, 31, 43, 45})  # application errors: never a reason to quarantine
@@ -49,6 +49,17 @@ _FAULT_FIELDS: Final = frozenset(
 # Kinds that may name a leaf switch instead of their nodes: the simulator then places the fault on
 # a pair of that leaf that the probes measure (``sim.fleet.place``).
 _BY_LEAF: Final = frozenset({"degraded_link"})
+
+
+# The low end of the soft faults' magnitudes, for robustness runs (``vary``; bench/othergen.py uses
+# the same): a GPU 10 % slow under load, a port at twice its [i] BER budget (sim.profiles), a NIC
+# whose pair probes run 25 % slow.
+LOW_SLOW_GPU_RATIO: Final = 0.90
+LOW_SYMBOL_BER_BUDGETS: Final = 2.0
+LOW_SLOW_NIC_RATIO: Final = 0.75
+# Faults that ``vary(faults_at_start=True)`` moves to the first report: the detectable ones. The
+# silent rack and the look-alikes keep their times (they are not what is being detected early).
+_STARTABLE: Final = frozenset({"hard", "soft", "link"})
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,10 @@ class Scenario:
     probe_size_bytes: int = 1 << 30
     faults: tuple[FaultSpec, ...] = ()
     multinode_jobs: tuple[JobSpec, ...] = ()  # sim.jobs: jobs spanning nodes, and their collectives
+    # Healthy noise multiplier: every healthy random spread (per-report jitter of utilisation,
+    # power, the power-capped clock and temperature; probe bandwidth noise) is widened this many
+    # times around its centre. 1 is the calibrated fleet (docs/simulator.md, "Noise").
+    noise: float = 1.0
 
     @property
     def node_count(self) -> int:
@@ -149,6 +164,8 @@ class Scenario:
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"{name} must be > 0, got {v!r}")
+        if not (math.isfinite(self.noise) and self.noise > 0):
+            raise ConfigError(f"noise must be > 0, got {self.noise!r}")
         if self.nodes_per_rack < 1 or self.racks_per_leaf < 1:
             raise ConfigError("nodes_per_rack and racks_per_leaf must be >= 1")
         for name in ("lost_fraction", "duplicate_fraction"):
@@ -178,6 +195,64 @@ class Scenario:
 
     def labels_of(self, index: int) -> dict[str, str]:
         return {"pool": self.pool_of(index).name, "rack": self.rack_of(index), "leaf": self.leaf_of(index)}
+
+
+def vary(
+    s: Scenario,
+    *,
+    noise: float | None = None,
+    job_median_s: float | None = None,
+    busy_share: float | None = None,
+    lost_fraction: float | None = None,
+    faults_at_start: bool = False,
+    low_magnitudes: bool = False,
+    healthy: bool = False,
+) -> Scenario:
+    """The scenario with robustness knobs applied (None / False: left as the file says).
+
+    ``job_median_s`` and ``busy_share`` set the job timeline: a node's busy and idle stretches are
+    exponential (``sim.fleet``), so the median busy stretch is ``busy_mean_s x ln 2`` and the busy
+    share ``busy_mean_s / (busy_mean_s + idle_mean_s)``. ``faults_at_start`` moves every hard,
+    soft and link fault to the first report; ``low_magnitudes`` sets the low end above
+    (``symbol_storm`` at twice the budget of its own port's rate); ``healthy`` drops every hard,
+    soft and link fault (look-alikes and silences stay).
+    """
+    if busy_share is not None and not 0.0 < busy_share < 1.0:
+        raise ConfigError(f"busy_share must be in (0, 1), got {busy_share!r}")
+    if job_median_s is not None and not (math.isfinite(job_median_s) and job_median_s > 0):
+        raise ConfigError(f"job_median_s must be > 0, got {job_median_s!r}")
+    out = s
+    if noise is not None:
+        out = replace(out, noise=noise)
+    if lost_fraction is not None:
+        out = replace(out, lost_fraction=lost_fraction)
+    if job_median_s is not None or busy_share is not None:
+        busy_mean = out.busy_mean_s if job_median_s is None else job_median_s / math.log(2.0)
+        share = out.busy_mean_s / (out.busy_mean_s + out.idle_mean_s) if busy_share is None else busy_share
+        out = replace(out, busy_mean_s=busy_mean, idle_mean_s=busy_mean * (1.0 - share) / share)
+    faults = list(out.faults)
+    if healthy:
+        faults = [f for f in faults if f.fault_class not in _STARTABLE]
+    if faults_at_start:
+        faults = [replace(f, at_s=0.0) if f.fault_class in _STARTABLE else f for f in faults]
+    if low_magnitudes:
+        faults = [_low(out, f) for f in faults]
+    out = replace(out, faults=tuple(faults))
+    out.validate()
+    return out
+
+
+def _low(s: Scenario, f: FaultSpec) -> FaultSpec:
+    if f.kind == "slow_gpu":
+        return replace(f, params={**f.params, "ratio": LOW_SLOW_GPU_RATIO})
+    if f.kind == "slow_nic":
+        return replace(f, params={**f.params, "ratio": LOW_SLOW_NIC_RATIO})
+    if f.kind == "symbol_storm" and f.node is not None:
+        rate = s.pool_of(int(f.node[4:])).profile.nic_rate_bytes_per_second
+        return replace(
+            f, params={**f.params, "rate_per_s": symbol_errors_per_s(LOW_SYMBOL_BER_BUDGETS, rate)}
+        )
+    return f
 
 
 def node_name(index: int) -> str:
@@ -337,6 +412,7 @@ def parse(data: Any) -> Scenario:
         "probes",
         "faults",
         "multinode_jobs",
+        "noise",
     }
     _check_keys(data, top, "scenario")
     raw_pools = data.get("pools")
@@ -389,6 +465,7 @@ def parse(data: Any) -> Scenario:
         probe_size_bytes=int(_number(probes, "size_bytes", "probes.", d.probe_size_bytes)),
         faults=tuple(_parse_fault(f, f"faults[{i}]") for i, f in enumerate(raw_faults)),
         multinode_jobs=parse_jobs(data.get("multinode_jobs")),
+        noise=_number(data, "noise", "", d.noise),
     )
     scenario.validate()
     return scenario
