@@ -258,3 +258,32 @@ def test_lost_reports_neither_hide_a_persistent_burst_nor_make_one() -> None:
     for k in range(18):
         pool.step(symbol={(0, 0): 5.0}, lost=frozenset({0}) if k % 2 == 0 and k < 16 else frozenset())
     assert all(f.action == "alert" for _, f in findings(detector.run_pool(pool.frame, pool.t)))
+
+
+def test_a_link_that_replays_from_the_first_report_is_judged_against_its_pool() -> None:
+    """No clean history needed: a GPU replaying NVLink flits since before the aggregator first saw
+    it has its stream as its own past; the pool's other GPUs say what a healthy link runs at."""
+    pool = SmallPool(13)
+    detector = TrendDetector()
+    seen: dict[tuple[str, str], Finding] = {}
+    for k in range(60):
+        pool.step(errors={(REPLAY, 1, 3): 0.2})
+        if k % 3 == 2:
+            seen |= {(node, f.key): f for node, f in findings(detector.run_pool(pool.frame, pool.t))}
+    replay = seen.pop(("n1", "trend-nvlink-replay:gpu3"))
+    assert replay.action == "quarantine"
+    assert replay.evidence["baseline_from"] == "pool" and "its pool's devices 0.00/s" in replay.summary
+    assert seen == {}
+
+
+def test_a_port_with_steady_symbol_errors_from_the_first_report_keeps_its_own_past() -> None:
+    """A port that runs at a steady rate within its bit error budget is healthy whatever its
+    neighbours run at: levels of NIC counters are the sequential budget rule's, not this one's."""
+    pool = SmallPool(14)
+    detector = TrendDetector()
+    seen = []
+    for k in range(60):
+        pool.step(symbol={(0, 1): 0.3})  # 0.3/s: under an NDR port's 0.4/s budget
+        if k % 3 == 2:
+            seen += findings(detector.run_pool(pool.frame, pool.t))
+    assert seen == []

@@ -97,6 +97,10 @@ class TrendConfig(DetectorSettings, frozen=True):
     alert_hits: Count = 2  # slots of the burst window above the baseline line
     long_slots: Count = 18  # the persistence window (3 min); the baseline is what is older
     min_baseline_slots: Count = 6  # a port needs a minute of its own past to be judged
+    # Devices (on at least this many nodes) with a baseline of their own for the pool's typical
+    # device to stand in for a device whose own past is already high (as for the peer detector).
+    min_peer_devices: Count = 8
+    min_peer_nodes: Count = 3
     burst_mads: NonNegative = 6.0
     quarantine_share: Ratio = 0.9  # of the persistence window's slots that have a rate
     min_long_share: Ratio = 2 / 3  # slots of the persistence window that must have a rate
@@ -126,6 +130,7 @@ class _Burst:
     recent: Float  # mean rate over the burst window
     baseline: Float
     line: Float
+    from_pool: npt.NDArray[np.bool_]  # the baseline is the pool's typical device, not its own past
 
 
 class TrendDetector(PoolDetector):
@@ -144,7 +149,9 @@ class TrendDetector(PoolDetector):
             return out
         seconds = self.config.recent_slots * frame.interval_s
         for counter in GPU_COUNTERS:
-            b = self._burst(gpu[..., GPU_COLUMN[counter.column]].astype(np.float64), counter)
+            b = self._burst(
+                gpu[..., GPU_COLUMN[counter.column]].astype(np.float64), counter, pool_baseline=True
+            )
             if b is None:
                 continue
             for n, g in zip(*np.nonzero(b.hit), strict=True):
@@ -161,7 +168,12 @@ class TrendDetector(PoolDetector):
                 )
         if nic.shape[0] > 0:
             for counter in NIC_COUNTERS:
-                b = self._burst(nic[..., NIC_COLUMN[counter.column]].astype(np.float64), counter)
+                # NIC ports keep their own past: their levels are judged against the link's bit
+                # error budget by the sequential rule (rules/infiniband.yaml), and a port that
+                # runs steadily within it is healthy however its neighbours run.
+                b = self._burst(
+                    nic[..., NIC_COLUMN[counter.column]].astype(np.float64), counter, pool_baseline=False
+                )
                 if b is None:
                     continue
                 for n, p in zip(*np.nonzero(b.hit), strict=True):
@@ -184,8 +196,10 @@ class TrendDetector(PoolDetector):
         self._drift(gpu, nodes, now, frame.interval_s, out)
         return out
 
-    def _burst(self, rate: Float, counter: Counter) -> _Burst | None:
-        """Burst masks over ``rate`` ``(slots, nodes, devices)``; None when no baseline exists."""
+    def _burst(self, rate: Float, counter: Counter, *, pool_baseline: bool) -> _Burst | None:
+        """Burst masks over ``rate`` ``(slots, nodes, devices)``; None when no baseline exists.
+        ``pool_baseline``: a device whose own past is above its pool's typical device is judged
+        against that device instead."""
         c = self.config
         floor = counter.floor
         floors = c.quarantine_floors if counter.quarantine_floors is None else counter.quarantine_floors
@@ -195,6 +209,21 @@ class TrendDetector(PoolDetector):
         base = rate[: slots - c.long_slots]
         enough = (~np.isnan(base)).sum(axis=0) >= c.min_baseline_slots
         median, mad = median_mad(base, axis=0)
+        # No clean history needed: a device whose own past is already above what its pool's
+        # devices typically run at (a link that replays from the first report, a port that came
+        # up bad) is judged against that typical device instead: its level and its noise.
+        peers = enough & ~np.isnan(median)
+        from_pool = np.zeros(median.shape, np.bool_)
+        if (
+            pool_baseline
+            and int(peers.sum()) >= c.min_peer_devices
+            and int(peers.any(axis=-1).sum()) >= c.min_peer_nodes
+        ):
+            pool_median = float(np.median(median[peers]))
+            pool_mad = float(np.median(mad[peers]))
+            from_pool = peers & (median > pool_median)
+            median = np.where(from_pool, pool_median, median)
+            mad = np.where(from_pool, pool_mad, mad)
         line = median + np.maximum(c.burst_mads * MAD_SCALE * mad, floor)
         # NaN compares False: a missing rate is no evidence. The frame holds float32, whose 0.1 is
         # a hair above float64's: the tolerance keeps "exactly the floor" at the floor.
@@ -213,11 +242,11 @@ class TrendDetector(PoolDetector):
             & (long_median >= median + floors * floor * (1 - 1e-6))
         )
         if not hit.any():
-            return _Burst(hit, quarantine, median, median, line)
+            return _Burst(hit, quarantine, median, median, line, from_pool)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             recent = np.nanmean(rate[-c.recent_slots :], axis=0)
-        return _Burst(hit, quarantine, recent, median, line)
+        return _Burst(hit, quarantine, recent, median, line, from_pool)
 
     def _burst_finding(
         self,
@@ -233,6 +262,7 @@ class TrendDetector(PoolDetector):
         quarantine = bool(b.quarantine[cell])
         action: Action = "quarantine" if quarantine else "alert"
         recent, baseline = float(b.recent[cell]), float(b.baseline[cell])
+        pooled = bool(b.from_pool[cell])
         window = self.config.long_slots if quarantine else self.config.recent_slots
         return Finding(
             detector=TrendConfig.name,
@@ -241,7 +271,11 @@ class TrendDetector(PoolDetector):
             action=action,
             summary=(
                 f"{label} {counter.label} {recent:.2f}/s over the last {seconds:.0f} s, "
-                f"its own baseline {baseline:.2f}/s"
+                + (
+                    f"its pool's devices {baseline:.2f}/s (its own past was already high)"
+                    if pooled
+                    else f"its own baseline {baseline:.2f}/s"
+                )
                 + (
                     f", above it for {window * seconds / self.config.recent_slots:.0f} s"
                     if quarantine
@@ -254,6 +288,7 @@ class TrendDetector(PoolDetector):
                 "counter": counter.column,
                 "rate_per_second": round(recent, 4),
                 "baseline_per_second": round(baseline, 4),
+                "baseline_from": "pool" if pooled else "own",
                 "line_per_second": round(float(b.line[cell]), 4),
                 "window_seconds": seconds,
             },
