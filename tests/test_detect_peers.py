@@ -74,6 +74,7 @@ class PoolSim:
         self.busy_until = rng.uniform(0, 1200, self.nodes)
         self.idle_until = np.zeros(self.nodes)
         self.job_clock = np.ones(self.nodes)
+        self.lowest_job_clock = 1.0
         self.cap_offset = rng.normal(0, 0.01, shape)
         self.frame = PoolFrame("h100", interval_s=INTERVAL, slots=SLOTS, gpus=GPUS)
         self.names = [f"node-{i:03d}" for i in range(self.nodes)]
@@ -89,6 +90,7 @@ class PoolSim:
             heavy = np.abs(rng.standard_t(2, int(ended.sum()))) * self.job_spread
             light = rng.random(int(ended.sum())) < 0.5
             self.job_clock[ended] = np.where(light, 1.0, np.maximum(1.0 - heavy, 0.5))
+            self.lowest_job_clock = min(self.lowest_job_clock, float(self.job_clock.min()))
         busy = (t >= self.idle_until)[:, None] & np.ones(shape, bool) & (not self.idle)
         util = np.where(busy, rng.uniform(0.85, 1.0, shape), rng.uniform(0.0, 0.05, shape))
         phase = rng.normal(0, 40.0)  # the whole pool's step phase is not in sync, but close
@@ -378,7 +380,7 @@ def test_healthy_pool_with_heavy_tailed_job_differences_never_quarantines(seed: 
     # hold their nodes' clocks up to 50 % low, with the SW power cap bit, against the pool.
     sim = _independent_pool(seed)
     runs = simulate(sim, minutes=120)
-    assert float((sim.job_clock < 0.85).mean()) > 0.0 or seed != 71  # some jobs did sit far out
+    assert sim.lowest_job_clock < 0.85  # some jobs did sit far out
     assert [(t, node, f.key) for t, node, f in found(runs) if f.action == "quarantine"] == []
 
 
