@@ -18,12 +18,15 @@ Per pool, per slot of the frame (the slot still filling is left out), per featur
    in that slot (nodes with fewer than ``min_node_gpus`` loaded are not scored for it);
 3. the pool's median ``m`` and scaled MAD across all scored GPUs of the slot; the slot's MAD is
    shrunk toward the median MAD of the frame's scored slots, the frame's estimate counting as
-   ``prior_gpus`` GPUs (``shrunk_scale``), and never below the feature's measurement step;
+   ``prior_gpus`` GPUs (``shrunk_scale``), and never below the feature's measurement step; for the
+   node-relative clock and power, per regime (held at the power limit or not) where each regime
+   has enough peers of its own;
 4. each GPU's robust z-score, signed so that "worse" (slower, hotter, throttled) is positive, and
    clipped at ``k + max_excess``: one slot adds at most ``max_excess`` to the evidence;
 5. a one-sided CUSUM per (node, GPU, feature) over the slots (``aggregator.detect.cusum``) with
    the feature's allowance ``k``; the thresholds follow from ``k`` and the wanted in-control average
-   run lengths (``thresholds``): ``h_alert`` makes an alert, ``h_quarantine`` quarantine evidence
+   run lengths, and are at least a few slots of the largest excess (``thresholds``): ``h_alert``
+   makes an alert, ``h_quarantine`` quarantine evidence
    (soft: the health machine still wants it to persist). A deviation that stopped (the mean of its last
    ``calm_slots`` scored slots within the allowance) is no longer reported;
 6. escalation by persistence: an alert whose run has lasted ``escalate_after_seconds`` with the
@@ -194,7 +197,6 @@ FEATURES: Final[tuple[PeerFeature, ...]] = (
         2,
     ),
 )
-SLOTS_PER_10K_NODE_HOURS: Final = 10_000 * 3600 / 10.0  # one slot per 10-s report interval
 
 
 class PeerConfig(DetectorSettings, frozen=True):
