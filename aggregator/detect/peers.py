@@ -1,32 +1,50 @@
-"""Peers: a GPU compared with every loaded GPU of its pool at the same moments.
+"""Peers: a GPU compared with its node-mates and with its pool at the same moments.
 
 A fail-slow GPU (a bad fan, dried thermal paste, a power stage that brakes, a chip that can no
-longer hold its clock) passes every fixed threshold: it is 12 % slow, not broken. Its pool shows
+longer hold its clock) passes every fixed threshold: it is 12 % slow, not broken. Its peers show
 it: GPUs of one model, running comparable work in the same room, at the same moment. Comparing
 only within one slot matters: the whole room warms up and cools down together, and a GPU measured
-against its pool of ten minutes ago would inherit that drift.
+against its pool of ten minutes ago would inherit that drift. Comparing within the node matters
+for what the work sets (clock, power): the 8 GPUs of a node usually run one job, the pool runs
+many, and a heavy job that holds every GPU of its node at the power limit lowers their clocks
+together.
 
 Per pool, per slot of the frame (the slot still filling is left out), per feature below:
 
 1. only GPUs under load (utilization >= ``load_threshold``) count, and the slot is scored only with
    at least ``min_gpus`` loaded GPUs on at least ``min_nodes`` nodes (fewer is no pool to speak
    of; the trend detector watches small pools against their own past);
-2. the pool's median ``m`` and scaled MAD ``1.4826 * MAD`` across all loaded GPUs of all nodes;
-   the scale is floored by the feature's ``floor`` (a physical noise level), so that a perfectly
-   uniform pool does not turn a deviation nobody would care about into many MADs;
-3. each GPU's robust z-score, signed so that "worse" (slower, hotter, throttled) is positive;
-4. a one-sided CUSUM per (node, GPU, feature) over the slots (``aggregator.detect.cusum``) with
-   the feature's allowance ``k``: a finding needs accumulated excess ``h_alert`` (alert) or
-   ``h_quarantine`` with a mean z of at least ``z_quarantine`` over the run (quarantine, not hard:
-   the health machine still wants it to persist). A deviation that stopped (``calm_slots`` scored
-   slots in a row within the allowance) is no longer reported.
+2. a node-relative feature first divides each GPU's value by the median of its node's loaded GPUs
+   in that slot (nodes with fewer than ``min_node_gpus`` loaded are not scored for it);
+3. the pool's median ``m`` and scaled MAD across all scored GPUs of the slot; the slot's MAD is
+   shrunk toward the median MAD of the frame's scored slots, the frame's estimate counting as
+   ``prior_gpus`` GPUs (``shrunk_scale``), and never below the feature's measurement step; for the
+   node-relative clock and power, per regime (held at the power limit or not) where each regime
+   has enough peers of its own;
+4. each GPU's robust z-score, signed so that "worse" (slower, hotter, throttled) is positive, and
+   clipped at ``k + max_excess``: one slot adds at most ``max_excess`` to the evidence;
+5. a one-sided CUSUM per (node, GPU, feature) over the slots (``aggregator.detect.cusum``) with
+   the feature's allowance ``k``; the thresholds follow from ``k`` and the wanted in-control average
+   run lengths, and are at least a few slots of the largest excess (``thresholds``): ``h_alert``
+   makes an alert, ``h_quarantine`` quarantine evidence
+   (soft: the health machine still wants it to persist). A deviation that stopped (the mean of its last
+   ``calm_slots`` scored slots within the allowance) is no longer reported;
+6. escalation by persistence: an alert whose run has lasted ``escalate_after_seconds`` with the
+   statistic still over ``h_alert`` becomes quarantine evidence unless an explanation is named
+   (the GPU is held by its power limit while its peers are not, or by a lower power limit, or, for
+   a pool-relative feature, the node changed jobs during the run); the explanation, when there is
+   one, is in the finding's evidence and summary, and a clock or power deviation its power limit
+   explains stays an alert.
 
-All of it is numpy over the whole pool; Python loops run over pools, features and slots only.
+All of it is numpy over the whole pool; Python loops run over pools, features, slots and findings.
+The detector keeps no state between runs: the CUSUM is recomputed from the frame, so a GPU bad
+from its first report is found by its peers without any clean history.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Final, Literal
@@ -37,7 +55,7 @@ from msgspec import Meta
 
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import PoolDetector
-from aggregator.detect.cusum import cusum
+from aggregator.detect.cusum import average_run_length, cusum, threshold_for_arl
 from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, PoolFrame
 from aggregator.model import Action, Finding
 
@@ -49,67 +67,125 @@ MAD_SCALE: Final = 1.4826  # MAD of a normal distribution times this is its stan
 
 @dataclass(frozen=True)
 class PeerFeature:
-    """One load-normalized quantity compared across the pool."""
+    """One load-normalized quantity compared across the pool (or within the node first)."""
 
     key: str  # in finding keys: "peer-sm-clock:gpu5"
     label: str  # in summaries: "SM clock"
     columns: tuple[str, ...]  # GPU_COLUMN names; several: the largest (any slowdown bit set)
     worse: Literal["low", "high"]
-    floor: float  # lower bound of the robust scale, in the feature's unit
-    allowance: float  # CUSUM k, in robust z (MADs)
-    z_quarantine: float  # mean z over the run needed for quarantine rather than alert
+    floor: float  # lower bound of the robust scale: the measurement's step, in the feature's unit
+    allowance: float  # CUSUM k, in robust z (scaled MADs)
     unit: str  # how a value is printed after the number
     digits: int  # decimals printed
     # "node": the value over the median of the node's own loaded GPUs in that slot first, for a
     # quantity the work sets (every GPU of a node runs the same job; the pool runs many jobs).
     relative_to: Literal["pool", "node"] = "pool"
+    # Whether the GPU's power limit can explain the deviation: a GPU held at its power limit
+    # (NVML's SW power cap reason) or set to a lower limit than its peers clocks lower and draws
+    # less by design; such a finding names that and stays an alert.
+    power_limit_explains: bool = False
+    # Score only slots where the GPU is not held at its power limit (NVML's SW power cap reason):
+    # there the clock is what the job's power allows, set by the work, not by the GPU.
+    uncapped_only: bool = False
+    # Median and scale per regime (held at the power limit or not) where each has enough peers.
+    by_regime: bool = False
 
 
-# Floors are the smallest deviation that means something physically, so that a pool whose GPUs
-# agree closely does not make instrument noise look like many MADs; allowances are how many robust
-# sigmas a healthy GPU may sit away from its pool for good (position in the chassis, silicon
-# lottery) without ever accumulating evidence.
+# Allowances are how many robust sigmas a healthy GPU may sit away from its peers *for good*
+# (position in the chassis, silicon lottery, the job's mix) without ever accumulating evidence: a
+# persistent offset below k never adds up, however long it lasts, while the thresholds (from the
+# ARL targets) only guard against independent noise. Floors are the measurement's own step, so that
+# a pool whose GPUs read identical values does not turn one step into many MADs.
+# NVML reports SM clocks in the steps of the part's clock table, 15 MHz on H100/H200
+# (``nvidia-smi -q -d SUPPORTED_CLOCKS``): 15 / 1,980 MHz = 0.0076 of max, the same share of a node
+# median within a few per cent.
+CLOCK_STEP: Final = 15e6 / 1980e6
+# A healthy GPU's persistent offset from its peers, in robust sigmas, that no fleet should show: a
+# normal's tail beyond 4.5 sigma holds 3.4e-6 of it, 0.3 GPUs of a 100,000-GPU fleet (the worst case,
+# every bit of the spread persistent). The allowance of the comparisons whose spread is mostly that.
+FLEET_TAIL: Final = 4.5
 FEATURES: Final[tuple[PeerFeature, ...]] = (
-    # NVML reports clocks in steps of ~15 MHz (0.75 % of a 1,980 MHz max) and healthy parts of one
-    # model under the same power cap hold their boost clock within a few percent of each other:
-    # 2 % of max is the smallest difference worth a MAD; k = 2 leaves a healthy GPU 4 % of slack.
-    PeerFeature("sm-clock", "SM clock", ("sm_clock_ratio",), "low", 0.02, 2.0, 4.0, "of max", 2),
-    # A sensor reads to 1 C. Loaded GPUs of a pool differ by several degrees for good: the
-    # node's inlet air, the GPU's position in the chassis airflow, its heat sink's contact. These
-    # offsets add up to a distribution with a heavy hot tail, where the hottest healthy GPU of a
-    # few hundred sits near 4 MADs, steadily. So k = 4: only heat beyond that tail accumulates; a
-    # GPU 20 C over its pool (a throttling one at 85 C) is 6-7 MADs and still found in minutes.
-    PeerFeature("temperature", "temperature", ("temperature_celsius",), "high", 2.0, 4.0, 6.0, "C", 0),
+    # The GPU against its node-mates (one job). Their healthy spread is the silicon and the
+    # position in the chassis: offsets that persist, so k must sit beyond the fleet's tail of them
+    # (FLEET_TAIL). A GPU 10 % below node-mates spread by 1.5 % is 6.7 sigma.
+    PeerFeature(
+        "sm-clock",
+        "SM clock",
+        ("sm_clock_ratio",),
+        "low",
+        CLOCK_STEP,
+        FLEET_TAIL,
+        "of its node's median",
+        2,
+        "node",
+        True,
+        by_regime=True,
+    ),
+    # The GPU against the whole pool: the only view of a node whose GPUs are all slow (node-
+    # relative, 8 slow GPUs are 8 typical ones). Jobs differ: a heavy job holds its node at the power
+    # limit, its clocks as low as its power needs, for the whole job, far out in a heavy tail; those
+    # slots are not scored (the power limit sets that clock, and the node-relative comparison
+    # still sees a slow GPU among capped node-mates). Uncapped jobs run near their boost clock;
+    # k = FLEET_TAIL as for the node-mates keeps the rest of a job's offset from accumulating.
+    PeerFeature(
+        "sm-clock-pool",
+        "SM clock",
+        ("sm_clock_ratio",),
+        "low",
+        CLOCK_STEP,
+        FLEET_TAIL,
+        "of max",
+        2,
+        "pool",
+        True,
+        True,
+    ),
+    # A sensor reads to 1 C (NVML's temperature is an integer). Loaded GPUs of a pool differ by
+    # several degrees for good: the node's inlet air, the GPU's position in the chassis airflow,
+    # its heat sink's contact. These add up to a heavy hot tail where the hottest healthy GPU of a
+    # few hundred sits near 4 MADs, steadily: k = 5. A GPU 20 C over its pool (a throttling one at
+    # 85 C) is 6-7 MADs and still found in a minute.
+    PeerFeature("temperature", "temperature", ("temperature_celsius",), "high", 1.0, 5.0, "C", 0),
     PeerFeature(
         "memory-temperature",
         "memory temperature",
         ("memory_temperature_celsius",),
         "high",
-        2.0,
-        4.0,
-        6.0,
+        1.0,
+        5.0,
         "C",
         0,
     ),
     # Power under load is set by the work as much as by the GPU: a light job draws 400 W where a
-    # heavy one draws 650 W on the same healthy H100s, so a small job in a pool of big ones would
-    # look braked. The GPUs of one node run one job, so power is compared as a share of the
-    # node's own median first: a GPU held back (braked, throttled, capped) draws less than its
-    # node-mates, a light job draws less on all of them. Step-phase swings are a few % of that
-    # share: 4 % floor, k = 3.
-    PeerFeature("power", "power", ("power_watts",), "low", 0.04, 3.0, 5.0, "of its node's median", 2, "node"),
+    # heavy one draws 650 W on the same healthy H100s, so power is compared as a share of the node's
+    # own median: a GPU held back (braked, throttled) draws less than its node-mates, a light job
+    # draws less on all of them. Floor: nvidia-smi states power draw accurate to +-5 W, 0.01 of a
+    # 500 W median. k = FLEET_TAIL as for the clock: the node-mates' persistent spread.
+    PeerFeature(
+        "power",
+        "power",
+        ("power_watts",),
+        "low",
+        0.01,
+        FLEET_TAIL,
+        "of its node's median",
+        2,
+        "node",
+        True,
+        by_regime=True,
+    ),
     # The PCIe generation a loaded GPU runs at, over the GPU's own maximum. GPUs lower it at idle
-    # on purpose (power management), never under load; a GPU behind a Gen4-only slot shows it
-    # on every node of its platform, which the pool median absorbs. A link that trained one
-    # generation low under load (0.8 of a Gen5 maximum, 0.75 of Gen4) halves its host-device
-    # bandwidth: floor 0.05 makes that 4-5 MADs, k = 1 lets a one-slot lag after a job starts
-    # (the link retrains as the load arrives) drain away.
-    PeerFeature("pcie-gen", "PCIe generation", ("pcie_link_gen_ratio",), "low", 0.05, 1.0, 3.0, "of max", 2),
+    # on purpose (power management), never under load; a GPU behind a Gen4-only slot shows it on
+    # every node of its platform, which the pool median absorbs. A healthy pool reads exactly its
+    # maximum (MAD 0): the floor, a quarter of one generation of Gen5 (0.2), makes a link that
+    # trained one generation low (0.8 of Gen5, 0.75 of Gen4) 4-5 MADs; k = 1 lets a one-slot lag
+    # after a job starts (the link retrains as the load arrives) drain away.
+    PeerFeature("pcie-gen", "PCIe generation", ("pcie_link_gen_ratio",), "low", 0.05, 1.0, "of max", 2),
     # Hardware slowdown, HW thermal, power brake and SW thermal (SLOWDOWN_COLUMNS, the reasons
-    # agent/report.py marks as slowdowns) are never part of healthy work:
-    # a 0/1 per slot whose pool median is 0. Floor 0.25 makes one throttled slot 4 MADs, k = 1
-    # drains one per calm slot, so the statistic climbs when the GPU is throttled more than a
-    # quarter of the time; z_quarantine = 2 is throttled at least half the time during the run.
+    # agent/report.py marks as slowdowns) are never part of healthy work: a 0/1 per slot whose pool
+    # median is 0. The floor, a quarter of the bit, makes one throttled slot 4 MADs; k = 1 drains
+    # one per calm slot, so the statistic climbs when the GPU is throttled more than a quarter of
+    # the time.
     PeerFeature(
         "slowdown",
         "slowdown share",
@@ -117,7 +193,6 @@ FEATURES: Final[tuple[PeerFeature, ...]] = (
         "high",
         0.25,
         1.0,
-        2.0,
         "of the time",
         2,
     ),
@@ -133,15 +208,61 @@ class PeerConfig(DetectorSettings, frozen=True):
     min_gpus: Annotated[int, Meta(ge=2)] = 8  # loaded GPUs in a slot for it to be scored
     min_nodes: Annotated[int, Meta(ge=1)] = 3  # ... on at least this many nodes
     min_node_gpus: Annotated[int, Meta(ge=1)] = 4  # loaded GPUs on a node for a node-relative feature
-    # Accumulated excess in MADs. 30 is 10 slots of a 5-MAD deviation with k = 2 (100 s), 7.5 of
-    # a 6-MAD one; a 60-slot healthy frame stays far below it (see docs/detection.md).
-    h_alert: Annotated[float, Meta(gt=0)] = 30.0
-    h_quarantine: Annotated[float, Meta(gt=0)] = 60.0
-    calm_slots: Annotated[int, Meta(ge=1)] = 3  # scored slots in a row within the allowance: stopped
+    # The frame's median MAD counts as this many GPUs beside the slot's own: the MAD of n normal
+    # values has a relative standard error of ~1.17 / sqrt(n), 41 % for 8 GPUs, 21 % for 32; a
+    # large pool's slot then speaks for itself, a small one leans on the frame.
+    prior_gpus: Annotated[int, Meta(ge=0)] = 32
+    # In-control average run lengths, in slots, per (GPU, feature) test with independent normal
+    # scores: the thresholds follow from them (aggregator.detect.cusum.threshold_for_arl). 1e9 slots
+    # is 0.0036 false quarantines per test per 10,000 node-hours (docs/detection.md has the table).
+    arl0_alert_slots: Annotated[float, Meta(gt=1)] = 1e7
+    arl0_quarantine_slots: Annotated[float, Meta(gt=1)] = 1e9
+    # One slot adds at most this much to the statistic (z clipped at k + max_excess): a robust
+    # z-score's tail is heavier than a normal's (the scale is estimated from a few dozen GPUs, real
+    # noise has outliers), and no single slot should carry a decision.
+    max_excess: Annotated[float, Meta(gt=0)] = 3.0
+    # ... and a finding needs at least this many slots' worth of clipped excess: an alert four
+    # reports, quarantine evidence six (a minute), whatever the ARL allows. Healthy GPUs of one node
+    # do differ for a slot or two (a GPU waiting on its input for a report or two draws 40 % less
+    # than its node-mates at 55 % utilization); a fault is there report after report.
+    min_alert_slots: Annotated[int, Meta(ge=1)] = 4
+    min_quarantine_slots: Annotated[int, Meta(ge=1)] = 6
+    calm_slots: Annotated[int, Meta(ge=1)] = 3  # the last scored slots' mean within the allowance: stopped
+    # An alert whose evidence has kept accumulating this long is quarantine evidence, unless an
+    # explanation is named: a node does not stay suspect for ever on a deviation nobody explains.
+    escalate_after_seconds: PositiveSeconds = 300.0
 
     def __post_init__(self) -> None:
-        if not (0 < self.h_alert <= self.h_quarantine and self.min_gpus >= 2 and self.min_nodes >= 1):
-            raise ValueError(f"peer detector needs 0 < h_alert <= h_quarantine and min peers; got {self}")
+        if not (
+            self.arl0_alert_slots <= self.arl0_quarantine_slots
+            and self.min_alert_slots <= self.min_quarantine_slots
+            and self.min_gpus >= 2
+            and self.min_nodes >= 1
+        ):
+            raise ValueError(
+                f"peer detector needs alert ARL/slots <= quarantine ARL/slots and min peers; got {self}"
+            )
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """A feature's CUSUM thresholds, in robust z, and what they mean for false alarms."""
+
+    h_alert: float
+    h_quarantine: float
+    arl0_alert: float  # in-control ARL at h_alert, slots (Siegmund)
+    arl0_quarantine: float
+
+
+def thresholds(feature: PeerFeature, config: PeerConfig) -> Thresholds:
+    """``h`` for alert and quarantine: the ARL target's threshold at the feature's ``k``, but at least
+    ``min_*_slots`` slots of the largest excess one slot can add (``max_excess``)."""
+    k = feature.allowance
+    h_alert = max(threshold_for_arl(k, config.arl0_alert_slots), config.min_alert_slots * config.max_excess)
+    h_q = max(
+        threshold_for_arl(k, config.arl0_quarantine_slots), config.min_quarantine_slots * config.max_excess
+    )
+    return Thresholds(h_alert, h_q, average_run_length(k, h_alert), average_run_length(k, h_q))
 
 
 def nanmedian(a: npt.NDArray[np.floating], axis: int) -> Float:
@@ -196,6 +317,39 @@ def _node_relative(x: Float, min_gpus: int) -> Float:
     return out
 
 
+def shrunk_scale(
+    mad: Float, count: npt.NDArray[np.int64], scored: npt.NDArray[np.bool_], prior_gpus: int, floor: float
+) -> Float:
+    """Per slot, the robust scale ``1.4826 * MAD`` shrunk toward the frame's: the median over the
+    ``scored`` slots of their own scale, counting as ``prior_gpus`` GPUs beside the slot's
+    ``count`` (a weighted mean of the two), and never below ``floor`` (the measurement's step)."""
+    own = MAD_SCALE * mad
+    valid = scored & ~np.isnan(own)
+    prior = float(np.median(own[valid])) if valid.any() else math.nan
+    n = count.astype(np.float64)
+    if math.isnan(prior) or prior_gpus == 0:
+        mixed = own
+    else:
+        mixed = np.where(
+            np.isnan(own), prior, (n * np.nan_to_num(own) + prior_gpus * prior) / (n + prior_gpus)
+        )
+    out: Float = np.maximum(mixed, floor)
+    return out
+
+
+def _stopped(z: Float, allowance: float, calm_slots: int) -> npt.NDArray[np.bool_]:
+    """Per cell, whether the deviation has stopped: the mean of its last ``calm_slots`` scored slots
+    is within the allowance. A mean, not every slot: a healthy GPU near its peers still has a slot
+    over ``k`` now and then, which must not keep a stopped deviation reported."""
+    has = ~np.isnan(z)
+    from_end = np.cumsum(has[::-1], axis=0)[::-1]  # scored slots from this one to the last
+    recent = has & (from_end <= calm_slots)
+    count = recent.sum(axis=0)
+    mean = np.where(recent, z, 0.0).sum(axis=0) / np.maximum(count, 1)
+    out: npt.NDArray[np.bool_] = (count >= calm_slots) & (mean < allowance)
+    return out
+
+
 def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
@@ -207,6 +361,7 @@ class PeerDetector(PoolDetector):
         self.config = config if config is not None else PeerConfig()
         self.every_seconds = self.config.every_seconds
         self.features = tuple(f for f in FEATURES if all(col in GPU_COLUMN for col in f.columns))
+        self.thresholds = {f.key: thresholds(f, self.config) for f in self.features}
 
     def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
         """Findings for every node of one pool's frame (empty lists where nothing deviates)."""
@@ -218,6 +373,10 @@ class PeerDetector(PoolDetector):
             return out
         c = self.config
         loaded = under_load(gpu, c.load_threshold)
+        capped = gpu[..., GPU_COLUMN["sw_power_cap"]] > 0  # NaN (not reported) compares False
+        context = _Context(
+            frame=frame, nodes=nodes, starts=starts, gpu=gpu, loaded=loaded, capped=capped, now=now
+        )
         for feature in self.features:
             cols = [GPU_COLUMN[col] for col in feature.columns]
             raw = gpu[..., cols].astype(np.float64)
@@ -225,23 +384,54 @@ class PeerDetector(PoolDetector):
                 warnings.simplefilter("ignore", RuntimeWarning)
                 value: Float = np.nanmax(raw, axis=-1) if len(cols) > 1 else raw[..., 0]
             x = np.where(loaded, value, np.nan)  # (slots, nodes, gpus)
+            if feature.uncapped_only:
+                x = np.where(capped, np.nan, x)
             if feature.relative_to == "node":
                 x = _node_relative(x, c.min_node_gpus)
-            self._feature(feature=feature, frame=frame, nodes=nodes, starts=starts, x=x, now=now, out=out)
+            self._feature(feature=feature, ctx=context, x=x, out=out)
         return out
 
-    def _feature(
+    def _reference(
         self,
-        *,
         feature: PeerFeature,
-        frame: PoolFrame,
-        nodes: list[str],
-        starts: npt.NDArray[np.float64],
         x: Float,
-        now: float,
-        out: dict[str, list[Finding]],
+        enough: npt.NDArray[np.bool_],
+        peers: npt.NDArray[np.int64],
+        regime: npt.NDArray[np.bool_] | None,
+    ) -> tuple[Float, Float]:
+        """Per cell (slot, node, GPU), the median and the shrunk robust scale it is compared with:
+        the slot's, over every scored GPU; with ``regime`` (True where the GPU is held at its power
+        limit), the slot's over the GPUs in the same regime, where that regime alone has enough
+        peers. At the power limit a GPU's clock is what its own efficiency allows, so capped GPUs
+        spread wider than uncapped ones: one scale for both would understate theirs."""
+        c = self.config
+        slots = x.shape[0]
+        median, mad = median_mad(x.reshape(slots, -1), axis=1)
+        scale = shrunk_scale(mad, peers, enough, c.prior_gpus, feature.floor)
+        cell_median: Float = np.broadcast_to(median[:, None, None], x.shape).copy()
+        cell_scale: Float = np.broadcast_to(scale[:, None, None], x.shape).copy()
+        if regime is None:
+            return cell_median, cell_scale
+        for state in (False, True):
+            mask = regime == state
+            xs = np.where(mask, x, np.nan)
+            has = ~np.isnan(xs)
+            count = has.sum(axis=(1, 2))
+            ok = (count >= c.min_gpus) & (has.any(axis=2).sum(axis=1) >= c.min_nodes)
+            if not ok.any():
+                continue
+            m, d = median_mad(xs.reshape(slots, -1), axis=1)
+            sc = shrunk_scale(d, count, ok, c.prior_gpus, feature.floor)
+            use = mask & ok[:, None, None]
+            cell_median = np.where(use, m[:, None, None], cell_median)
+            cell_scale = np.where(use, sc[:, None, None], cell_scale)
+        return cell_median, cell_scale
+
+    def _feature(
+        self, *, feature: PeerFeature, ctx: _Context, x: Float, out: dict[str, list[Finding]]
     ) -> None:
         c = self.config
+        th = self.thresholds[feature.key]
         slots = x.shape[0]
         has = ~np.isnan(x)
         peers = has.sum(axis=(1, 2))
@@ -249,15 +439,14 @@ class PeerDetector(PoolDetector):
         enough = (peers >= c.min_gpus) & (peer_nodes >= c.min_nodes)
         if not enough.any():
             return
-        flat = x.reshape(slots, -1)
-        median, mad = median_mad(flat, axis=1)
-        scale = np.maximum(MAD_SCALE * mad, feature.floor)
+        median, scale = self._reference(feature, x, enough, peers, ctx.capped if feature.by_regime else None)
         sign = -1.0 if feature.worse == "low" else 1.0
-        z = sign * (x - median[:, None, None]) / scale[:, None, None]
+        clip = feature.allowance + c.max_excess
+        z = np.clip(sign * (x - median) / scale, -clip, clip)
         z[~enough] = np.nan
         result = cusum(z, feature.allowance)
         s = result.statistic
-        hit = (s >= c.h_alert) & (result.calm < c.calm_slots)
+        hit = (s >= th.h_alert) & ~_stopped(z, feature.allowance, c.calm_slots)
         if not hit.any():
             return
         idx = np.arange(slots)[:, None, None]
@@ -265,22 +454,36 @@ class PeerDetector(PoolDetector):
         runs = np.maximum(in_run.sum(axis=0), 1)
         mean_z = np.where(in_run, z, 0.0).sum(axis=0) / runs
         mean_x = np.where(in_run, x, 0.0).sum(axis=0) / runs
-        mean_median = (
-            np.where(in_run, np.broadcast_to(median[:, None, None], x.shape), 0.0).sum(axis=0) / runs
-        )
+        mean_median = np.where(in_run, median, 0.0).sum(axis=0) / runs
+        mean_scale = np.where(in_run, scale, 0.0).sum(axis=0) / runs
         for n, g in zip(*np.nonzero(hit), strict=True):
-            node = nodes[int(n)]
+            node = ctx.nodes[int(n)]
             gi = int(g)
-            quarantine = bool(s[n, g] >= c.h_quarantine and mean_z[n, g] >= feature.z_quarantine)
+            run = in_run[:, n, g]
+            since = float(ctx.starts[int(result.run_start[n, g])])
+            lasted = ctx.now - since
+            explained_by_limit = (
+                _power_limit_explanation(feature, ctx, int(n), gi, run)
+                if feature.power_limit_explains
+                else None
+            )
+            explanation = explained_by_limit or (
+                _job_change(ctx, int(n), run) if feature.relative_to == "pool" else None
+            )
+            crossed = bool(s[n, g] >= th.h_quarantine)
+            escalated = not crossed and lasted >= c.escalate_after_seconds and explanation is None
+            quarantine = (crossed or escalated) and explained_by_limit is None
             action: Action = "quarantine" if quarantine else "alert"
-            since = float(starts[int(result.run_start[n, g])])
-            lasted = now - since
             v, m, zz = float(mean_x[n, g]), float(mean_median[n, g]), float(mean_z[n, g])
             direction = "low" if feature.worse == "low" else "high"
             summary = (
                 f"GPU {gi} {feature.label} {v:.{feature.digits}f} {feature.unit} under load, "
                 f"pool median {m:.{feature.digits}f}, {zz:.1f} MADs {direction} for {_minutes(lasted)}"
             )
+            if escalated and quarantine:
+                summary += f", unexplained for over {_minutes(c.escalate_after_seconds)}"
+            if explanation is not None:
+                summary += f"; explained: {explanation}"
             out[node].append(
                 Finding(
                     detector=PeerConfig.name,
@@ -292,15 +495,20 @@ class PeerDetector(PoolDetector):
                     evidence={
                         "gpu": gi,
                         "feature": feature.key,
+                        "relative_to": feature.relative_to,
                         "value": round(v, 4),
                         "pool_median": round(m, 4),
+                        "scale": round(float(mean_scale[n, g]), 4),
                         "mads": round(zz, 2),
                         "direction": direction,
-                        "cusum": round(float(s[n, g]), 1),
-                        "threshold": c.h_quarantine if quarantine else c.h_alert,
+                        "cusum": round(float(s[n, g]), 2),
+                        "allowance": feature.allowance,
+                        "threshold": th.h_quarantine if crossed else th.h_alert,
+                        "escalated": escalated and quarantine,
+                        "explanation": explanation,
                         "seconds": round(lasted, 1),
                         "slots": int(runs[n, g]),
-                        "pool": frame.name,
+                        "pool": ctx.frame.name,
                         "peers": int(peers[-1]),
                         "peer_nodes": int(peer_nodes[-1]),
                     },
@@ -310,3 +518,75 @@ class PeerDetector(PoolDetector):
                 "peer deviation",
                 extra={"node": node, "gpu": gi, "feature": feature.key, "action": action, "mads": zz},
             )
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What every feature of one pool's run shares."""
+
+    frame: PoolFrame
+    nodes: list[str]
+    starts: npt.NDArray[np.float64]
+    gpu: npt.NDArray[np.float32]  # (slots, nodes, gpus, GPU_FIELDS)
+    loaded: npt.NDArray[np.bool_]  # (slots, nodes, gpus)
+    capped: npt.NDArray[np.bool_]  # (slots, nodes, gpus): held at the power limit (SW power cap)
+    now: float
+
+
+# A power limit is a setting in whole watts, enforced against a reading nvidia-smi states accurate to
+# +-5 W: a limit lower than its peers' by more than that is a different setting.
+POWER_LIMIT_DIFFERENCE_W: Final = 5.0
+# The GPU is held at its power limit in at least half the run's slots more than its peers are.
+CAP_SHARE_DIFFERENCE: Final = 0.5
+
+
+def _power_limit_explanation(
+    feature: PeerFeature, ctx: _Context, n: int, g: int, run: npt.NDArray[np.bool_]
+) -> str | None:
+    """Why the GPU's clock or power is lower than its peers' by design, over the run's slots: it is
+    held at its power limit (NVML's SW power cap reason) while its peers are not, or its limit is
+    set lower than theirs. The peers are its node-mates for a node-relative feature, else the pool."""
+    if not run.any():
+        return None
+    cap = ctx.gpu[run][..., GPU_COLUMN["sw_power_cap"]].astype(np.float64)  # (run slots, nodes, gpus)
+    limit = ctx.gpu[run][..., GPU_COLUMN["power_limit_watts"]].astype(np.float64)
+    loaded = ctx.loaded[run]
+    peers = np.zeros(loaded.shape, bool)
+    if feature.relative_to == "node":
+        peers[:, n, :] = loaded[:, n, :]
+    else:
+        peers[:] = loaded
+    peers[:, n, g] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        own_cap = float(np.nanmean(cap[:, n, g]))
+        peer_cap = float(np.nanmean(np.where(peers, cap, np.nan)))
+        own_limit = float(np.nanmean(limit[:, n, g]))
+        peer_limit = float(np.nanmedian(np.where(peers, limit, np.nan)))
+    who = "its node-mates" if feature.relative_to == "node" else "the pool"
+    if (
+        not math.isnan(own_cap)
+        and own_cap - (0.0 if math.isnan(peer_cap) else peer_cap) >= CAP_SHARE_DIFFERENCE
+    ):
+        peer_share = 0.0 if math.isnan(peer_cap) else peer_cap
+        return f"held at its power limit (SW power cap) {own_cap:.0%} of the time, {who} {peer_share:.0%}"
+    if (
+        not (math.isnan(own_limit) or math.isnan(peer_limit))
+        and peer_limit - own_limit > POWER_LIMIT_DIFFERENCE_W
+    ):
+        return f"power limit set to {own_limit:.0f} W, {who} {peer_limit:.0f} W"
+    return None
+
+
+def _job_change(ctx: _Context, n: int, run: npt.NDArray[np.bool_]) -> str | None:
+    """A pool-relative deviation across a job change on the node: some slot inside the run where none
+    of the node's GPUs was under load (the node between jobs) means the run compares two jobs."""
+    scored = np.nonzero(run)[0]
+    if scored.size < 2:
+        return None
+    inside = slice(int(scored[0]), int(scored[-1]) + 1)
+    idle = ~ctx.loaded[inside, n, :].any(axis=1)
+    if not idle.any():
+        return None
+    at = float(ctx.starts[inside][np.argmax(idle)])
+    return f"the node changed jobs during the run (idle at {at:.0f})"
