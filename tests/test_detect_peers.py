@@ -453,3 +453,16 @@ def test_thresholds_follow_from_the_arl_targets_and_the_slot_bound() -> None:
         assert th.arl0_quarantine >= config.arl0_quarantine_slots * 0.999
         assert th.h_quarantine >= config.min_quarantine_slots * config.max_excess
         assert th.h_alert <= th.h_quarantine
+
+
+def test_one_heavy_job_among_light_ones_is_judged_on_its_own_capped_spread() -> None:
+    """At the power limit each GPU's clock is what its own efficiency allows, so one node's
+    capped GPUs spread by a few percent; with no other capped node in the pool to say so, the
+    node's own capped GPUs give the scale, not the uncapped pool's tight one. Its least efficient
+    GPU, 6 % under its node-mates, is no fault."""
+    sim = PoolSim(nodes=40, seed=81)
+    sim.busy_until[:] = 1e9  # every node keeps its job: the light ones and the one heavy one
+    sim.job_clock[5] = 0.93
+    sim.cap_offset[5] = np.array([0.03, -0.02, 0.01, 0.025, -0.01, 0.0, 0.02, -0.06])
+    runs = simulate(sim, minutes=30)
+    assert [(t, f.key) for t, node, f in found(runs) if node == "node-005" and f.action == "quarantine"] == []

@@ -418,13 +418,23 @@ class PeerDetector(PoolDetector):
             has = ~np.isnan(xs)
             count = has.sum(axis=(1, 2))
             ok = (count >= c.min_gpus) & (has.any(axis=2).sum(axis=1) >= c.min_nodes)
-            if not ok.any():
-                continue
-            m, d = median_mad(xs.reshape(slots, -1), axis=1)
-            sc = shrunk_scale(d, count, ok, c.prior_gpus, feature.floor)
-            use = mask & ok[:, None, None]
-            cell_median = np.where(use, m[:, None, None], cell_median)
-            cell_scale = np.where(use, sc[:, None, None], cell_scale)
+            if ok.any():
+                m, d = median_mad(xs.reshape(slots, -1), axis=1)
+                sc = shrunk_scale(d, count, ok, c.prior_gpus, feature.floor)
+                use = mask & ok[:, None, None]
+                cell_median = np.where(use, m[:, None, None], cell_median)
+                cell_scale = np.where(use, sc[:, None, None], cell_scale)
+            if state and not ok.all():
+                # Capped GPUs with too few capped peers in the pool (one heavy job among light
+                # ones) would take the uncapped GPUs' scale, which understates theirs: their
+                # node's own capped GPUs (one job, one limit) say how far apart they spread.
+                lone = mask & ~ok[:, None, None]
+                node_count = has.sum(axis=2)
+                node_median = nanmedian(xs, axis=2)
+                node_mad = nanmedian(np.abs(xs - node_median[..., None]), axis=2)
+                node_scale = np.where(node_count >= c.min_node_gpus, MAD_SCALE * node_mad, np.nan)
+                wider = np.fmax(cell_scale, node_scale[..., None])
+                cell_scale = np.where(lone, wider, cell_scale)
         return cell_median, cell_scale
 
     def _feature(
