@@ -68,6 +68,9 @@ from aggregator.rules.sequential import CountEvidence, PoissonCusum
 from aggregator.story import iso
 
 log = logging.getLogger(__name__)
+# A sequential rule's statistic for a subject (port, GPU) no report has carried for this long is
+# dropped: ten minutes is sixty 10-s reports, far past a lost report or two.
+_COUNTS_FORGET_S: Final = 600.0
 # Report times are an agent's timer plus its collection time, so "down on two reports 10 s apart"
 # may read 9.99 s; a for: period is met within this much, or a 10s hold on 10-s reports would
 # need a third report whenever the second came a few milliseconds early.
@@ -774,6 +777,14 @@ class RuleEngine:
         counts = run.state.counts
         evidence_state = counts.get(key)
         if evidence_state is None:
+            # A new subject: first drop the ones no report has carried for a while (a port
+            # renamed or gone). Without it a node naming new ports in every report would grow
+            # this without bound; the evidence of a subject that comes back starts over.
+            stale = [
+                k for k, ev in counts.items() if ev.at is not None and ev.at < run.now - _COUNTS_FORGET_S
+            ]
+            for k in stale:
+                del counts[k]
             evidence_state = counts[key] = CountEvidence()
             # After an aggregator restart (or for a new subject) the view may still hold the
             # previous report of this boot: one interval of evidence gained.
