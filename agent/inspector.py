@@ -40,7 +40,7 @@ from array import array
 from collections import defaultdict, deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from operator import attrgetter
-from typing import Annotated, Final, Literal, TypeVar, cast
+from typing import Annotated, Final, Literal, TypeVar, cast, get_args
 
 import msgspec
 from msgspec import UNSET, Meta
@@ -51,27 +51,29 @@ from agent.report import JOBS_FORMAT, MAX_COLLECTIVES, Collective, Jobs, Stat
 # Format versions, as ``metadata.inspector_output_format_version`` (JSON) and the ``version``
 # label (Prometheus, "v<profiler interface>.<minor>") spell them. v4.0-v4.2 lines are
 # self-contained; v4.3 and v4.4 put header and metadata in a dump_stats marker only.
-SELF_CONTAINED_VERSIONS: Final = frozenset({"v4.0", "v4.1", "v4.2"})
-MARKER_VERSIONS: Final = frozenset({"v4.3", "v4.4"})
+_SelfContainedVersion = Literal["v4.0", "v4.1", "v4.2"]
+_MarkerVersion = Literal["v4.3", "v4.4"]
+_Version = _SelfContainedVersion | _MarkerVersion
+SELF_CONTAINED_VERSIONS: Final = frozenset(get_args(_SelfContainedVersion))
+MARKER_VERSIONS: Final = frozenset(get_args(_MarkerVersion))
 JSON_VERSIONS: Final = SELF_CONTAINED_VERSIONS | MARKER_VERSIONS
 PROMETHEUS_VERSIONS: Final = frozenset({"v5.0", "v5.1", "v5.2"})
 
 # What Inspector's ncclFuncToString writes; anything else ("Invalid", a kind a later NCCL adds)
 # is read and counted as dropped rather than reported under a name nobody compares.
-KINDS: Final = frozenset(
-    {
-        "AllGather",
-        "AllGatherV",
-        "AllReduce",
-        "All2All",
-        "Broadcast",
-        "Reduce",
-        "ReduceScatter",
-        "Send",
-        "Recv",
-        "SendRecv",
-    }
-)
+_Kind = Literal[
+    "AllGather",
+    "AllGatherV",
+    "AllReduce",
+    "All2All",
+    "Broadcast",
+    "Reduce",
+    "ReduceScatter",
+    "Send",
+    "Recv",
+    "SendRecv",
+]
+KINDS: Final = frozenset(get_args(_Kind))
 # Where the file does not say how the time was measured (v4.0 without ``coll_timing_source``, and
 # every Prometheus series): Inspector's own word for it.
 UNKNOWN_TIMING: Final = "unknown"
@@ -193,19 +195,6 @@ _BATCH: Final = msgspec.json.Decoder(list[_Line | None])
 # a value Inspector does not write fails the whole chunk over to the decoders above, which say
 # exactly which line and why) and whose header and metadata are frozen, so hashable: records are
 # grouped by them in C (``dict`` lookups through ``map``), never one Python statement per line.
-_Version = Literal["v4.0", "v4.1", "v4.2", "v4.3", "v4.4"]  # JSON_VERSIONS, as a type
-_Kind = Literal[
-    "AllGather",
-    "AllGatherV",
-    "AllReduce",
-    "All2All",
-    "Broadcast",
-    "Reduce",
-    "ReduceScatter",
-    "Send",
-    "Recv",
-    "SendRecv",
-]  # KINDS, as a type
 # inspectorTimingSourceToString (inspector.cc): the only words Inspector writes.
 _Timing = Literal["kernel_gpu", "kernel_cpu", "collective_cpu", "unknown"]
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict, deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Final
 
@@ -106,6 +106,16 @@ class LinkConfig(DetectorSettings, frozen=True):
         """Log ratio under which one result is "slow": halfway (in log) between normal and the
         design effect, where the two hypotheses are equally likely for one result."""
         return 0.5 * math.log(self.design_ratio)
+
+
+def _partner_results(node: str, pair: Pair, involving: list[_Obs]) -> Iterator[tuple[str, float, float]]:
+    """(partner, time, log ratio) of every result of ``node`` with a partner, ``pair`` left out."""
+    for o in involving:
+        if o.pair == pair:
+            continue
+        partner = o.pair[1] if o.pair[0] == node else o.pair[0]
+        for x, t in zip(o.ratios, o.times, strict=True):
+            yield partner, t, math.log(x)
 
 
 @dataclass
@@ -437,13 +447,9 @@ class LinkLocalizer:
         went bad, it says ``end`` was fine)."""
         slow_line = self.config.slow_line
         latest: dict[str, tuple[float, float]] = {}
-        for o in involving:
-            if o.pair == pair:
-                continue
-            other = o.pair[1] if o.pair[0] == end else o.pair[0]
-            for x, t in zip(o.ratios, o.times, strict=True):
-                if t <= until and t >= latest.get(other, (-math.inf, 0.0))[0]:
-                    latest[other] = (t, math.log(x))
+        for other, t, lr in _partner_results(end, pair, involving):
+            if t <= until and t >= latest.get(other, (-math.inf, 0.0))[0]:
+                latest[other] = (t, lr)
         if bad:
             latest = {n: v for n, v in latest.items() if n not in bad or v[1] >= slow_line}
         return list(latest.values())
@@ -485,14 +491,10 @@ class LinkLocalizer:
         """What ``other`` measured around ``t`` with its partners outside ``pair``: the median log
         ratio of its results nearest in time with up to ``PARTNER_VOTES`` partners, and how many."""
         nearest: dict[str, tuple[float, float]] = {}
-        for o in involving:
-            if o.pair == pair:
-                continue
-            partner = o.pair[1] if o.pair[0] == other else o.pair[0]
-            for x, ts in zip(o.ratios, o.times, strict=True):
-                dt = abs(ts - t)
-                if dt < nearest.get(partner, (math.inf, 0.0))[0]:
-                    nearest[partner] = (dt, math.log(x))
+        for partner, ts, lr in _partner_results(other, pair, involving):
+            dt = abs(ts - t)
+            if dt < nearest.get(partner, (math.inf, 0.0))[0]:
+                nearest[partner] = (dt, lr)
         if not nearest:
             return None
         votes = sorted(nearest.values())[:PARTNER_VOTES]
