@@ -844,7 +844,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = ".venv/bin/python bench/detection.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.matrix:
         return _matrix_main(p, args, command.strip())
-    if args.scenarios is None:
+    if not args.scenarios:  # argparse gives [] for an absent nargs="*" positional
         args.scenarios = [DEFAULT_SCENARIO]
     if args.seeds is None:
         args.seeds = 5
