@@ -89,6 +89,11 @@ class PeerFeature:
     uncapped_only: bool = False
     # Median and scale per regime (held at the power limit or not) where each has enough peers.
     by_regime: bool = False
+    # A GPU_COLUMN the value is judged at: the value less what the pool's GPUs run at at the GPU's
+    # own value of it (a robust line over the frame, ``power_fit``), for a quantity the work sets
+    # through that column (temperature through power: steady die temperature ~ inlet air + thermal
+    # resistance x power).
+    given: str | None = None
 
 
 # Allowances are how many robust sigmas a healthy GPU may sit away from its peers *for good*
@@ -140,12 +145,19 @@ FEATURES: Final[tuple[PeerFeature, ...]] = (
         True,
         True,
     ),
-    # A sensor reads to 1 C (NVML's temperature is an integer). Loaded GPUs of a pool differ by
-    # several degrees for good: the node's inlet air, the GPU's position in the chassis airflow,
-    # its heat sink's contact. These add up to a heavy hot tail where the hottest healthy GPU of a
-    # few hundred sits near 4 MADs, steadily: k = 5. A GPU 20 C over its pool (a throttling one at
-    # 85 C) is 6-7 MADs and still found in a minute.
-    PeerFeature("temperature", "temperature", ("temperature_celsius",), "high", 1.0, 5.0, "C", 0),
+    # A sensor reads to 1 C (NVML's temperature is an integer). A GPU's steady temperature is its
+    # inlet air plus its cooling's thermal resistance times its power (plus its position in the
+    # chassis airflow): a heavy job runs every GPU of its node hotter by design, 10-15 C on air-
+    # cooled parts, so the temperature is judged at the GPU's own power (``given``): against what
+    # the pool's GPUs at that power run at in the same slot. What is left is the cooling: a bad
+    # fan, dried paste, blocked air runs hotter at the same power (and a throttling GPU draws less
+    # while it does, which only widens the gap). Healthy GPUs still differ by their inlet air,
+    # position and heat sink contact, for good: a heavy hot tail where the hottest healthy GPU of a
+    # few hundred sits near 4 MADs, steadily: k = 5. A GPU 20 C over its pool at its power (a
+    # throttling one at 85 C) is 6-7 MADs and still found in a minute.
+    PeerFeature(
+        "temperature", "temperature", ("temperature_celsius",), "high", 1.0, 5.0, "C", 0, given="power_watts"
+    ),
     PeerFeature(
         "memory-temperature",
         "memory temperature",
@@ -155,6 +167,7 @@ FEATURES: Final[tuple[PeerFeature, ...]] = (
         5.0,
         "C",
         0,
+        given="power_watts",
     ),
     # Power under load is set by the work as much as by the GPU: a light job draws 400 W where a
     # heavy one draws 650 W on the same healthy H100s, so power is compared as a share of the node's
@@ -317,6 +330,51 @@ def _node_relative(x: Float, min_gpus: int) -> Float:
     return out
 
 
+# nvidia-smi states power draw accurate to +-5 W: two groups whose median powers are closer than
+# two readings' error cannot be told apart, and a slope across them is noise.
+POWER_ACCURACY_W: Final = 5.0
+
+
+def power_fit(y: Float, power: Float, min_node_gpus: int) -> float:
+    """The frame's slope of ``y`` on power (per watt, at least 0): how much hotter the pool's GPUs
+    run per watt more, from same-slot comparisons only.
+
+    Each node's median ``y`` and power over its loaded GPUs (nodes with at least ``min_node_gpus``;
+    the 8 GPUs of a node run one job, so a node is one point of the pool's power range, and one
+    faulty GPU does not move its node's median), less the slot's median node (the room's drift and
+    the slot's intercept cancel: only nodes of the same moment are compared); over all the frame's
+    points, Tukey's resistant line: the difference of the medians of the hottest-powered third and
+    the lowest-powered third, over the difference of their median powers. Its breakdown point is
+    1/6: a few odd nodes do not set it.
+
+    The slope is a property of the pool's cooling (thermal resistance), one per frame; the intercept
+    is the slot's own (the residuals' median in ``PeerDetector._reference``). Physics bounds it
+    below by 0: more power never cools a GPU. Where the frame's power range is too narrow to
+    estimate it (the thirds' median powers within ``2 x POWER_ACCURACY_W``, or fewer than three
+    points) it is 0, the raw comparison; that is also where it matters least: a slope's error
+    moves a GPU's expected value by the error times the GPU's power difference from its peers,
+    which a narrow range keeps small.
+    """
+    both = ~np.isnan(y) & ~np.isnan(power)
+    enough = both.sum(axis=2) >= min_node_gpus
+    yn = np.where(enough, nanmedian(np.where(both, y, np.nan), axis=2), np.nan)
+    pn = np.where(enough, nanmedian(np.where(both, power, np.nan), axis=2), np.nan)
+    yc = yn - nanmedian(yn, axis=1)[:, None]
+    pc = pn - nanmedian(pn, axis=1)[:, None]
+    ok = ~np.isnan(yc) & ~np.isnan(pc)
+    xs, ys = pc[ok], yc[ok]
+    third = xs.size // 3
+    if third == 0:
+        return 0.0
+    order = np.argsort(xs, kind="stable")
+    xs, ys = xs[order], ys[order]
+    run = float(np.median(xs[-third:]) - np.median(xs[:third]))
+    if run < 2 * POWER_ACCURACY_W:
+        return 0.0
+    rise = float(np.median(ys[-third:]) - np.median(ys[:third]))
+    return max(0.0, rise / run)
+
+
 def shrunk_scale(
     mad: Float, count: npt.NDArray[np.int64], scored: npt.NDArray[np.bool_], prior_gpus: int, floor: float
 ) -> Float:
@@ -388,7 +446,16 @@ class PeerDetector(PoolDetector):
                 x = np.where(capped, np.nan, x)
             if feature.relative_to == "node":
                 x = _node_relative(x, c.min_node_gpus)
-            self._feature(feature=feature, ctx=context, x=x, out=out)
+            fit: tuple[float, Float] | None = None
+            if feature.given is not None:
+                # The value less what the pool runs at at the GPU's own power (slope x power; the
+                # slot's intercept is the residuals' median): scored is the residual, shown the value.
+                given = np.where(loaded, gpu[..., GPU_COLUMN[feature.given]].astype(np.float64), np.nan)
+                slope = power_fit(x, given, c.min_node_gpus)
+                expected: Float = slope * given if slope > 0 else np.zeros_like(x)
+                x = x - expected
+                fit = (slope, expected)
+            self._feature(feature=feature, ctx=context, x=x, out=out, fit=fit)
         return out
 
     def _reference(
@@ -438,8 +505,17 @@ class PeerDetector(PoolDetector):
         return cell_median, cell_scale
 
     def _feature(
-        self, *, feature: PeerFeature, ctx: _Context, x: Float, out: dict[str, list[Finding]]
+        self,
+        *,
+        feature: PeerFeature,
+        ctx: _Context,
+        x: Float,
+        out: dict[str, list[Finding]],
+        fit: tuple[float, Float] | None = None,
     ) -> None:
+        """Score ``x`` per slot against its pool, accumulate, and report; ``fit`` (a ``given``
+        feature's slope and the part of each cell's value its power explains) is added back to the
+        value and the median shown, so that a finding reads in the feature's own unit."""
         c = self.config
         th = self.thresholds[feature.key]
         slots = x.shape[0]
@@ -465,6 +541,11 @@ class PeerDetector(PoolDetector):
         mean_z = np.where(in_run, z, 0.0).sum(axis=0) / runs
         mean_x = np.where(in_run, x, 0.0).sum(axis=0) / runs
         mean_median = np.where(in_run, median, 0.0).sum(axis=0) / runs
+        if fit is not None:
+            mean_fit = np.where(in_run, fit[1], 0.0).sum(axis=0) / runs
+            mean_x = mean_x + mean_fit
+            mean_median = mean_median + mean_fit
+        versus = "pool median" if fit is None else "its pool at its power"
         mean_scale = np.where(in_run, scale, 0.0).sum(axis=0) / runs
         for n, g in zip(*np.nonzero(hit), strict=True):
             node = ctx.nodes[int(n)]
@@ -488,7 +569,7 @@ class PeerDetector(PoolDetector):
             direction = "low" if feature.worse == "low" else "high"
             summary = (
                 f"GPU {gi} {feature.label} {v:.{feature.digits}f} {feature.unit} under load, "
-                f"pool median {m:.{feature.digits}f}, {zz:.1f} MADs {direction} for {_minutes(lasted)}"
+                f"{versus} {m:.{feature.digits}f}, {zz:.1f} MADs {direction} for {_minutes(lasted)}"
             )
             if escalated and quarantine:
                 summary += f", unexplained for over {_minutes(c.escalate_after_seconds)}"
@@ -507,7 +588,9 @@ class PeerDetector(PoolDetector):
                         "feature": feature.key,
                         "relative_to": feature.relative_to,
                         "value": round(v, 4),
-                        "pool_median": round(m, 4),
+                        "pool_median": round(m, 4),  # with ``given``: the pool's at its power
+                        "given": feature.given,
+                        "slope": None if fit is None else round(fit[0], 5),
                         "scale": round(float(mean_scale[n, g]), 4),
                         "mads": round(zz, 2),
                         "direction": direction,
