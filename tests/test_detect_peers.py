@@ -35,6 +35,7 @@ class Fault:
     power: float = 0.0  # share of power lost under load, clocks as its node-mates' (held back)
     pcie_gen: float | None = None  # PCIe generation over max under load (a link trained low)
     capped: bool = False  # held at its power limit (SW power cap bit) while its node-mates are not
+    hot: float = 0.0  # C hotter under load at the same power (a bad fan, dried paste), no throttling
 
 
 @dataclass
@@ -59,6 +60,9 @@ class PoolSim:
     # has no variance, so some jobs sit far out), for job_s seconds, idle idle_s seconds between.
     job_spread: float = 0.0
     job_s: tuple[float, float] = (600.0, 1800.0)
+    # Thermal resistance, C per W over the pool's usual 600 W: a node drawing more runs hotter on
+    # every GPU (0 by default: temperature independent of the job).
+    c_per_w: float = 0.0
     idle_s: tuple[float, float] = (30.0, 120.0)
 
     def __post_init__(self) -> None:
@@ -105,6 +109,8 @@ class PoolSim:
         )
         for node, scale in self.job_power.items():
             power[node] = np.where(busy[node], power[node] * scale, power[node])
+        power = np.minimum(power, 700.0)
+        temp = np.where(busy, temp + self.c_per_w * (power - 600.0), temp)
         gen = np.where(busy, 1.0, 0.2)  # Gen5 under load, Gen1 at idle (power management)
         bits = np.zeros((*shape, 4))
         bits[..., 0] = rng.random(shape) < 0.001
@@ -119,6 +125,7 @@ class PoolSim:
                 gen[f.node, f.gpu] = f.pcie_gen
             if f.capped:
                 capped[f.node, f.gpu] = True
+            temp[f.node, f.gpu] += f.hot
             if f.throttle:
                 temp[f.node, f.gpu] = rng.uniform(86, 89)
                 clock[f.node, f.gpu] *= 0.85
@@ -229,6 +236,45 @@ def test_thermally_throttling_gpu_is_found(seed: int) -> None:
     t, f = first(runs, "node-040", "peer-temperature:gpu1")
     assert t - 120.0 <= 180.0
     assert f.evidence["value"] >= 85.0 and f.evidence["direction"] == "high"
+    assert any(f.action == "quarantine" for _, _, f in hits)
+
+
+# Air-cooled H100/A100 at load: the die runs ~0.06-0.09 C hotter per watt (thermal resistance);
+# light jobs at 65 % of the pool's power, a heavy one at the 700 W limit: 0.07 x 300 W = 21 C hotter
+# on every GPU of the heavy node, several MADs over the pool's raw median.
+HEAVY_POOL = {i: 0.65 for i in range(64) if i not in (10, 20)}
+
+
+@pytest.mark.parametrize("seed", [61, 62])
+def test_a_heavy_job_runs_its_node_hotter_and_is_work_not_a_fault(seed: int) -> None:
+    sim = PoolSim(nodes=64, seed=seed, c_per_w=0.07, job_power=HEAVY_POOL)
+    sim.busy_until[[10, 20]] = 1e9  # the heavy job runs all along
+    runs = simulate(sim, minutes=15)
+    assert found(runs) == []
+
+
+@pytest.mark.parametrize("seed", [63, 64])
+def test_a_gpu_hotter_than_its_pool_at_the_same_power_is_found(seed: int) -> None:
+    # A cooling fault short of throttling: no slowdown bit, clocks and power as its node-mates', 20 C
+    # hotter than a GPU at its power runs, on a light node (cooler than the heavy nodes in raw terms).
+    sim = PoolSim(
+        nodes=64,
+        seed=seed,
+        c_per_w=0.07,
+        job_power=HEAVY_POOL,
+        faults=[Fault(node=30, gpu=3, start=120.0, hot=20.0)],
+    )
+    sim.busy_until[[10, 20, 30]] = 1e9
+    runs = simulate(sim, minutes=12)
+    hits = found(runs)
+    assert {node for _, node, _ in hits} == {"node-030"}
+    assert {f.key for _, _, f in hits} <= {"peer-temperature:gpu3", "peer-memory-temperature:gpu3"}
+    t, f = first(runs, "node-030", "peer-temperature:gpu3")
+    assert t - 120.0 <= 240.0
+    assert f.evidence["given"] == "power_watts" and f.evidence["slope"] == pytest.approx(0.07, abs=0.02)
+    # Read in degrees: the GPU's temperature against what its pool runs at at its power.
+    assert f.evidence["value"] - f.evidence["pool_median"] >= 15.0
+    assert "under load, its pool at its power" in f.summary
     assert any(f.action == "quarantine" for _, _, f in hits)
 
 
