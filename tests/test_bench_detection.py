@@ -147,7 +147,13 @@ def _link_trace(
                 for comm, nodes in (rings or {}).items()
                 if node in nodes and t <= rows_until
             ]
-            report = {"node": node, "boot_id": "b", "seq": seq, "time": t, "interval_seconds": 10.0}
+            report: dict[str, object] = {
+                "node": node,
+                "boot_id": "b",
+                "seq": seq,
+                "time": t,
+                "interval_seconds": 10.0,
+            }
             report |= {"gpus": [_gpu(0, 0.0)], "probes": probes, "jobs": {"collectives": collectives}}
             lines.append(json.dumps(report) + "\n")
     with gzip.open(path, "wt", encoding="utf-8") as f:
