@@ -584,7 +584,7 @@ def test_a_cycle_with_a_slow_nic_and_a_link_blames_no_healthy_node() -> None:
     loc = LinkLocalizer()
     v = loc.run(FRAMES, sparse(loc, _cycle, CYCLE))
     assert quarantined(v) <= {"gpu-0004"}
-    assert set(v.links) <= {("gpu-0005", "gpu-0006")}
+    assert set(v.links or {}) <= {("gpu-0005", "gpu-0006")}
 
 
 @pytest.mark.xfail(strict=True, reason="needs the pairs explained jointly (docs/detection.md, Links)")
@@ -594,4 +594,4 @@ def test_a_cycle_with_a_slow_nic_and_a_link_finds_both() -> None:
     loc = LinkLocalizer()
     v = loc.run(FRAMES, sparse(loc, _cycle, CYCLE))
     assert quarantined(v) == {"gpu-0004"}
-    assert set(v.links) == {("gpu-0005", "gpu-0006")}
+    assert set(v.links or {}) == {("gpu-0005", "gpu-0006")}
