@@ -827,8 +827,9 @@ def render_matrix(runs: list[dict[str, Any]], command: str) -> str:
         f"(``visibility``; one caught in time counts as visible) and quarantined within "
         f"{SOFT_WITHIN_S / 60:.0f} minutes; TTD from the first "
         f"report showing the fault; hard recall within {HARD_WITHIN_S:.0f} s; link recall within "
-        f"{LINK_WITHIN_S / 60:.0f} minutes, of the links visible that long (``_LinkSeen``: measured "
-        f"{DECIDING_RESULTS} times over the pair, each end measured with a healthy partner); "
+        f"{LINK_WITHIN_S / 60:.0f} minutes, of the links visible that long (``_LinkSeen``: the pair "
+        f"measured {DECIDING_RESULTS} times by pair probes, or {JOB_SPAN_S:.0f} s of job data over "
+        "a ring crossing it, and each end measured with a healthy partner); "
         "loaded: the share of reports "
         "whose GPUs average at least 50 % utilisation.",
         "",
