@@ -212,6 +212,7 @@ def test_matrix_runs_end_to_end_on_a_tiny_cell(
         soft = [f for f in r["faults"] if f["class"] == "soft"]
         assert soft and all(isinstance(f["visible"], bool) for f in soft)
         assert any(f["visible"] for f in soft)
+        assert all(isinstance(f["visible"], bool) for f in r["faults"] if f["class"] == "link")
         assert 0.0 < r["loaded_share"] < 1.0
     by = {(r["scenario"], r["cell"]["name"]): r["reports"] for r in runs}
     assert by[("othergen", "loss 10 %")] < by[("othergen", "baseline")] * 0.95
