@@ -34,6 +34,7 @@ import dataclasses
 import gzip
 import json
 import logging
+import math
 import os
 import platform
 import random
@@ -42,9 +43,9 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
@@ -56,6 +57,8 @@ from _common import cpuinfo_model
 from agent.errors import ConfigError
 from agent.report import CLOCK_EVENT_BITS
 from aggregator.config import Config
+from aggregator.detect.jobs import JobConfig, comm_hops
+from aggregator.detect.links import DECIDING_RESULTS, PAIR_KINDS, LinkConfig
 from aggregator.replay import replay
 from aggregator.rules.model import default_rules_dir, load_rules
 from sim import eval as sim_eval
@@ -150,6 +153,9 @@ MATRIX_MINUTES: Final = 20.0
 VISIBLE_SHARE: Final = 0.8
 # A slow NIC shows only in pair probes; telling it from one bad link needs probes with two peers.
 VISIBLE_NIC_PEERS: Final = 2
+# Job data shows a link when rows of communicators crossing it cover the jobs detector's window and
+# its consecutive runs (a blame must hold in ``confirm_runs`` runs, ``every_seconds`` apart).
+JOB_SPAN_S: Final = JobConfig().window_seconds + (JobConfig().confirm_runs - 1) * JobConfig().every_seconds
 LOADED_UTILIZATION: Final = 0.5  # a GPU at or above this is under load
 _THERMAL_BITS: Final = CLOCK_EVENT_BITS["sw_thermal_slowdown"] | CLOCK_EVENT_BITS["hw_thermal_slowdown"]
 _BRAKE_BIT: Final = CLOCK_EVENT_BITS["hw_power_brake_slowdown"]
@@ -226,21 +232,31 @@ def _evidence(f: TruthFault, report: dict[str, Any]) -> bool:
 
 
 def visibility(trace: Path, truth: Truth, window_s: float = SOFT_WITHIN_S) -> tuple[dict[int, bool], float]:
-    """Per soft fault (by its index in ``truth.faults``) whether the trace showed it for its whole
-    window after it first showed; and the share of reports whose GPUs are, on average, loaded.
+    """Per soft and link fault (by its index in ``truth.faults``) whether the trace showed it for
+    its whole window after it first showed; and the share of reports whose GPUs are, on average,
+    loaded.
 
     A fault is visible when the window ``first_seen .. first_seen + window_s`` lies within the
     trace and either (``slow_nic``) the node's reports carry successful pair probes with at least
-    ``VISIBLE_NIC_PEERS`` distinct peers in it, or (every other kind) at least ``VISIBLE_SHARE``
-    of the window's report slots (window / the node's interval) carry the evidence (``_evidence``).
-    A report delivered twice counts once.
+    ``VISIBLE_NIC_PEERS`` distinct peers in it, or (a degraded link) ``_LinkSeen.visible`` holds, or
+    (every other kind) at least ``VISIBLE_SHARE`` of the window's report slots (window / the
+    node's interval) carry the evidence (``_evidence``). A report delivered twice counts once.
     """
-    soft = {i: f for i, f in enumerate(truth.faults) if f.fault_class == "soft" and f.first_seen is not None}
+    judged = {
+        i: f
+        for i, f in enumerate(truth.faults)
+        if f.fault_class in ("soft", "link") and f.first_seen is not None
+    }
     by_node: dict[str, list[int]] = defaultdict(list)
-    for i, f in soft.items():
+    for i, f in judged.items():
         by_node[f.node].append(i)
-    slots: dict[int, int] = dict.fromkeys(soft, 0)
-    peers: dict[int, set[str]] = {i: set() for i in soft}
+        if f.fault_class == "link" and f.peer is not None:
+            by_node[f.peer].append(i)
+    links = {
+        i: _LinkSeen(f, _healthy_partner(truth, f)) for i, f in judged.items() if f.fault_class == "link"
+    }
+    slots: dict[int, int] = dict.fromkeys(judged, 0)
+    peers: dict[int, set[str]] = {i: set() for i in judged}
     interval: dict[int, float] = {}
     seen: set[tuple[str, str, int]] = set()
     loaded = total = 0
@@ -255,16 +271,18 @@ def visibility(trace: Path, truth: Truth, window_s: float = SOFT_WITHIN_S) -> tu
                 and statistics.fmean(g.get("utilization_ratio") or 0.0 for g in gpus) >= LOADED_UTILIZATION
             ):
                 loaded += 1
-            ids = by_node.get(r["node"])
-            if not ids:
-                continue
             key = (r["node"], r.get("boot_id", ""), r["seq"])
             if key in seen:
                 continue
             seen.add(key)
-            for i in ids:
-                f = soft[i]
+            for seen_link in links.values():
+                seen_link.members(r)  # a ring's order needs every rank's node, not only the ends'
+            for i in by_node.get(r["node"], ()):
+                f = judged[i]
                 assert f.first_seen is not None
+                if i in links:
+                    links[i].report(r, window_s)
+                    continue
                 if not f.first_seen <= r["time"] < f.first_seen + window_s:
                     continue
                 interval[i] = float(r["interval_seconds"])
@@ -277,15 +295,119 @@ def visibility(trace: Path, truth: Truth, window_s: float = SOFT_WITHIN_S) -> tu
                 elif _evidence(f, r):
                     slots[i] += 1
     out: dict[int, bool] = {}
-    for i, f in soft.items():
+    for i, f in judged.items():
         assert f.first_seen is not None
-        if f.first_seen + window_s > truth.end + 1.0 or i not in interval:
+        if f.first_seen + window_s > truth.end + 1.0:
+            out[i] = False
+        elif i in links:
+            out[i] = links[i].visible()
+        elif i not in interval:
             out[i] = False
         elif f.kind == "slow_nic":
             out[i] = len(peers[i]) >= VISIBLE_NIC_PEERS
         else:
             out[i] = slots[i] >= VISIBLE_SHARE * window_s / interval[i]
     return out, (loaded / total if total else 0.0)
+
+
+def _healthy_partner(truth: Truth, link: TruthFault) -> Callable[[str], bool]:
+    """Whether a node can vouch for a link's end: no fault of the truth (but this link) is on it.
+    A partner with a slow NIC of its own is slow with the end too, and then the end looks slow
+    with everyone: one slow node, not a link (the parsimonious reading the localizer takes)."""
+    faulty = {
+        n
+        for f in truth.faults
+        if f is not link and f.fault_class in ("hard", "soft", "link")
+        for n in (f.node, f.peer)
+        if n is not None
+    }
+    return lambda n: n not in faulty
+
+
+@dataclass
+class _LinkSeen:
+    """What one degraded link's window carried (``visibility``): the measurements over the pair,
+    and whether each end was measured with someone else, by pair probes and by job data.
+
+    A link is visible when its pair was measured ``DECIDING_RESULTS`` times in the window by pair
+    probes (the localizer's fewest: one result never decides), or job data of communicators whose
+    ring crosses the hop (``comm_hops``) covers ``JOB_SPAN_S`` of it (the jobs detector's window
+    and its consecutive runs); and, from the same source, each end was measured with a partner no
+    fault is on (pair probes since the fault began; job data of an inter-node communicator that
+    does not cross the hop), since a slow pair with an end shown normal nowhere else is a slow end
+    as much as a slow link. Probe results are both ends' copies of one measurement: results of
+    one pair within the localizer's ``dedupe_seconds`` are one.
+    """
+
+    fault: TruthFault
+    vouches: Callable[[str], bool]
+    probe_times: list[float] = field(default_factory=list)
+    probe_partners: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    ranks: dict[str, dict[int, str]] = field(
+        default_factory=lambda: defaultdict(dict)
+    )  # comm -> rank -> node
+    kinds: dict[str, str] = field(default_factory=dict)  # comm -> collective
+    rows: list[tuple[float, str, str]] = field(default_factory=list)  # (time, end, comm) in the window
+
+    def _in_window(self, t: float, window_s: float, since: float | None = None) -> bool:
+        assert self.fault.first_seen is not None
+        start = self.fault.first_seen if since is None else since
+        return start <= t < self.fault.first_seen + window_s
+
+    def members(self, r: dict[str, Any]) -> None:
+        jobs = r.get("jobs") or {}
+        for c in jobs.get("collectives") or []:
+            if c.get("nnodes", 1) >= 2 and c.get("rank") is not None:
+                self.ranks[c["comm"]][int(c["rank"])] = r["node"]
+                self.kinds[c["comm"]] = c["collective"]
+
+    def report(self, r: dict[str, Any], window_s: float) -> None:
+        f, node = self.fault, r["node"]
+        other = f.peer if node == f.node else f.node
+        if self._in_window(r["time"], window_s, since=min(f.start, f.first_seen or f.start)):
+            for p in r.get("probes") or []:
+                if p.get("kind") not in PAIR_KINDS or not p.get("ok") or not p.get("peer"):
+                    continue
+                if p["peer"] == other:
+                    if self._in_window(r["time"], window_s):
+                        self.probe_times.append(float(p["time"]))
+                elif self.vouches(p["peer"]):
+                    self.probe_partners[node].add(p["peer"])
+        if self._in_window(r["time"], window_s):
+            jobs = r.get("jobs") or {}
+            for c in jobs.get("collectives") or []:
+                if c.get("nnodes", 1) >= 2 and c.get("rank") is not None:
+                    self.rows.append((float(r["time"]), node, c["comm"]))
+
+    def visible(self) -> bool:
+        f = self.fault
+        ends = (f.node, f.peer)
+        results = 0
+        last = -math.inf
+        for t in sorted(self.probe_times):
+            if t - last > LinkConfig().dedupe_seconds:
+                results += 1
+                last = t
+        if results >= DECIDING_RESULTS and all(self.probe_partners.get(e) for e in ends if e is not None):
+            return True
+        hop = (min(f.node, f.peer or ""), max(f.node, f.peer or ""))
+        crossing: list[float] = []
+        elsewhere: dict[str, bool] = {}
+        rings: dict[str, tuple[list[str], tuple[tuple[str, str], ...]]] = {}
+        for comm in {c for _, _, c in self.rows}:
+            nodes = [self.ranks[comm][k] for k in sorted(self.ranks[comm])]
+            rings[comm] = (nodes, comm_hops(self.kinds[comm], nodes))
+        for t, end, comm in self.rows:
+            nodes, hops = rings[comm]
+            if hop in hops:
+                crossing.append(t)
+            elif hops and all(self.vouches(n) for n in set(nodes) - set(ends)):
+                elsewhere[end] = True
+        return (
+            bool(crossing)
+            and max(crossing) - min(crossing) >= JOB_SPAN_S
+            and all(elsewhere.get(e, False) for e in ends if e is not None)
+        )
 
 
 def _with_sweep(s: scenario_mod.Scenario, sweep: tuple[str, str, float] | None) -> scenario_mod.Scenario:
@@ -351,8 +473,8 @@ def run_job(job: Job) -> dict[str, Any]:
             if job.nodes is not None:
                 kw["nodes"] = job.nodes
             truth = othergen.write(job.seed, trace, Path(tmp) / "truth.json", **kw)
-            with gzip.open(trace, "rt", encoding="utf-8") as f:
-                reports = sum(1 for _ in f)
+            with gzip.open(trace, "rt", encoding="utf-8") as fh:
+                reports = sum(1 for _ in fh)
         else:
             s = scenario_mod.load(Path(job.scenario)).with_overrides(
                 seed=job.seed, nodes=None, minutes=job.minutes
@@ -373,7 +495,7 @@ def run_job(job: Job) -> dict[str, Any]:
         if f.fault_class == "lookalike":
             continue
         outcome = _fault_outcome(f, mine, base, truth.end)
-        if job.cell is not None and f.fault_class == "soft":
+        if job.cell is not None and f.fault_class in ("soft", "link"):
             outcome["visible"] = visible.get(i, False)
         faults.append(outcome)
     return {
@@ -647,6 +769,10 @@ def _gen_name(scenario: str) -> str:
     return "othergen" if scenario == OTHERGEN else f"sim ({Path(scenario).stem})"
 
 
+def _peer(f: dict[str, Any]) -> str:
+    return f"-{f['peer']}" if f.get("peer") else ""
+
+
 def _cell_row(gen: str, name: str, runs: list[dict[str, Any]]) -> tuple[str, list[str]]:
     """One matrix row, and its misses (soft faults visible but not quarantined in time; false
     quarantines), each named with its seed."""
@@ -656,7 +782,8 @@ def _cell_row(gen: str, name: str, runs: list[dict[str, Any]]) -> tuple[str, lis
     caught = [f for _, f in vis if _in_time(f)]
     ttd = [f["ttd_s"] for f in caught]
     hard = [f for r in runs for f in r["faults"] if f["class"] == "hard" and f["first_seen"] is not None]
-    link = [f for r in runs for f in r["faults"] if f["class"] == "link" and observable(f)]
+    links = [(r["seed"], f) for r in runs for f in r["faults"] if f["class"] == "link"]
+    link = [f for _, f in links if f.get("visible") or _in_time(f)]
     fq = [(r["seed"], q) for r in runs for q in r["false_quarantines"]]
     loaded = [r["loaded_share"] for r in runs if r.get("loaded_share") is not None]
     row = (
@@ -666,9 +793,9 @@ def _cell_row(gen: str, name: str, runs: list[dict[str, Any]]) -> tuple[str, lis
         f"{len(fq)} | {f'{100 * statistics.fmean(loaded):.0f} %' if loaded else '-'} |"
     )
     misses = [
-        f"{f['kind']} {f['node']} seed {seed} "
+        f"{f['kind']} {f['node']}{_peer(f)} seed {seed} "
         + ("never" if f["ttd_s"] is None else f"at {f['ttd_s']:.0f} s")
-        for seed, f in vis
+        for seed, f in [*vis, *((seed, f) for seed, f in links if f.get("visible"))]
         if not _in_time(f)
     ]
     misses += [
@@ -676,9 +803,9 @@ def _cell_row(gen: str, name: str, runs: list[dict[str, Any]]) -> tuple[str, lis
         for seed, q in fq
     ]
     hidden = [
-        f"{f['kind']} {f['node']} seed {seed}"
+        f"{f['kind']} {f['node']}{_peer(f)} seed {seed}"
         + ("" if f["ttd_s"] is None else f" (caught at {f['ttd_s']:.0f} s)")
-        for seed, f in soft
+        for seed, f in [*soft, *links]
         if not (f.get("visible") or _in_time(f))
     ]
     if hidden:
@@ -700,11 +827,14 @@ def render_matrix(runs: list[dict[str, Any]], command: str) -> str:
         f"(``visibility``; one caught in time counts as visible) and quarantined within "
         f"{SOFT_WITHIN_S / 60:.0f} minutes; TTD from the first "
         f"report showing the fault; hard recall within {HARD_WITHIN_S:.0f} s; link recall within "
-        f"{LINK_WITHIN_S / 60:.0f} minutes, of the links shown that long; loaded: the share of reports "
+        f"{LINK_WITHIN_S / 60:.0f} minutes, of the links visible that long (``_LinkSeen``: the pair "
+        f"measured {DECIDING_RESULTS} times by pair probes, or {JOB_SPAN_S:.0f} s of job data over "
+        "a ring crossing it, and each end measured with a healthy partner); "
+        "loaded: the share of reports "
         "whose GPUs average at least 50 % utilisation.",
         "",
         "| generator | cell | runs | soft recall <= 10 min (visible) | soft TTD median | soft not visible "
-        "| hard recall <= 30 s | link recall <= 10 min | false quarantines | loaded |",
+        "| hard recall <= 30 s | link recall <= 10 min (visible) | false quarantines | loaded |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes: list[str] = []

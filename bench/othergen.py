@@ -1135,7 +1135,7 @@ class _NodeSim:
         phase, job = self._phase(t)
         shows: set[int] = set()
         events: list[dict[str, Any]] = []
-        errors: list[dict[str, str]] = []
+        errors: list[dict[str, Any]] = []
         active = [f for f in self.faults if f.active(t)]
         for f in self.faults:
             if f.kind == "clock_skew" or (f.kind == "reboot" and boot == 1):

@@ -109,6 +109,93 @@ def test_visibility_needs_the_evidence_for_the_whole_window(tmp_path: Path, dete
     assert detection.visibility(path, truth)[0][0] is False
 
 
+def _link_trace(
+    path: Path,
+    *,
+    pair_at: tuple[float, ...] = (),
+    partners: dict[str, str] | None = None,
+    rings: dict[str, tuple[str, ...]] | None = None,
+    rows_until: float = 0.0,
+) -> None:
+    """Reports of gpu-0001..4 every 10 s from t=1000 for 11 minutes: pair probes between gpu-0001
+    and gpu-0002 at ``pair_at`` (both ends carry each result), one probe of each end in
+    ``partners`` with that partner, and job rows of the ``rings`` (comm -> nodes in rank order)
+    until ``rows_until``."""
+    lines = []
+    for seq in range(66):
+        t = 1000.0 + 10.0 * seq
+        for node in ("gpu-0001", "gpu-0002", "gpu-0003", "gpu-0004"):
+            probes = []
+            if node in ("gpu-0001", "gpu-0002"):
+                other = "gpu-0002" if node == "gpu-0001" else "gpu-0001"
+                probes += [
+                    {
+                        "kind": "nccl_allreduce_pair",
+                        "ok": True,
+                        "peer": other,
+                        "time": at - 5.0 + (node == "gpu-0002"),
+                    }
+                    for at in pair_at
+                    if t - 10.0 < at <= t
+                ]
+                if seq == 20 and node in (partners or {}):
+                    probes.append(
+                        {"kind": "nccl_allreduce_pair", "ok": True, "peer": (partners or {})[node], "time": t}
+                    )
+            collectives = [
+                {"comm": comm, "collective": "AllReduce", "rank": nodes.index(node), "nnodes": len(nodes)}
+                for comm, nodes in (rings or {}).items()
+                if node in nodes and t <= rows_until
+            ]
+            report: dict[str, object] = {
+                "node": node,
+                "boot_id": "b",
+                "seq": seq,
+                "time": t,
+                "interval_seconds": 10.0,
+            }
+            report |= {"gpus": [_gpu(0, 0.0)], "probes": probes, "jobs": {"collectives": collectives}}
+            lines.append(json.dumps(report) + "\n")
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(lines)
+
+
+def test_a_link_is_visible_when_measured_twice_and_both_ends_are_measured_elsewhere(
+    tmp_path: Path, detection: ModuleType
+) -> None:
+    from sim.truth import Truth, TruthFault
+
+    link = TruthFault(0, "degraded_link", "link", "gpu-0001", 1000.0, 1000.0, None, peer="gpu-0002")
+    nodes = ("gpu-0001", "gpu-0002", "gpu-0003", "gpu-0004")
+    truth = Truth(1, 1000.0, 1700.0, nodes, (link,))
+    path = tmp_path / "t.jsonl.gz"
+    healthy = {"gpu-0001": "gpu-0003", "gpu-0002": "gpu-0004"}
+
+    def visible(**kw: object) -> bool:
+        _link_trace(path, **kw)  # type: ignore[arg-type]
+        return bool(detection.visibility(path, truth)[0][0])
+
+    assert visible(pair_at=(1005.0, 1300.0), partners=healthy)
+    assert not visible(pair_at=(1005.0,), partners=healthy)  # one result never decides
+    assert not visible(pair_at=(1005.0, 1700.0), partners=healthy)  # the second after its 10 minutes
+    assert not visible(pair_at=(1005.0, 1300.0))  # a slow pair with no other partner: a slow end as much
+    assert not visible(pair_at=(1005.0, 1300.0), partners={"gpu-0001": "gpu-0003"})
+    # The only other partner of an end has a fault of its own: it cannot vouch for that end.
+    nic = TruthFault(1, "slow_nic", "soft", "gpu-0004", 1000.0, 1000.0, None)
+    truth = Truth(1, 1000.0, 1700.0, nodes, (link, nic))
+    assert not visible(pair_at=(1005.0, 1300.0), partners=healthy)
+    truth = Truth(1, 1000.0, 1700.0, nodes, (link,))
+    # Job data: a ring crossing the hop for the jobs detector's window and runs, and each end in
+    # a ring that does not cross it.
+    rings = {"0xa": nodes, "0xb": ("gpu-0001", "gpu-0003"), "0xc": ("gpu-0002", "gpu-0004")}
+    assert visible(rings=rings, rows_until=1000.0 + detection.JOB_SPAN_S)
+    assert not visible(rings=rings, rows_until=1000.0 + detection.JOB_SPAN_S - 60.0)
+    assert not visible(rings={"0xa": nodes}, rows_until=1600.0)  # no end shown normal elsewhere
+    # A ring in the order 1, 3, 2, 4 never sends from gpu-0001 to gpu-0002.
+    around = {**rings, "0xa": ("gpu-0001", "gpu-0003", "gpu-0002", "gpu-0004")}
+    assert not visible(rings=around, rows_until=1600.0)
+
+
 def test_matrix_runs_end_to_end_on_a_tiny_cell(
     tmp_path: Path, detection: ModuleType, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -125,6 +212,7 @@ def test_matrix_runs_end_to_end_on_a_tiny_cell(
         soft = [f for f in r["faults"] if f["class"] == "soft"]
         assert soft and all(isinstance(f["visible"], bool) for f in soft)
         assert any(f["visible"] for f in soft)
+        assert all(isinstance(f["visible"], bool) for f in r["faults"] if f["class"] == "link")
         assert 0.0 < r["loaded_share"] < 1.0
     by = {(r["scenario"], r["cell"]["name"]): r["reports"] for r in runs}
     assert by[("othergen", "loss 10 %")] < by[("othergen", "baseline")] * 0.95

@@ -559,3 +559,39 @@ def test_a_healthy_noisy_pool_over_hundreds_of_node_hours_decides_nothing(thresh
         v = loc.run(FRAMES, start + 120)
         decided += len(quarantined(v)) + len(v.links or {})
     assert decided == 0
+
+
+# The second generator's busy 95 % cell, seed 1 (docs/detection.md, "Links"): four idle nodes in
+# a cycle, one with a slow NIC (gpu-0004) and a degraded link between two others (gpu-0005 and
+# gpu-0006); each node meets only its two neighbours.
+CYCLE = [
+    (dt, a, b)
+    for dt in (0.0, 500.0, 780.0)
+    for a, b in (
+        ("gpu-0004", "gpu-0005"),
+        ("gpu-0004", "gpu-0007"),
+        ("gpu-0005", "gpu-0006"),
+        ("gpu-0006", "gpu-0007"),
+    )
+]
+
+
+def _cycle(a: str, b: str, _t: float) -> float:
+    return (0.75 if "gpu-0004" in (a, b) else 1.0) * (0.53 if {a, b} == {"gpu-0005", "gpu-0006"} else 1.0)
+
+
+def test_a_cycle_with_a_slow_nic_and_a_link_blames_no_healthy_node() -> None:
+    loc = LinkLocalizer()
+    v = loc.run(FRAMES, sparse(loc, _cycle, CYCLE))
+    assert quarantined(v) <= {"gpu-0004"}
+    assert set(v.links or {}) <= {("gpu-0005", "gpu-0006")}
+
+
+@pytest.mark.xfail(strict=True, reason="needs the pairs explained jointly (docs/detection.md, Links)")
+def test_a_cycle_with_a_slow_nic_and_a_link_finds_both() -> None:
+    # A normal result clears both its ends: gpu-0006 and gpu-0007 are healthy, so gpu-0004 is
+    # slow with two partners (the NIC) and gpu-0005, at its partner's level, is normal: the link.
+    loc = LinkLocalizer()
+    v = loc.run(FRAMES, sparse(loc, _cycle, CYCLE))
+    assert quarantined(v) == {"gpu-0004"}
+    assert set(v.links or {}) == {("gpu-0005", "gpu-0006")}

@@ -203,6 +203,19 @@ class _Rank:
     samples: deque[tuple[float, float, float]]  # (our time, busbw GB/s p50, exec us p50)
 
 
+def comm_hops(collective: str, nodes: Sequence[str]) -> tuple[Pair, ...]:
+    """The inter-node hops a communicator's traffic crosses, from its distinct nodes in rank order:
+    the one pair of a point-to-point or two-node communicator, else every neighbouring pair of the
+    ring (cyclic). A ring runs at the pace of its slowest hop; a hop it does not cross it cannot
+    show (bench/detection.py counts a link's job data with this, too)."""
+    d = tuple(dict.fromkeys(nodes))
+    if len(d) < 2:
+        return ()
+    if collective in P2P or len(d) == 2:
+        return ((min(d[0], d[1]), max(d[0], d[1])),)
+    return tuple(sorted({(min(a, b), max(a, b)) for a, b in zip(d, d[1:] + d[:1], strict=True)}))
+
+
 @dataclass
 class _Row:
     """One (communicator, collective, size bucket): what its ranks reported."""
@@ -236,12 +249,7 @@ class _View:
         return tuple(dict.fromkeys(self.nodes))
 
     def hops(self) -> tuple[Pair, ...]:
-        d = self.distinct
-        if len(d) < 2:
-            return ()
-        if self.row.collective in P2P or len(d) == 2:
-            return ((min(d[0], d[1]), max(d[0], d[1])),)
-        return tuple(sorted({(min(a, b), max(a, b)) for a, b in zip(d, d[1:] + d[:1], strict=True)}))
+        return comm_hops(self.row.collective, self.distinct)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,11 @@ PAIR_KINDS: Final = frozenset({"nccl_allreduce_pair", "tcp_pair"})
 POLISH_PARTNERS: Final = 3
 # Nearest other partners of a node that say what its own level was around a result.
 PARTNER_VOTES: Final = 3
+# A single result never decides: each result of a pair (and each partner of a node) adds at most
+# ``threshold_nats / DECIDING_RESULTS``, so a pair is called on this many slow results at the
+# fewest (a transient, or a partner busy for a moment, is one). bench/detection.py counts a link
+# as visible on as many.
+DECIDING_RESULTS: Final = 2
 
 
 class LinkConfig(DetectorSettings, frozen=True):
@@ -513,7 +518,7 @@ class LinkLocalizer:
         results outweigh its slow past."""
         cfg = self.config
         d = -math.log(cfg.design_ratio)
-        cap = cfg.threshold_nats / 2
+        cap = cfg.threshold_nats / DECIDING_RESULTS
         rows: list[tuple[float, str, float, int]] = []
         for o in involving[node]:
             other = o.pair[1] if o.pair[0] == node else o.pair[0]
@@ -560,7 +565,7 @@ class LinkLocalizer:
         result never decides (a transient, or a partner that was busy for a moment)."""
         cfg = self.config
         d = -math.log(cfg.design_ratio)
-        cap = cfg.threshold_nats / 2
+        cap = cfg.threshold_nats / DECIDING_RESULTS
         best: _Test | None = None
         for s0 in range(max(0, len(xs) - cfg.max_change_points), len(xs)):
             tail = xs[s0:]
