@@ -9,6 +9,7 @@ import pytest
 
 from agent.report import Gpu, Report
 from aggregator.config import Config, FleetConfig, HealthConfig
+from aggregator.decisions import Reason
 from aggregator.detect import DETECTORS, PeerDetector
 from aggregator.detect.cusum import cusum
 from aggregator.detect.peers import FEATURES, PeerConfig, thresholds
@@ -167,27 +168,17 @@ def found(runs: list[tuple[float, dict[str, list[Finding]]]]) -> list[tuple[floa
     return [(t, node, f) for t, out in runs for node, fs in out.items() for f in fs]
 
 
-def quarantines(runs: list[tuple[float, dict[str, list[Finding]]]]) -> list[tuple[float, str, Finding]]:
+def quarantines(runs: list[tuple[float, dict[str, list[Finding]]]]) -> list[tuple[float, str, Reason]]:
     """The detector's runs through the health machine at its defaults, as the aggregator feeds it
     (source ``peer``, then the time-driven tick): each quarantine decision's time, node and lead
-    finding's reason as a Finding-like triple (the reason's evidence)."""
+    reason."""
     health = HealthMachine(HealthConfig())
     out = []
     for t, per_node in runs:
         decisions = [health.update(node, "peer", fs, t) for node, fs in per_node.items()]
         for d in [*decisions, *health.tick(t)]:
             if d is not None and d.state == "quarantined" and d.previous != "quarantined":
-                r = d.reasons[0]
-                lead = Finding(
-                    detector=r.detector,
-                    key=str(r.evidence.get("feature")),
-                    severity=r.severity,
-                    action="quarantine",
-                    summary=r.summary,
-                    since=t,
-                    evidence=r.evidence,
-                )
-                out.append((t, d.node, lead))
+                out.append((t, d.node, d.reasons[0]))
     return out
 
 
