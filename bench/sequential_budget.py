@@ -24,10 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aggregator.rules.sequential import PoissonCusum
+from tests.rulekit import EDR_BYTES_PER_SECOND, NDR_BYTES_PER_SECOND
 from tests.test_sequential_counts import (
-    EDR_BYTES_PER_SECOND,
     HDR_BYTES_PER_SECOND,
-    NDR_BYTES_PER_SECOND,
     budget_per_second,
     report_statistic,
     shipped_design,
