@@ -45,7 +45,9 @@ class FleetConfig(_Section, frozen=True):
 
 
 class HealthConfig(_Section, frozen=True):
-    suspect_for_seconds: PositiveSeconds = 120.0  # soft evidence must persist this long to quarantine
+    # Soft evidence must persist this long to quarantine, unless a sequential test decided it
+    # (Finding.decided: its own accumulation is the persistence; aggregator/health.py).
+    suspect_for_seconds: PositiveSeconds = 120.0
     clear_for_seconds: PositiveSeconds = 120.0  # suspect -> healthy once evidence is gone this long
     probation_seconds: PositiveSeconds = 1800.0  # quarantined -> probation -> healthy
     lemon_count: Annotated[int, Meta(ge=2)] = 3  # quarantines within lemon_window make a lemon

@@ -6,6 +6,13 @@ Per node: ``healthy -> suspect -> quarantined -> probation -> healthy``.
 - Soft quarantine evidence makes the node ``suspect`` first, and quarantines it only once the same
   finding (same key) has persisted for ``suspect_for_seconds``. Evidence that comes and goes
   starts over, so noise never quarantines.
+- Soft quarantine evidence that a sequential test decided (``Finding.decided``: the peer CUSUM's
+  crossing, a ``test: sequential`` rule, the probe localizers' likelihood ratios) quarantines
+  from the report that carries it: the test already accumulated its evidence over time, and its
+  stated false-alarm rate is the one of deciding at the crossing, so waiting again would count
+  the persistence twice. Its decision says so (evidence ``decided``). Everything else (peer
+  alerts escalated by persistence, the window rules, the other detectors) still persists. A
+  decided finding that goes away and comes back is decided again by its test, from scratch.
 - ``alert`` findings (and silence) make a node ``suspect`` and never quarantine it on their own.
 - A quarantined node whose quarantine evidence is gone enters ``probation``; it stays tainted and
   returns to ``healthy`` only after ``probation_seconds`` without any quarantine evidence. Evidence
@@ -17,7 +24,9 @@ Per node: ``healthy -> suspect -> quarantined -> probation -> healthy``.
   may refuse: the node is quarantined all the same, but the decision's action is ``held``, the
   node is not counted as tainted, and a later relapse or a breaker reset tries again.
 - ``snapshot`` and ``restore`` carry a node's health across an aggregator restart (through an
-  annotation on the Node): state, probation clock, lemon count, and the evidence behind it.
+  annotation on the Node): state, probation clock, lemon count, and the evidence behind it. The
+  ``decided`` flag is not carried: a restored finding persists like any soft one (it only holds
+  a state already decided; the live detectors' own findings, decided again, take over).
 - Until the caller has rebuilt its view of the cluster (``gate_ready`` False: right after a start,
   before the first Node list and the breaker are read), the gate is not asked: a new quarantine is
   ``pending``, neither tainted nor held, and ``judge_pending`` asks the gate once the view is whole.
@@ -41,6 +50,7 @@ from typing import Any, Final
 
 from aggregator.config import HealthConfig
 from aggregator.decisions import AWAITING_CLUSTER, Decision, Reason
+from aggregator.links import DECIDED
 from aggregator.model import Finding, NodeState, RemediationAction
 from aggregator.remediate.model import MAX_SNAPSHOT_FINDINGS, HealthSnapshot, SnapshotFinding
 
@@ -76,6 +86,9 @@ def _reason(f: Finding, *, persisted_s: float | None = None) -> Reason:
     evidence: dict[str, Any] = dict(f.evidence)
     if persisted_s is not None and not f.hard:
         evidence.setdefault("persisted_seconds", round(persisted_s, 1))
+    if f.decided and not f.hard and f.action == "quarantine":
+        # Why no persistence was waited: a sequential test decided it (module doc).
+        evidence[DECIDED] = True
     if f.runbook_url:
         evidence.setdefault("runbook_url", f.runbook_url)
     return Reason(detector=f.detector, rule=f.rule, severity=f.severity, summary=f.summary, evidence=evidence)
@@ -147,7 +160,11 @@ class HealthMachine:
         cfg = self.config
         active = h.active()
         quarantine = [t for t in active if t.finding.action == "quarantine"]
-        ready = [t for t in quarantine if t.finding.hard or now - t.first_seen >= cfg.suspect_for_seconds]
+        ready = [
+            t
+            for t in quarantine
+            if t.finding.hard or t.finding.decided or now - t.first_seen >= cfg.suspect_for_seconds
+        ]
         alerting = [t for t in active if t.finding.action in ("quarantine", "alert")]
 
         def reasons(ts: list[_Tracked]) -> list[Reason]:

@@ -36,6 +36,11 @@ class Finding:
     since: float  # report time when this evidence first held
     rule: str | None = None  # the rule's name, for detector "rule"
     hard: bool = False  # quarantine from the first report that shows it, no persistence needed
+    # Soft quarantine evidence that a sequential test decided (its statistic crossed the threshold
+    # whose false-alarm rate is stated for deciding at the crossing): the accumulated evidence is
+    # the persistence, so the health machine quarantines at once instead of waiting
+    # ``suspect_for_seconds`` on top. Set only by sources whose quarantine is such a crossing.
+    decided: bool = False
     clears: Clears = "condition"
     evidence: Mapping[str, Any] = field(default_factory=dict)
     runbook_url: str | None = None

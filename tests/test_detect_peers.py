@@ -8,13 +8,16 @@ import numpy as np
 import pytest
 
 from agent.report import Gpu, Report
-from aggregator.config import Config, FleetConfig
+from aggregator.config import Config, FleetConfig, HealthConfig
+from aggregator.decisions import Reason
 from aggregator.detect import DETECTORS, PeerDetector
 from aggregator.detect.cusum import cusum
 from aggregator.detect.peers import FEATURES, PeerConfig, thresholds
 from aggregator.fleet.frame import GPU_COLUMN, GPU_FIELDS, FleetFrames, PoolFrame
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import Placement
+from aggregator.health import HealthMachine
+from aggregator.links import DECIDED
 from aggregator.model import Finding
 
 INTERVAL = 10.0
@@ -172,6 +175,20 @@ def found(runs: list[tuple[float, dict[str, list[Finding]]]]) -> list[tuple[floa
     return [(t, node, f) for t, out in runs for node, fs in out.items() for f in fs]
 
 
+def quarantines(runs: list[tuple[float, dict[str, list[Finding]]]]) -> list[tuple[float, str, Reason]]:
+    """The detector's runs through the health machine at its defaults, as the aggregator feeds it
+    (source ``peer``, then the time-driven tick): each quarantine decision's time, node and lead
+    reason."""
+    health = HealthMachine(HealthConfig())
+    out = []
+    for t, per_node in runs:
+        decisions = [health.update(node, "peer", fs, t) for node, fs in per_node.items()]
+        for d in [*decisions, *health.tick(t)]:
+            if d is not None and d.state == "quarantined" and d.previous != "quarantined":
+                out.append((t, d.node, d.reasons[0]))
+    return out
+
+
 def first(runs: list[tuple[float, dict[str, list[Finding]]]], node: str, key: str) -> tuple[float, Finding]:
     for t, out in runs:
         for f in out.get(node, []):
@@ -184,6 +201,7 @@ def first(runs: list[tuple[float, dict[str, list[Finding]]]], node: str, key: st
 def test_healthy_noisy_pool_of_64_nodes_stays_quiet_for_30_minutes(seed: int) -> None:
     runs = simulate(PoolSim(nodes=64, seed=seed), minutes=30)
     assert found(runs) == []
+    assert quarantines(runs) == []
     # It did look: every node is answered for (with nothing) once the frame has data.
     assert len(runs[-1][1]) == 64
 
@@ -428,6 +446,7 @@ def test_healthy_pool_with_heavy_tailed_job_differences_never_quarantines(seed: 
     runs = simulate(sim, minutes=120)
     assert sim.lowest_job_clock < 0.85  # some jobs did sit far out
     assert [(t, node, f.key) for t, node, f in found(runs) if f.action == "quarantine"] == []
+    assert quarantines(runs) == []  # and so no node is quarantined, decided or not
 
 
 @pytest.mark.parametrize("seed", [73, 74, 75])
@@ -444,6 +463,13 @@ def test_slow_gpu_from_the_first_report_is_decided_within_minutes_of_load(
     assert f.key in ("peer-sm-clock:gpu3", "peer-sm-clock-pool:gpu3")
     assert t - 60.0 <= within
     assert not [(node, g.key) for _, node, g in hits if node != "node-005" and g.action == "quarantine"]
+    # Through the health machine: the CUSUM's crossing is decided evidence, so the node is
+    # quarantined at that run, not 120 s of persistence later (2 minutes after load at 30 %).
+    decided = quarantines(runs)
+    assert [node for _, node, _ in decided] == ["node-005"]
+    tq, _, lead = decided[0]
+    assert tq == t and tq - 60.0 <= within
+    assert lead.evidence[DECIDED] is True and lead.evidence["escalated"] is False
 
 
 def test_a_whole_slow_node_is_found_against_the_pool() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from aggregator.config import HealthConfig
@@ -167,3 +168,86 @@ def test_sources_are_independent() -> None:
     m.update("n1", "rule", [], 10.0)  # the rule evidence went away; silence still holds
     assert m.tick(1000.0) == []
     assert m.get("n1").state == "suspect"  # type: ignore[union-attr]
+
+
+def decided(key: str = "peer-sm-clock:gpu3", **more: Any) -> Finding:
+    """A sequential test's crossing (the peer CUSUM's): soft, but its evidence already accumulated."""
+    return Finding(
+        detector="peer",
+        key=key,
+        severity="critical",
+        action="quarantine",
+        summary="GPU 3 SM clock 0.70 of its node's median under load",
+        since=0.0,
+        decided=True,
+        evidence={"gpu": 3, "cusum": 19.5, "threshold": 18.0},
+        **more,
+    )
+
+
+def test_a_decided_sequential_finding_quarantines_at_once_and_says_why() -> None:
+    m = HealthMachine(CFG)
+    d = m.update("n1", "peer", [decided()], 30.0)
+    assert d is not None
+    assert (d.state, d.previous, d.action, d.time) == ("quarantined", "healthy", "taint", 30.0)
+    # The decision record says no persistence was waited and why: a sequential test decided it.
+    assert d.reasons[0].evidence["decided"] is True
+    assert d.reasons[0].evidence["persisted_seconds"] == 0.0
+    # An undecided one from another source on the same node still wants its 120 s.
+    m2 = HealthMachine(CFG)
+    d = m2.update("n1", "rule", [soft()], 30.0)
+    assert d is not None and d.state == "suspect" and "decided" not in d.reasons[0].evidence
+
+
+def test_an_alert_that_turns_into_a_decision_quarantines_at_the_crossing() -> None:
+    # The peer detector reports the alert first under the same key; the crossing decides it.
+    m = HealthMachine(CFG)
+    warn = Finding(
+        detector="peer", key="peer-sm-clock:gpu3", severity="warning", action="alert", summary="s", since=0.0
+    )
+    assert m.update("n1", "peer", [warn], 0.0) is not None
+    assert m.update("n1", "peer", [warn], 30.0) is None
+    d = m.update("n1", "peer", [decided()], 60.0)
+    assert d is not None and d.state == "quarantined"
+
+
+def test_escalation_by_persistence_is_not_a_decision_and_still_persists() -> None:
+    # A peer alert escalated after 5 minutes is quarantine evidence by time, not by a test's
+    # crossing: the detector leaves it undecided and the health machine wants it to persist.
+    escalated = dataclasses.replace(decided(), decided=False, evidence={"escalated": True})
+    m = HealthMachine(CFG)
+    d = m.update("n1", "peer", [escalated], 0.0)
+    assert d is not None and d.state == "suspect"
+    assert m.update("n1", "peer", [escalated], 110.0) is None
+    d = m.update("n1", "peer", [escalated], 120.0)
+    assert d is not None and d.state == "quarantined" and "decided" not in d.reasons[0].evidence
+
+
+def test_a_decided_finding_that_flaps_is_one_episode_then_probation_as_before() -> None:
+    m = HealthMachine(CFG)
+    assert m.update("n1", "peer", [decided()], 0.0).state == "quarantined"  # type: ignore[union-attr]
+    # Missing from one run is the same episode; gone for clear_for_seconds starts probation.
+    assert m.update("n1", "peer", [], 30.0) is None
+    assert m.update("n1", "peer", [decided()], 60.0) is None
+    assert m.update("n1", "peer", [], 90.0) is None
+    d = m.update("n1", "peer", [], 150.0)
+    assert d is not None and d.state == "probation"
+    # Decided again during probation: back at once, one quarantine counted (a relapse).
+    d = m.update("n1", "peer", [decided()], 200.0)
+    assert d is not None and d.state == "quarantined"
+    assert len(m.get("n1").quarantines) == 1  # type: ignore[union-attr]
+
+
+def test_the_decided_flag_is_not_carried_across_a_restart() -> None:
+    # The snapshot keeps the evidence, not the flag: a restored finding holds the decided state
+    # and, were its node not out, would have to persist like any soft finding (never faster).
+    m = HealthMachine(CFG)
+    m.update("n1", "peer", [decided()], 0.0)
+    snap = m.snapshot("n1", "boot-1")
+    assert snap is not None and snap.state == "quarantined"
+    fresh = HealthMachine(CFG)
+    assert fresh.restore("n1", snap, 10.0, grace_seconds=300.0)
+    restored = fresh.get("n1")
+    assert restored is not None and restored.state == "quarantined" and restored.tainted
+    assert [t.finding.decided for t in restored.active()] == [False]
+    assert fresh.tick(100.0) == []  # the restored evidence holds the state through the grace

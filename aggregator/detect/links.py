@@ -612,6 +612,7 @@ class LinkLocalizer:
             key="link-node",
             severity="critical",
             action="quarantine",
+            decided=True,  # the node's likelihood ratio crossed threshold_nats: no persistence on top
             summary=(
                 f"every pair probe with {node} is slow: {pct:.0f} % under pool {pool}'s expected bandwidth "
                 f"with {test.partners} partners ({test.slow} slow results, {test.llr:.0f} nats of evidence): "

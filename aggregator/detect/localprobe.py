@@ -184,6 +184,7 @@ class LocalProbeDetector:
                         key=f"probe-local-slow:{kind}",
                         severity="warning",
                         action="quarantine",
+                        decided=True,  # the likelihood ratio crossed threshold_nats
                         summary=(
                             f"local all-reduce {(1 - ratio) * 100:.0f} % under pool {pool}'s "
                             f"({math.exp(expected + dev) / 1e9:.0f} vs {math.exp(expected) / 1e9:.0f} GB/s "

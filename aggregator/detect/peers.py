@@ -26,9 +26,10 @@ Per pool, per slot of the frame (the slot still filling is left out), per featur
 5. a one-sided CUSUM per (node, GPU, feature) over the slots (``aggregator.detect.cusum``) with
    the feature's allowance ``k``; the thresholds follow from ``k`` and the wanted in-control average
    run lengths, and are at least a few slots of the largest excess (``thresholds``): ``h_alert``
-   makes an alert, ``h_quarantine`` quarantine evidence
-   (soft: the health machine still wants it to persist). A deviation that stopped (the mean of its last
-   ``calm_slots`` scored slots within the allowance) is no longer reported;
+   makes an alert, ``h_quarantine`` quarantine evidence, decided (``Finding.decided``: the
+   health machine adds no persistence to a crossing; an escalated alert below persists). A
+   deviation that stopped (the mean of its last ``calm_slots`` scored slots within the
+   allowance) is no longer reported;
 6. escalation by persistence: an alert whose run has lasted ``escalate_after_seconds`` with the
    statistic still over ``h_alert`` becomes quarantine evidence unless an explanation is named
    (the GPU is held by its power limit while its peers are not, or by a lower power limit, or, for
@@ -583,6 +584,7 @@ class PeerDetector(PoolDetector):
                     action=action,
                     summary=summary,
                     since=since,
+                    decided=crossed and quarantine,
                     evidence={
                         "gpu": gi,
                         "feature": feature.key,

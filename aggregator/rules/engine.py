@@ -1093,6 +1093,9 @@ def _finding(report: Report, rule: Rule, hit: _Hit, since: float) -> Finding:
         since=since,
         rule=rule.name,
         hard=rule.hard,
+        # A sequential rule's hit is its CUSUM's crossing: the threshold's false-alarm rate is the
+        # one of deciding then, so the health machine adds no persistence (aggregator/health.py).
+        decided=isinstance(rule, RateRule) and rule.test == "sequential",
         clears=rule.clears,
         evidence=dict(evidence),
         runbook_url=rule.runbook_url,
