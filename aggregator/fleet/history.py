@@ -118,9 +118,11 @@ DEFAULT_COARSE_SECONDS: Final = 60.0
 # NICs with series per node: twice what a report may carry (ingest.max_nics), so a renamed set
 # (a driver reload) keeps the old names' history for the window alongside the new.
 DEFAULT_MAX_NIC_KEYS: Final = 64
-# Series keys a fleet shares (SeriesRegistry.key): an 8-GPU, 8-port node has 144 series; a fleet
-# of mixed hardware a few thousand distinct ones at most.
-MAX_SHARED_KEYS: Final = 16384
+# Series keys a fleet shares (SeriesRegistry.key): an 8-GPU, 8-port node has 144 series, a fleet of
+# mixed hardware a few hundred distinct ones. The table is never emptied: a node naming new NICs
+# in every report fills it once (a few hundred KB) and then only stops sharing, costing what keys
+# cost without it.
+MAX_SHARED_KEYS: Final = 2048
 
 Outcome = Literal["latest", "late", "duplicate", "expired"]
 NicKey = tuple[str, int | None]
