@@ -6,7 +6,7 @@ default config and rules). Each report goes through the wire format first (``enc
 ``decode``), as the server receives it: a decoded report owns its strings, a simulated one
 shares them with the simulator.
 
-Reported, per node, between a baseline taken after the first round (the simulators and the
+Reported, per node, between a baseline taken before the first report (the simulators and the
 pipeline's fixed state exist by then) and the end:
 
 - RSS growth (/proc/self/status VmRSS), the figure docs/performance.md quotes;
@@ -121,13 +121,12 @@ def main(argv: list[str] | None = None) -> int:
             pipeline.ingest(report, report.time)
 
     t0 = time.perf_counter()
-    feed(0)
     if args.tracemalloc:
         tracemalloc.start()
     gc.collect()
     rss0, objs0 = rss_bytes(), len(gc.get_objects())
     checkpoints: dict[int, tuple[int, int]] = {}
-    for r in range(1, args.rounds):
+    for r in range(args.rounds):
         feed(r)
         if r in {4, args.rounds - 1}:
             gc.collect()
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in checkpoints.items()
         },
     }
-    print(f"{n} nodes x {args.rounds} rounds in {elapsed:.1f} s (growth from the end of round 1)")
+    print(f"{n} nodes x {args.rounds} rounds in {elapsed:.1f} s (growth from before the first report)")
     for k, (rss, objs) in checkpoints.items():
         print(
             f"  after {k:4d} reports/node: RSS {rss / n / 1024:8.1f} KB/node"
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         tracemalloc.stop()
         stats = snap.statistics("lineno")
         total = sum(s.size for s in stats)
-        print(f"tracemalloc: {total / n / 1024:.1f} KB/node still held from allocations after round 1")
+        print(f"tracemalloc: {total / n / 1024:.1f} KB/node still held")
         for s in stats[: args.tracemalloc]:
             frame = s.traceback[0]
             where = f"{Path(frame.filename).name}:{frame.lineno}"
@@ -166,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, size in holders(pipeline):
             out["holders_kb_per_node"][name] = round(size / n / 1024, 1)
             print(f"  {size / n / 1024:8.1f} KB  {name}")
+        total = sum(out["holders_kb_per_node"].values())
+        out["holders_kb_per_node"]["total"] = round(total, 1)
+        print(f"  {total:8.1f} KB  total")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
