@@ -32,12 +32,15 @@ numbers someone asked for, as columns of ``array('d')`` aligned with the node's 
   most ``coarse_s`` late, and ``gpu_samples`` returns one sample a minute there.
 
 Memory for one node at 10 s reports, window 1,800 s: 30 fine + 25 coarse samples (+ up to 5 waiting
-to be thinned) = 60 rows. 8 GPUs x (5 counters + 4 NVLink counters) + 8 NICs x 8 counters = 136
-series x 8 bytes x 60 rows = 65 KB of numbers; measured with the objects around them: 128 KiB a
-node, 0.95 GB for 7,500 nodes (without the thinning, 180 rows: about 2 GB). The two full reports
-a node keeps come on top (~40-60 KB each; the pipeline needs the latest anyway). A node reporting
-far faster than expected is capped at ``max_samples`` rows (the oldest go first), so a
-misconfigured agent shortens its own window instead of growing memory.
+to be thinned) = 60 rows. The default pipeline keeps 144 series for an 8-GPU, 8-port node (16 GPU
+counters, 32 NVLink sums, 80 NIC counters, 16 gauges) x 8 bytes x 60 rows = 69 KB of numbers;
+measured with the objects around them (one ``array`` and one Python object per series): 122 KB a
+node, 0.9 GB for 7,500 nodes (``bench/memory.py --holders``; without the thinning, 180 rows: about
+2 GB). The two full reports a node keeps come on top (38 KB each for an H100 node decoded from
+the wire; the pipeline needs the latest anyway). Rows share one boot-id string per boot, and the
+series keys are the fleet's (``SeriesRegistry.key``). A node reporting far faster than expected
+is capped at ``max_samples`` rows (the oldest go first), so a misconfigured agent shortens its own
+window instead of growing memory.
 
 Out-of-order reports
 --------------------
