@@ -14,7 +14,9 @@ pipeline's fixed state exist by then) and the end:
   walks, so what GC pauses scale with);
 - with ``--holders``, the memory each part of the pipeline holds at the end (a walk of its object
   graph with ``sys.getsizeof``; an object reachable from two parts counts for the first listed);
-- with ``--tracemalloc``, the allocation sites (file:line) still holding the most memory.
+- with ``--tracemalloc``, the allocation sites (file:line) still holding the most memory;
+- with ``--time-rounds M``, M more rounds with the CPU of ``Pipeline.ingest`` timed (the reports of
+  each round built first, then ingested under ``time.process_time``): median per report.
 
 The default (100 nodes x 185 rounds: the 1,800-s history window full) runs in about a minute
 on a laptop core.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 import tracemalloc
@@ -106,6 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=185, help="reports per node, 10 s apart")
     ap.add_argument("--holders", action="store_true", help="walk the pipeline: who holds what")
     ap.add_argument("--tracemalloc", type=int, default=0, metavar="N", help="top N allocation sites")
+    ap.add_argument(
+        "--time-rounds",
+        type=int,
+        default=0,
+        metavar="M",
+        help="then M more rounds, CPU per Pipeline.ingest timed (median over rounds)",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
 
@@ -168,6 +178,20 @@ def main(argv: list[str] | None = None) -> int:
         total = sum(out["holders_kb_per_node"].values())
         out["holders_kb_per_node"]["total"] = round(total, 1)
         print(f"  {total:8.1f} KB  total")
+    if args.time_rounds:
+        per_report: list[float] = []
+        for r in range(args.rounds, args.rounds + args.time_rounds):
+            reports = [decode(encode(sims[i].report(START + r * INTERVAL + offsets[i], r))) for i in order]
+            gc.collect()
+            started = time.process_time()
+            for report in reports:
+                pipeline.ingest(report, report.time)
+            per_report.append((time.process_time() - started) / len(reports) * 1e6)
+        out["ingest_us_per_report_median"] = round(statistics.median(per_report))
+        print(
+            f"Pipeline.ingest: median {statistics.median(per_report):.0f} us/report CPU over "
+            f"{args.time_rounds} rounds after {args.rounds}"
+        )
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0
