@@ -1,9 +1,9 @@
 """A node's recent report summaries, as the API's node page shows them (``"history"``).
 
 One summary per report, the newest ``keep`` of them. Each is kept as a tuple of plain values and
-turned into its dict only when the API asks: a dict per summary cost about 750 bytes and two
+turned into its dict only when the API asks: a dict per summary cost about 800 bytes and two
 objects the garbage collector walks (the dict and its ``errors`` list) for every one of a node's
-60 summaries, 44 KB a node; a tuple of numbers and shared strings costs about 250 bytes and is
+60 summaries, 48 KB a node; a tuple of numbers and shared strings costs about 250 bytes and is
 not tracked by the collector at all (CPython untracks a tuple that holds no container).
 """
 
