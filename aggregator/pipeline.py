@@ -47,6 +47,7 @@ from aggregator.detect.base import MeasuresPairs, PoolDetector, SwitchAlert
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import UNKNOWN_POOL, Placement, gpu_model_pool, place
+from aggregator.fleet.recent import RecentReports
 from aggregator.health import HealthMachine, NodeHealth, carried_over, finding_of_snapshot
 from aggregator.links import LinkHealth
 from aggregator.metrics import DetectorStats, JobTable, ReportsJobs
@@ -136,7 +137,7 @@ class _NodeRecord:
     last_received: float
     last_report_time: float
     seen: SeqTracker = field(default_factory=SeqTracker)
-    recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=_HISTORY_KEEP))
+    recent: RecentReports = field(default_factory=lambda: RecentReports(_HISTORY_KEEP))
     first_received: float = 0.0
     boot_id: str | None = None
     # What placement reads of the report, so the node is placed again when the cluster's labels
@@ -247,7 +248,7 @@ class Pipeline:
         rec.own_labels, rec.model_pool = own, model_pool
         rec.last_received = max(rec.last_received, received)
         rec.last_report_time = max(rec.last_report_time, report.time)
-        rec.recent.append(_summary(report, received))
+        rec.recent.append(report, received)
         rec.boot_id = report.boot_id
         rec.gpu_uuids = {g.index: g.uuid for g in report.gpus if g.uuid}
         if report.pods is not msgspec.UNSET:
@@ -918,7 +919,7 @@ class Pipeline:
                 }
                 for t in (h.active() if h else [])
             ],
-            "history": list(rec.recent),
+            "history": rec.recent.dicts(),
             "pods": self.pods_on(name),
             "decisions": [msgspec.to_builtins(d) for d in self.decisions.recent() if d.node == name][-50:],
         }
@@ -1046,21 +1047,3 @@ def _about_another_gpu(f: SnapshotFinding, uuids: Mapping[int, str]) -> bool:
     """A snapshot finding about a GPU whose index the node now reports with another UUID."""
     uuid, index = f.evidence.get("uuid"), f.evidence.get("gpu")
     return isinstance(uuid, str) and isinstance(index, int) and uuids.get(index, uuid) != uuid
-
-
-def _summary(report: Report, received: float) -> dict[str, Any]:
-    return {
-        "time": report.time,
-        "received": received,
-        "seq": report.seq,
-        "boot_id": report.boot_id,
-        "gpus": len(report.gpus),
-        "nics": len(report.nics),
-        "events": len(report.events) if isinstance(report.events, list) else 0,
-        "errors": [e.message for e in report.errors] if isinstance(report.errors, list) else [],
-        # The status page's sparklines: the hottest GPU, the node's power, its uncorrectable errors.
-        "temp_max_c": max((g.temperature_celsius or 0.0 for g in report.gpus), default=None),
-        "power_w": sum(g.power_watts or 0.0 for g in report.gpus),
-        "ecc_dbe": sum(g.ecc_dbe_volatile_total or 0 for g in report.gpus),
-        "received_at": _time.strftime("%Y-%m-%dT%H:%M:%SZ", _time.gmtime(received)),
-    }

@@ -5,9 +5,10 @@ A ``PoolFrame`` holds, for one pool, ``gpu``: float32 ``(slots, nodes, gpus, len
 GPU or NIC absent, slot not written). Time is a ring of slots ``interval_seconds`` wide: slot number
 ``k = floor(t / interval)`` lives at position ``k % slots``. When the newest slot number moves
 forward, the positions of every slot number it passes are cleared first, so a position never shows
-data of an older time, and a slot no report landed in reads NaN. Nodes are rows; the row index
-grows by doubling, and a forgotten node's row is filled with the last row (swap-remove), so rows
-``[0, n)`` are always the live nodes and a snapshot of a contiguous slot range is a view, no copy.
+data of an older time, and a slot no report landed in reads NaN. Nodes are rows; the row capacity
+grows by a quarter when full (``_GROWTH``), and a forgotten node's row is filled with the last row
+(swap-remove), so rows ``[0, n)`` are always the live nodes and a snapshot of a contiguous slot
+range is a view, no copy.
 
 Columns are named by module constants (``GPU_COLUMN["temperature_celsius"]``) so detectors never
 hard-code an index. Gauges come from the node's latest report; counter rates are the view's
@@ -16,20 +17,21 @@ a reboot or for a node's first report), taken from the ``NodeView`` and never re
 
 Memory, and why the frame covers 10 minutes rather than the whole history window
 -------------------------------------------------------------------------------
-Covering the default 1,800 s window at 10 s would take 180 slots: for 7,500 nodes x 8 GPUs x 17
-fields x 4 bytes that is 734 MB, plus the NIC frame (7,500 x 8 NICs x 9 fields x 4 bytes x 180 =
+Covering the default 1,800 s window at 10 s would take 180 slots: for 7,500 nodes x 8 GPUs x 18
+fields x 4 bytes that is 778 MB, plus the NIC frame (7,500 x 8 NICs x 9 fields x 4 bytes x 180 =
 389 MB): over 1 GB for state that peer detectors read only the recent part of. A peer detector
 asks "is this node, now and for the last few minutes, unlike its pool?": it compares nodes at the
 same moments and needs a persistence of minutes, not half an hour. A node's own longer past is in
 its ``NodeHistory`` (rates over any window, ``gpu_samples``). So the frame covers ``frame_seconds``
 (default ``min(window_seconds, 600)``: 60 slots at 10 s):
 
-    GPU: 7,500 nodes x 8 GPUs x 17 fields x 60 slots x 4 B = 245 MB
+    GPU: 7,500 nodes x 8 GPUs x 18 fields x 60 slots x 4 B = 259 MB
     NIC: 7,500 nodes x 8 NICs x  9 fields x 60 slots x 4 B = 130 MB
 
-375 MB in all for 7,500 nodes (50 MB for 1,000), up to twice that just after the row capacity of a
-big pool doubled. float16 would halve it but cannot hold bytes per second (max 65,504) and has 3
-significant digits, which peer comparisons of power or clocks need; float32 is kept.
+389 MB in all for 7,500 nodes (52 MB for 1,000), up to a quarter more just after the row capacity
+of a big pool grew (doubling leaves a quarter of the capacity unused on average, up to half).
+float16 would halve it but cannot hold bytes per second (max 65,504) and has 3 significant digits,
+which peer comparisons of power or clocks need; float32 is kept.
 
 Slots use the report's own time unless ``record(..., at=...)`` passes another clock: a node whose
 clock runs far ahead would otherwise move its pool's newest slot forward and clear the frame, so the
@@ -71,6 +73,9 @@ _NAN: Final = math.nan
 DEFAULT_FRAME_SECONDS: Final = 600.0
 DEFAULT_MAX_NICS: Final = 16
 _INITIAL_ROWS: Final = 8
+# Row capacity grows by this factor: the frame is a node's largest holder (52 KB at 8 GPUs, 8 NICs),
+# and growing it copies only at node joins, so a small factor costs little CPU.
+_GROWTH: Final = 1.25
 # A rate over exactly the last interval: the window reaches back to the previous report, plus a
 # little so that rounding in ``now - (now - previous)`` cannot leave the previous report out.
 _WINDOW_SLACK_S: Final = 1e-3
@@ -334,7 +339,7 @@ class PoolFrame:
         if row is None:
             row = len(self._names)
             if row == self.gpu.shape[1]:
-                self._resize_rows(2 * row)
+                self._resize_rows(max(row + 1, math.ceil(row * _GROWTH)))
             self._names.append(node)
             self._rows[node] = row
         return row

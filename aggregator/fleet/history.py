@@ -32,12 +32,15 @@ numbers someone asked for, as columns of ``array('d')`` aligned with the node's 
   most ``coarse_s`` late, and ``gpu_samples`` returns one sample a minute there.
 
 Memory for one node at 10 s reports, window 1,800 s: 30 fine + 25 coarse samples (+ up to 5 waiting
-to be thinned) = 60 rows. 8 GPUs x (5 counters + 4 NVLink counters) + 8 NICs x 8 counters = 136
-series x 8 bytes x 60 rows = 65 KB of numbers; measured with the objects around them: 128 KiB a
-node, 0.95 GB for 7,500 nodes (without the thinning, 180 rows: about 2 GB). The two full reports
-a node keeps come on top (~40-60 KB each; the pipeline needs the latest anyway). A node reporting
-far faster than expected is capped at ``max_samples`` rows (the oldest go first), so a
-misconfigured agent shortens its own window instead of growing memory.
+to be thinned) = 60 rows. The default pipeline keeps 144 series for an 8-GPU, 8-port node (16 GPU
+counters, 32 NVLink sums, 80 NIC counters, 16 gauges) x 8 bytes x 60 rows = 69 KB of numbers;
+measured with the objects around them (one ``array`` and one Python object per series): 122 KB a
+node, 0.9 GB for 7,500 nodes (``bench/memory.py --holders``; without the thinning, 180 rows: about
+2 GB). The two full reports a node keeps come on top (38 KB each for an H100 node decoded from
+the wire; the pipeline needs the latest anyway). Rows share one boot-id string per boot, and the
+series keys are the fleet's (``SeriesRegistry.key``). A node reporting far faster than expected
+is capped at ``max_samples`` rows (the oldest go first), so a misconfigured agent shortens its own
+window instead of growing memory.
 
 Out-of-order reports
 --------------------
@@ -67,11 +70,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import sys
 from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable
 from operator import attrgetter
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, TypeVar
 
 from agent.errors import ConfigError, ReportError
 from agent.report import (
@@ -117,9 +121,15 @@ DEFAULT_COARSE_SECONDS: Final = 60.0
 # NICs with series per node: twice what a report may carry (ingest.max_nics), so a renamed set
 # (a driver reload) keeps the old names' history for the window alongside the new.
 DEFAULT_MAX_NIC_KEYS: Final = 64
+# Series keys a fleet shares (SeriesRegistry.key): an 8-GPU, 8-port node has 144 series, a fleet of
+# mixed hardware a few hundred distinct ones. The table is never emptied: a node naming new NICs
+# in every report fills it once (a few hundred KB) and then only stops sharing, costing what keys
+# cost without it.
+MAX_SHARED_KEYS: Final = 2048
 
 Outcome = Literal["latest", "late", "duplicate", "expired"]
 NicKey = tuple[str, int | None]
+_K = TypeVar("_K", bound=tuple[object, ...])
 
 
 def _known(kind: str, name: str, known: frozenset[str]) -> None:
@@ -141,6 +151,19 @@ class SeriesRegistry:
         self.nic_counters: set[str] = set()
         self.gpu_gauges: set[str] = set()
         self.version = 0  # bumped on every change, so a node knows to create new series
+        # One tuple per series name fleet-wide: every node keys its ~140 series by the same
+        # (GPU, field) and (device, port, counter) tuples, so each node need not hold its own
+        # (about 9 KB a node). Bounded: a node naming new NICs in every report gets its own keys.
+        self._keys: dict[tuple[object, ...], tuple[object, ...]] = {}
+
+    def key(self, key: _K) -> _K:
+        """The fleet's copy of a series key equal to ``key`` (``key`` itself past the bound)."""
+        shared = self._keys.get(key)
+        if shared is not None:
+            return shared  # type: ignore[return-value]  # equal to key, so of its type
+        if len(self._keys) < MAX_SHARED_KEYS:
+            self._keys[key] = key
+        return key
 
     def track_gpu_counters(self, *fields: str) -> None:
         for f in fields:
@@ -407,7 +430,7 @@ class NodeHistory:
         if report.node != self.node:
             raise ReportError(f"report of node {report.node!r} given to the history of {self.node!r}")
         latest = self._latest
-        key = (report.boot_id, report.seq, report.time)
+        key = (sys.intern(report.boot_id), report.seq, report.time)
         if latest is None or report.time >= latest.time:
             if latest is not None and key in self._seen:
                 return self._view(latest, report, "duplicate")
@@ -451,7 +474,8 @@ class NodeHistory:
 
     def _append(self, report: Report) -> None:
         old = self._latest
-        boot = report.boot_id
+        # One string per boot rather than one per row: decoded reports each bring their own copy.
+        boot = sys.intern(report.boot_id)
         self._ensure_series(report)
         self._times.append(report.time)
         self._boots.append(boot)
@@ -471,7 +495,7 @@ class NodeHistory:
         self._forget_seen(report.time)
 
     def _push(self, report: Report) -> None:
-        boot = report.boot_id
+        boot = sys.intern(report.boot_id)
         gpus = {g.index: g for g in report.gpus}
         for (gi, name), c in self._gpu_counters.items():
             g = gpus.get(gi)
@@ -497,7 +521,7 @@ class NodeHistory:
             return
         row = bisect_right(self._times, report.time)
         self._times.insert(row, report.time)
-        self._boots.insert(row, report.boot_id)
+        self._boots.insert(row, sys.intern(report.boot_id))
         self._rows_version += 1
         for counters in (self._gpu_counters, self._nvlinks, self._nic_counters):
             for c in counters.values():
@@ -607,25 +631,25 @@ class NodeHistory:
     def _new_gpu_counter(self, gpu: int, name: str, first: float) -> _Counter:
         c = _Counter(len(self._times))
         self._start(c, lambda r: c.push(_gpu_value(_find_gpu(r, gpu), name), r.boot_id), first)
-        self._gpu_counters[(gpu, name)] = c
+        self._gpu_counters[self.registry.key((gpu, name))] = c
         return c
 
     def _new_nvlink(self, gpu: int, name: str, first: float) -> _LinkCounter:
         c = _LinkCounter(len(self._times), name)
         self._start(c, lambda r: c.push_links(*_links(_find_gpu(r, gpu)), r.boot_id), first)
-        self._nvlinks[(gpu, name)] = c
+        self._nvlinks[self.registry.key((gpu, name))] = c
         return c
 
     def _new_nic_counter(self, nic: NicKey, counter: str, first: float) -> _Counter:
         c = _Counter(len(self._times))
         self._start(c, lambda r: c.push(_nic_value(_find_nic(r, nic), counter), r.boot_id), first)
-        self._nic_counters[(nic[0], nic[1], counter)] = c
+        self._nic_counters[self.registry.key((nic[0], nic[1], counter))] = c
         return c
 
     def _new_gauge(self, gpu: int, name: str, first: float) -> _Gauge:
         g = _Gauge(len(self._times))
         self._start(g, lambda r: g.vals.append(_gauge_value(_find_gpu(r, gpu), name)), first)
-        self._gauges[(gpu, name)] = g
+        self._gauges[self.registry.key((gpu, name))] = g
         return g
 
     # -- eviction and thinning -----------------------------------------------------------------

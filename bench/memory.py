@@ -1,0 +1,201 @@
+"""Memory per node of the detection pipeline: RSS growth, Python objects, and who holds what.
+
+Feeds ``--nodes`` simulated HGX H100 nodes (bench/_reports.py) x ``--rounds`` reports, 10 s
+apart, through the pipeline the server builds (``aggregator.app.build_pipeline`` with the
+default config and rules). Each report goes through the wire format first (``encode`` then
+``decode``), as the server receives it: a decoded report owns its strings, a simulated one
+shares them with the simulator.
+
+Reported, per node, between a baseline taken before the first report (the simulators and the
+pipeline's fixed state exist by then) and the end:
+
+- RSS growth (/proc/self/status VmRSS), the figure docs/performance.md quotes;
+- growth of ``gc.get_objects()`` (objects the cyclic collector tracks: what a full collection
+  walks, so what GC pauses scale with);
+- with ``--holders``, the memory each part of the pipeline holds at the end (a walk of its object
+  graph with ``sys.getsizeof``; an object reachable from two parts counts for the first listed);
+- with ``--tracemalloc``, the allocation sites (file:line) still holding the most memory;
+- with ``--time-rounds M``, M more rounds with the CPU of ``Pipeline.ingest`` timed (the reports of
+  each round built first, then ingested under ``time.process_time``): median per report.
+
+The default (100 nodes x 185 rounds: the 1,800-s history window full) runs in about a minute
+on a laptop core.
+
+    nice -n 10 .venv/bin/python bench/memory.py --holders
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Iterable
+from pathlib import Path
+from types import FunctionType, MethodType, ModuleType
+from typing import Any
+
+import msgspec
+from _reports import NodeSim, phase_offset, sending_order
+
+from agent.report import decode, encode
+from aggregator.app import build_pipeline
+from aggregator.configload import load_config
+from aggregator.pipeline import Pipeline
+from aggregator.rules import default_rules_dir, load_rules
+
+INTERVAL = 10.0
+START = 1_800_000_000.0
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+_SKIP = (type, ModuleType, FunctionType, MethodType)
+
+
+def deep_size(roots: Iterable[object], seen: set[int]) -> int:
+    """Bytes of everything reachable from ``roots`` not in ``seen`` (which it extends)."""
+    total = 0
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _SKIP):
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        if isinstance(obj, msgspec.Struct):
+            # The report types are gc=False structs: the collector cannot see into them.
+            stack.extend(getattr(obj, f) for f in obj.__struct_fields__)
+        else:
+            stack.extend(gc.get_referents(obj))
+    return total
+
+
+def holders(pipeline: Pipeline) -> list[tuple[str, int]]:
+    """What each part of the pipeline holds, most specific first (see the module docstring)."""
+    seen: set[int] = set()
+    # Shared, fixed state is not per node: the config, the rules, interned names.
+    deep_size([pipeline.config, pipeline.engine.rules], seen)
+    parts: list[tuple[str, list[object]]] = []
+    fleet = pipeline.fleet
+    hists = [fleet.history(n) for n in fleet.nodes()]
+    parts.append(("history: latest report", [h.latest for h in hists if h is not None]))
+    parts.append(("history: previous report", [h._previous for h in hists if h is not None]))
+    parts.append(("history: series and rows", [h.__dict__ for h in hists if h is not None]))
+    frames = pipeline.frames
+    parts.append(("frames (pool columns)", [frames]))
+    parts.append(("node records", [pipeline._nodes]))
+    parts.append(("rule engine state", [pipeline.engine]))
+    parts.append(("health machine", [pipeline.health]))
+    for run in pipeline._detectors:
+        parts.append((f"detector {run.name}", [run]))
+    parts.append(("silence detector", [pipeline.silence]))
+    parts.append(("rest of the pipeline", [pipeline.__dict__]))
+    return [(name, deep_size(roots, seen)) for name, roots in parts]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=185, help="reports per node, 10 s apart")
+    ap.add_argument("--holders", action="store_true", help="walk the pipeline: who holds what")
+    ap.add_argument("--tracemalloc", type=int, default=0, metavar="N", help="top N allocation sites")
+    ap.add_argument(
+        "--time-rounds",
+        type=int,
+        default=0,
+        metavar="M",
+        help="then M more rounds, CPU per Pipeline.ingest timed (median over rounds)",
+    )
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    args = ap.parse_args(argv)
+
+    config = load_config(None)
+    pipeline = build_pipeline(config, load_rules([default_rules_dir()]))
+    sims = [NodeSim(i, interval=INTERVAL) for i in range(args.nodes)]
+    offsets = [phase_offset(i) for i in range(args.nodes)]
+    order = sending_order(args.nodes)
+
+    def feed(r: int) -> None:
+        for i in order:
+            report = decode(encode(sims[i].report(START + r * INTERVAL + offsets[i], r)))
+            pipeline.ingest(report, report.time)
+
+    t0 = time.perf_counter()
+    if args.tracemalloc:
+        tracemalloc.start()
+    gc.collect()
+    rss0, objs0 = rss_bytes(), len(gc.get_objects())
+    checkpoints: dict[int, tuple[int, int]] = {}
+    for r in range(args.rounds):
+        feed(r)
+        if r in {4, args.rounds - 1}:
+            gc.collect()
+            checkpoints[r + 1] = (rss_bytes() - rss0, len(gc.get_objects()) - objs0)
+    elapsed = time.perf_counter() - t0
+    n = args.nodes
+    out: dict[str, Any] = {
+        "nodes": n,
+        "rounds": args.rounds,
+        "seconds": round(elapsed, 1),
+        "tracemalloc": bool(args.tracemalloc),
+        "after_rounds": {
+            str(k): {"rss_kb_per_node": round(v[0] / n / 1024, 1), "gc_objects_per_node": round(v[1] / n)}
+            for k, v in checkpoints.items()
+        },
+    }
+    print(f"{n} nodes x {args.rounds} rounds in {elapsed:.1f} s (growth from before the first report)")
+    for k, (rss, objs) in checkpoints.items():
+        print(
+            f"  after {k:4d} reports/node: RSS {rss / n / 1024:8.1f} KB/node"
+            f"   gc objects {objs / n:8.0f}/node"
+        )
+    if args.tracemalloc:
+        snap = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        stats = snap.statistics("lineno")
+        total = sum(s.size for s in stats)
+        print(f"tracemalloc: {total / n / 1024:.1f} KB/node still held")
+        for s in stats[: args.tracemalloc]:
+            frame = s.traceback[0]
+            where = f"{Path(frame.filename).name}:{frame.lineno}"
+            print(f"  {s.size / n / 1024:8.1f} KB/node  {s.count / n:7.0f} blocks/node  {where}")
+    if args.holders:
+        out["holders_kb_per_node"] = {}
+        print("held at the end (object-graph walk), per node:")
+        for name, size in holders(pipeline):
+            out["holders_kb_per_node"][name] = round(size / n / 1024, 1)
+            print(f"  {size / n / 1024:8.1f} KB  {name}")
+        total = sum(out["holders_kb_per_node"].values())
+        out["holders_kb_per_node"]["total"] = round(total, 1)
+        print(f"  {total:8.1f} KB  total")
+    if args.time_rounds:
+        per_report: list[float] = []
+        for r in range(args.rounds, args.rounds + args.time_rounds):
+            reports = [decode(encode(sims[i].report(START + r * INTERVAL + offsets[i], r))) for i in order]
+            gc.collect()
+            started = time.process_time()
+            for report in reports:
+                pipeline.ingest(report, report.time)
+            per_report.append((time.process_time() - started) / len(reports) * 1e6)
+        out["ingest_us_per_report_median"] = round(statistics.median(per_report))
+        print(
+            f"Pipeline.ingest: median {statistics.median(per_report):.0f} us/report CPU over "
+            f"{args.time_rounds} rounds after {args.rounds}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
