@@ -36,7 +36,7 @@ import numpy.typing as npt
 from msgspec import Meta
 
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
-from aggregator.detect.base import PoolDetector
+from aggregator.detect.base import StatelessPoolDetector
 from aggregator.detect.load import settled
 from aggregator.detect.peers import MAD_SCALE, complete_slots, median_mad, nanmedian, under_load
 from aggregator.fleet.frame import GPU_COLUMN, NIC_COLUMN, PoolFrame, nic_name
@@ -133,14 +133,14 @@ class _Burst:
     from_pool: npt.NDArray[np.bool_]  # the baseline is the pool's typical device, not its own past
 
 
-class TrendDetector(PoolDetector):
+class TrendDetector(StatelessPoolDetector):
     """Error-counter bursts and temperature drift, each against the same GPU's or port's past."""
 
     def __init__(self, config: TrendConfig | None = None) -> None:
         self.config = config if config is not None else TrendConfig()
         self.every_seconds = self.config.every_seconds
 
-    def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
+    def judge_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
         t0, t1 = complete_slots(frame, now)
         nodes, gpu = frame.snapshot(t0, t1)
         _, nic = frame.nic_snapshot(t0, t1)
