@@ -995,8 +995,9 @@ def create_app(
             pipeline.advance_on_ingest = False
 
         async def periodic(app: web.Application) -> AsyncIterator[None]:
-            # One thread: one offloaded run at a time, and it competes with the loop for one core
-            # at most (what it runs releases the GIL in compiled code).
+            # One thread: one offloaded run at a time, and at most one core's worth of competition
+            # for the loop. What it runs is numpy and scikit-learn, which release the GIL in their
+            # compiled loops; the Python between them still takes turns with the loop.
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuwarden-detect")
             task = asyncio.create_task(
                 advance_periodically(pipeline, clock, metrics, interval, executor), name="gpuwarden-advance"
