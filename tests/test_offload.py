@@ -164,3 +164,21 @@ def test_a_stateless_detector_judges_the_frame_as_it_was_when_prepared() -> None
     frame.release("n1")  # the live frame moves on while the compute runs elsewhere
     assert work.finish(work.compute()) == {"n1": [], "n2": [], "n3": []}
     assert _Census().run_pool(frame, T0 + 10) == {"n3": [], "n2": []}
+
+
+def test_the_warning_free_mean_is_numpys_bit_for_bit() -> None:
+    import warnings
+
+    from aggregator.detect.nanstats import nanmean
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(0, 1, (30, 50, 8))
+    x[rng.random(x.shape) < 0.3] = np.nan
+    x[:, 3] = np.nan  # all-NaN lanes
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        expected = np.nanmean(x, axis=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the point: no warning to silence, in any thread
+        got = nanmean(x, axis=0)
+    assert np.array_equal(got, expected, equal_nan=True)

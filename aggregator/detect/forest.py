@@ -50,6 +50,7 @@ from sklearn.ensemble import IsolationForest  # type: ignore[import-untyped]  # 
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import Offload, OffloadingPoolDetector
 from aggregator.detect.load import settled
+from aggregator.detect.nanstats import nanmean
 from aggregator.detect.peers import MAD_SCALE, median_mad, nanmedian, under_load
 from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, PoolFrame
 from aggregator.model import Finding
@@ -226,9 +227,8 @@ def vectors_of(window: WindowCopy, now: float, config: ForestConfig) -> PoolVect
     rows = np.argwhere(eligible)
     usable = tuple(f for f in FEATURES if all(c in GPU_COLUMN for c in f.columns))
     values = np.full((rows.shape[0], len(usable)), np.nan)
-    # All-NaN lanes (a GPU that never reports a feature) are expected and stay NaN. They are
-    # reduced without numpy's nan-functions, whose RuntimeWarnings would need
-    # ``warnings.catch_warnings``: that swaps process-wide state and is not safe off the main thread.
+    # All-NaN lanes (a GPU that never reports a feature) are expected and stay NaN. This runs in
+    # a worker thread in the service, so without numpy's warnings (``aggregator.detect.nanstats``).
     for j, f in enumerate(usable):
         raw = gpu[..., [GPU_COLUMN[c] for c in f.columns]].astype(np.float64)
         if f.combine == "ratio":
@@ -239,7 +239,7 @@ def vectors_of(window: WindowCopy, now: float, config: ForestConfig) -> PoolVect
         else:
             x = raw[..., 0]
         x = np.where(loaded, x, np.nan)
-        summary = nanmedian(x, axis=0) if f.reduce == "median" else _nanmean0(x)
+        summary = nanmedian(x, axis=0) if f.reduce == "median" else nanmean(x, axis=0)
         values[:, j] = summary[eligible]
     has = ~np.isnan(values)
     if values.shape[0]:
@@ -262,15 +262,6 @@ def vectors_of(window: WindowCopy, now: float, config: ForestConfig) -> PoolVect
         loaded_slots=count[eligible].astype(np.intp),
         window_start=window_start,
     )
-
-
-def _nanmean0(x: Float) -> Float:
-    """``np.nanmean(x, axis=0)`` (the same sums, so the same bits) without its empty-lane warning."""
-    missing = np.isnan(x)
-    count = (~missing).sum(axis=0)
-    total = np.where(missing, 0.0, x).sum(axis=0)
-    out: Float = np.where(count > 0, total / np.maximum(count, 1), np.nan)
-    return out
 
 
 def robust_distance(z: Float, clip: float = 3.0, shrink: float = 0.1) -> Float:

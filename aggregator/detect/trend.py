@@ -27,7 +27,6 @@ after its job started is not drifting (``aggregator/detect/load.py``).
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Final
 
@@ -38,6 +37,7 @@ from msgspec import Meta
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import StatelessPoolDetector
 from aggregator.detect.load import settled
+from aggregator.detect.nanstats import nanmean
 from aggregator.detect.peers import MAD_SCALE, complete_slots, median_mad, nanmedian, under_load
 from aggregator.fleet.frame import GPU_COLUMN, NIC_COLUMN, PoolFrame, nic_name
 from aggregator.model import Action, Finding
@@ -243,9 +243,7 @@ class TrendDetector(StatelessPoolDetector):
         )
         if not hit.any():
             return _Burst(hit, quarantine, median, median, line, from_pool)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            recent = np.nanmean(rate[-c.recent_slots :], axis=0)
+        recent = nanmean(rate[-c.recent_slots :], axis=0)  # off the main thread: no warnings
         return _Burst(hit, quarantine, recent, median, line, from_pool)
 
     def _burst_finding(
