@@ -115,7 +115,8 @@ class PoolDetector(abc.ABC):
     @final
     def run(self, frames: FleetFrames, now: float) -> Verdict:
         """Every pool's ``run_pool``. Final: the pipeline runs a pool detector pool by pool
-        (``Pipeline.advance_steps``), so what a detector does must live in ``run_pool``."""
+        (``Pipeline.advance_steps``), so what a detector does must live in ``run_pool`` (or, for
+        an ``OffloadingPoolDetector``, in the parts ``prepare_pool`` returns)."""
         out = Verdict()
         for pool in frames.pools():
             frame = frames.frame(pool)
