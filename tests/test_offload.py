@@ -23,8 +23,8 @@ from agent.clock import FakeClock
 from aggregator.app import build_pipeline
 from aggregator.config import Config, DetectorSettings, PositiveSeconds
 from aggregator.detect import DetectorSpec
-from aggregator.detect.base import Offload, OffloadingPoolDetector, StatelessPoolDetector
-from aggregator.fleet.frame import GPU_FIELDS, PoolFrame
+from aggregator.detect.base import Offload, OffloadingPoolDetector
+from aggregator.fleet.frame import PoolFrame
 from aggregator.metrics import Metrics
 from aggregator.model import Finding
 from aggregator.pipeline import OffloadStep, Pipeline
@@ -144,26 +144,6 @@ async def test_the_service_computes_off_the_loop_with_the_same_decisions() -> No
     assert detector.most_at_once == 1  # never two computes at once, however overdue the next run
     assert worst < COMPUTE_S / 2  # the loop was free while each 0.3-s compute ran
     assert _states(live) == _states(inline) == {"gpu-a1": "healthy", "gpu-b1": "suspect", "gpu-x1": "healthy"}
-
-
-class _Census(StatelessPoolDetector):
-    """One empty answer per node the frame holds: what a stateless detector sees of its frame."""
-
-    every_seconds = 10.0
-
-    def judge_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
-        return {n: [] for n in frame.nodes}
-
-
-def test_a_stateless_detector_judges_the_frame_as_it_was_when_prepared() -> None:
-    frame = PoolFrame("a", interval_s=10.0, slots=6, gpus=1)
-    values = np.zeros((1, len(GPU_FIELDS)), np.float32)
-    for node in ("n1", "n2", "n3"):
-        frame.write(node, T0, values, [], np.zeros((0, 0), np.float32))
-    work = _Census().prepare_pool(frame, T0 + 10)
-    frame.release("n1")  # the live frame moves on while the compute runs elsewhere
-    assert work.finish(work.compute()) == {"n1": [], "n2": [], "n3": []}
-    assert _Census().run_pool(frame, T0 + 10) == {"n3": [], "n2": []}
 
 
 def test_the_warning_free_mean_is_numpys_bit_for_bit() -> None:

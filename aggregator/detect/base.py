@@ -17,8 +17,7 @@ A pool detector whose run is mostly pure number crunching (the forest's fit and 
 copies what it needs out of the frame), ``Offload.compute`` (reads only that copy; the live service
 runs it in a worker thread while the event loop goes on answering reports) and ``Offload.finish``
 (back on the caller's thread). Replay, tests and ``Pipeline.advance`` call the three in a row, on one
-thread: the same findings either way. A pool detector that keeps no state at all can be a
-``StatelessPoolDetector``: its whole run (``judge_pool``) goes off the thread, on a copy of the frame.
+thread: the same findings either way.
 
 A detector answers for every node it looked at, with an empty list where it sees nothing: that is
 how its earlier findings on a node clear. A node it did not look at keeps whatever it had until it
@@ -29,7 +28,6 @@ the pipeline waits for it (``aggregator.pipeline``).
 from __future__ import annotations
 
 import abc
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, cast, final, runtime_checkable
@@ -166,30 +164,6 @@ class OffloadingPoolDetector(PoolDetector):
     @abc.abstractmethod
     def prepare_pool(self, frame: PoolFrame, now: float) -> Offload[Any]:
         """What one pool's run needs, copied out of ``frame``, and the run's two remaining parts."""
-
-
-class StatelessPoolDetector(OffloadingPoolDetector):
-    """A pool detector that keeps nothing between runs: its whole ``judge_pool`` leaves the caller's
-    thread, on a copy of the pool's frame made on the caller's thread.
-
-    Contract: ``judge_pool`` reads only the frame it is given and settings fixed at construction
-    (never changed afterwards), writes nothing of the detector, and returns the pool's findings.
-    The copy is the whole frame, every slot of GPU and NIC values (tens of MB per 1,000 nodes,
-    some tens of ms): worth it for a run that costs far more than that.
-    """
-
-    @final
-    def prepare_pool(self, frame: PoolFrame, now: float) -> Offload[dict[str, list[Finding]]]:
-        copied = copy.deepcopy(frame)  # rows move and slots clear in the live frame meanwhile
-        return Offload(compute=lambda: self.judge_pool(copied, now), finish=_as_found)
-
-    @abc.abstractmethod
-    def judge_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
-        """Findings for every node of one pool's frame (empty lists where nothing stands out)."""
-
-
-def _as_found(found: dict[str, list[Finding]]) -> dict[str, list[Finding]]:
-    return found
 
 
 S = TypeVar("S", bound=DetectorSettings)

@@ -27,6 +27,7 @@ after its job started is not drifting (``aggregator/detect/load.py``).
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Final
 
@@ -35,9 +36,8 @@ import numpy.typing as npt
 from msgspec import Meta
 
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
-from aggregator.detect.base import StatelessPoolDetector
+from aggregator.detect.base import PoolDetector
 from aggregator.detect.load import settled
-from aggregator.detect.nanstats import nanmean
 from aggregator.detect.peers import MAD_SCALE, complete_slots, median_mad, nanmedian, under_load
 from aggregator.fleet.frame import GPU_COLUMN, NIC_COLUMN, PoolFrame, nic_name
 from aggregator.model import Action, Finding
@@ -133,14 +133,14 @@ class _Burst:
     from_pool: npt.NDArray[np.bool_]  # the baseline is the pool's typical device, not its own past
 
 
-class TrendDetector(StatelessPoolDetector):
+class TrendDetector(PoolDetector):
     """Error-counter bursts and temperature drift, each against the same GPU's or port's past."""
 
     def __init__(self, config: TrendConfig | None = None) -> None:
         self.config = config if config is not None else TrendConfig()
         self.every_seconds = self.config.every_seconds
 
-    def judge_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
+    def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
         t0, t1 = complete_slots(frame, now)
         nodes, gpu = frame.snapshot(t0, t1)
         _, nic = frame.nic_snapshot(t0, t1)
@@ -243,7 +243,9 @@ class TrendDetector(StatelessPoolDetector):
         )
         if not hit.any():
             return _Burst(hit, quarantine, median, median, line, from_pool)
-        recent = nanmean(rate[-c.recent_slots :], axis=0)  # off the main thread: no warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            recent = np.nanmean(rate[-c.recent_slots :], axis=0)
         return _Burst(hit, quarantine, recent, median, line, from_pool)
 
     def _burst_finding(
