@@ -5,7 +5,9 @@
     advance(now)               silence and systemic events, the detectors' runs, time-driven
                                transitions (probation)
     advance_steps(now)         the same, one step at a time (the service yields to the event loop
-                               between steps, so a slow detector run does not hold up every POST)
+                               between steps, so a slow detector run does not hold up every POST);
+                               a step may be an ``OffloadStep``, whose costly, pure part the service
+                               runs in a worker thread (the forest's fit and scores)
 
 By default ``ingest`` ends with ``advance(received)``, so a caller that only ingests (replay,
 benchmarks, tests) sees time-driven work happen. The service turns that off
@@ -43,7 +45,7 @@ from agent.report import GpuAllocation, Report
 from aggregator.config import Config
 from aggregator.decisions import AWAITING_CLUSTER, Decision, DecisionLog, PodOnNode, Reason
 from aggregator.detect import BUILTIN_SOURCES, DETECTORS, Detector, DetectorSpec
-from aggregator.detect.base import MeasuresPairs, PoolDetector, SwitchAlert
+from aggregator.detect.base import MeasuresPairs, Offload, OffloadingPoolDetector, PoolDetector, SwitchAlert
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import UNKNOWN_POOL, Placement, gpu_model_pool, place
@@ -100,6 +102,51 @@ class _NoCluster:
 
 
 NO_CLUSTER: Final[ClusterView] = _NoCluster()
+
+
+class OffloadStep:
+    """A step of ``advance_steps`` whose work may run in another thread: an ``Offload.compute``.
+
+    Whoever drives the steps may call ``run()`` (once, from any thread) and must let it return
+    before resuming the generator; the service does so in a one-thread executor, so the event loop
+    goes on answering reports meanwhile. A driver that does not (``advance``, replay, tests) leaves
+    it to the pipeline, which runs it inline when resumed: the same computation on the same copied
+    input, so the same decisions. Because the generator waits for it, a run is never started twice
+    nor overtaken by the detector's next one.
+    """
+
+    __slots__ = ("_compute", "_done", "_error", "_value", "seconds")
+
+    def __init__(self, compute: Callable[[], object]) -> None:
+        self._compute = compute
+        self._done = False
+        self._value: object = None
+        self._error: Exception | None = None
+        self.seconds = 0.0  # how long compute took, wherever it ran
+
+    def run(self) -> None:
+        """Compute, once; an exception is kept for ``result`` to raise on the pipeline's thread."""
+        if self._done:
+            return
+        started = _time.perf_counter()
+        try:
+            self._value = self._compute()
+        except Exception as e:  # re-raised by result(), where the detector's failure is counted
+            self._error = e
+        finally:
+            self.seconds = _time.perf_counter() - started
+            self._done = True
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def result(self) -> object:
+        """The compute's value (computed here if no driver ran it), or what it raised."""
+        self.run()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 @dataclass
@@ -310,11 +357,13 @@ class Pipeline:
         for _ in self.advance_steps(now):
             pass
 
-    def advance_steps(self, now: float) -> Iterator[None]:
+    def advance_steps(self, now: float) -> Iterator[OffloadStep | None]:
         """``advance(now)`` as a generator that yields after silence and after each detector's
-        run: whoever drives it may let other work (reports) in between. Reports ingested between
-        two steps are seen by the detectors that run after them, which is what a live fleet
-        would see a moment later anyway."""
+        run (a pool detector's, after each pool): whoever drives it may let other work (reports)
+        in between. Reports ingested between two steps are seen by the detectors that run after
+        them, which is what a live fleet would see a moment later anyway. An offloading pool
+        detector's pool yields an ``OffloadStep`` instead: its compute, which the driver may run
+        in a worker thread before resuming (see ``OffloadStep``)."""
         if now < self._next_tick - 2 * TICK_SECONDS:
             # The aggregator's clock stepped back (NTP, a VM restore). Without this, silence,
             # probation and the detectors would wait until the clock caught up again.
@@ -349,7 +398,7 @@ class Pipeline:
             self._emit(self.health.update(node, "silence", (), tick))
         self._silent = set(per_node)
         self._forget_long_gone(tick)
-        yield
+        yield None
         for run in self._detectors:
             if tick < run.due:
                 continue
@@ -357,7 +406,7 @@ class Pipeline:
                 yield from self._run_by_pool(run, run.detector, tick)
             else:
                 self._run_detector(run, tick)
-                yield
+                yield None
         if self.probes is not None:
             self.probes.tick(tick)
         for d in self.health.expire_restored(tick):
@@ -365,10 +414,14 @@ class Pipeline:
         for d in self.health.tick(tick):
             self._emit(d)
 
-    def _run_by_pool(self, run: _Running, detector: PoolDetector, tick: float) -> Iterator[None]:
+    def _run_by_pool(
+        self, run: _Running, detector: PoolDetector, tick: float
+    ) -> Iterator[OffloadStep | None]:
         """A pool detector's run, one pool a step: a pool judged is a pool whose findings are
         applied, and the one after it may wait for the reports that came in meanwhile. A pool
-        whose run raises keeps what it had; the other pools are judged all the same."""
+        whose run raises keeps what it had; the other pools are judged all the same. An
+        offloading detector's pool is prepared, its compute yielded as the step, and finished
+        (findings applied) when the generator is resumed."""
         run.due = tick + detector.every_seconds
         run.runs += 1
         for pool in list(self.frames.pools()):
@@ -376,16 +429,33 @@ class Pipeline:
             if frame is None:
                 continue
             started = _time.perf_counter()
+            work: Offload[Any] | None = None
             try:
-                found = detector.run_pool(frame, tick)
+                if isinstance(detector, OffloadingPoolDetector):
+                    work = detector.prepare_pool(frame, tick)
+                else:
+                    found = detector.run_pool(frame, tick)
             except Exception:
                 run.failed("run", tick)
                 continue
             finally:
                 run.seconds += _time.perf_counter() - started
+            if work is not None:
+                step = OffloadStep(work.compute)
+                yield step
+                elsewhere = step.done  # the driver ran it (a worker thread); else it runs here
+                started = _time.perf_counter()
+                try:
+                    found = work.finish(step.result())
+                except Exception:
+                    run.failed("run", tick)
+                    continue
+                finally:
+                    run.seconds += _time.perf_counter() - started + (step.seconds if elsewhere else 0.0)
             for node, findings in found.items():
                 self._emit(self.health.update(node, run.name, findings, tick))
-            yield
+            if work is None:
+                yield None
 
     def _run_detector(self, run: _Running, tick: float) -> None:
         run.due = tick + run.detector.every_seconds

@@ -64,7 +64,9 @@ holds at most ``max_in_flight_per_token`` of them, a body must arrive within
 below the file limit. Refusals are logged at most once per reason every few seconds, counted.
 
 The pipeline is only ever called from the event loop's thread, so it needs
-no locks: ingestion and the periodic ``advance`` never run at the same time.
+no locks: ingestion and the periodic ``advance`` never run at the same time. The one piece of work
+that leaves the loop, an ``OffloadableStep`` of the periodic cycle (the forest's fit and scores),
+reads only a copy made for it and hands its result back to the loop.
 
 A node's clock does not matter for liveness: the pipeline gets the aggregator's receive time.
 """
@@ -83,6 +85,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Final, Protocol, runtime_checkable
 
 import msgspec
@@ -847,16 +850,32 @@ class SteppedPipeline(Protocol):
 
     advance_on_ingest: bool
 
-    def advance_steps(self, now: float) -> Iterator[None]: ...
+    def advance_steps(self, now: float) -> Iterator[object]: ...
+
+
+@runtime_checkable
+class OffloadableStep(Protocol):
+    """A step whose work may run in a worker thread (``aggregator.pipeline.OffloadStep``): ``run``
+    reads nothing the event loop writes, and must return before the steps go on."""
+
+    def run(self) -> None: ...
 
 
 async def advance_periodically(
-    pipeline: PipelineLike, clock: Clock, metrics: Metrics, interval_s: float = 1.0
+    pipeline: PipelineLike,
+    clock: Clock,
+    metrics: Metrics,
+    interval_s: float = 1.0,
+    executor: Executor | None = None,
 ) -> None:
     """Call ``pipeline.advance(clock.time())`` every ``interval_s`` until cancelled.
 
     A pipeline that can advance in steps (``SteppedPipeline``) yields to the event loop between
-    them, so reports are answered between two detectors' runs rather than after all of them.
+    them, so reports are answered between two detectors' runs rather than after all of them. A
+    step that can leave the loop (``OffloadableStep``: the forest's fit and scores) runs in
+    ``executor`` while the loop goes on; the cycle waits for it before its next step, so one such
+    run is in flight at a time and the next cycle never starts a second. Without an executor it
+    runs on the loop, as the pipeline would run it.
     A failing cycle is logged and counted, never fatal: silence detection must keep running even
     if one detector has a bug. A cycle that overruns its slot is followed by the next one at once,
     without trying to catch up on the missed ones.
@@ -868,8 +887,11 @@ async def advance_periodically(
         failed = False
         try:
             if isinstance(pipeline, SteppedPipeline):
-                for _ in pipeline.advance_steps(clock.time()):
-                    await asyncio.sleep(0)
+                for step in pipeline.advance_steps(clock.time()):
+                    if executor is not None and isinstance(step, OffloadableStep):
+                        await loop.run_in_executor(executor, step.run)
+                    else:
+                        await asyncio.sleep(0)
             else:
                 pipeline.advance(clock.time())
         except Exception:
@@ -973,13 +995,19 @@ def create_app(
             pipeline.advance_on_ingest = False
 
         async def periodic(app: web.Application) -> AsyncIterator[None]:
+            # One thread: one offloaded run at a time, and at most one core's worth of competition
+            # for the loop. What it runs is numpy and scikit-learn, which release the GIL in their
+            # compiled loops; the Python between them still takes turns with the loop.
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuwarden-detect")
             task = asyncio.create_task(
-                advance_periodically(pipeline, clock, metrics, interval), name="gpuwarden-advance"
+                advance_periodically(pipeline, clock, metrics, interval, executor), name="gpuwarden-advance"
             )
             yield
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            # A run in flight finishes in its thread (it cannot be interrupted); nobody reads it.
+            executor.shutdown(wait=False, cancel_futures=True)
 
         app.cleanup_ctx.append(periodic)
 

@@ -312,3 +312,19 @@ def test_pool_of_8000_gpus_scores_well_under_a_second() -> None:
     elapsed = time.process_time() - start
     assert len(out) == nodes
     assert elapsed < 1.0, f"{elapsed:.2f} s of CPU for one 8,000-GPU pool"
+
+
+def test_a_split_run_judges_the_window_as_it_was_when_prepared() -> None:
+    # The service computes the forest in a worker thread while the loop goes on writing the frame
+    # and forgetting nodes (rows move: swap-remove). What the compute sees must be the copy.
+    frame = Pool(nodes=64, seed=21, odd=[MILD]).frame()
+    whole = ForestDetector().run_pool(Pool(nodes=64, seed=21, odd=[MILD]).frame(), NOW)
+    work = ForestDetector().prepare_pool(frame, NOW)
+    frame.release("node-000")  # node-063's row moves into row 0
+    frame.release("node-011")  # the odd node is gone from the live frame
+    nan = np.full((GPUS, len(GPU_FIELDS)), np.nan, np.float32)
+    for t in np.arange(NOW - 300, NOW, INTERVAL):
+        frame.write("node-063", float(t), nan, [], np.zeros((0, 0), np.float32))
+    split = work.finish(work.compute())
+    assert [(n, f.key) for n, f in findings(split)] == [("node-011", "forest:gpu3")]
+    assert split == whole

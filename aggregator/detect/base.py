@@ -12,6 +12,13 @@ settings the ``detectors:`` section of the config file gives it. Then, for every
   now)``), and optionally slow links (for the link state machine) and switch alerts;
 - ``forget(node)`` when the pipeline forgets a node that has been silent for a long time.
 
+A pool detector whose run is mostly pure number crunching (the forest's fit and scores) can be an
+``OffloadingPoolDetector``: it splits each pool's run into ``prepare_pool`` (on the caller's thread:
+copies what it needs out of the frame), ``Offload.compute`` (reads only that copy; the live service
+runs it in a worker thread while the event loop goes on answering reports) and ``Offload.finish``
+(back on the caller's thread). Replay, tests and ``Pipeline.advance`` call the three in a row, on one
+thread: the same findings either way.
+
 A detector answers for every node it looked at, with an empty list where it sees nothing: that is
 how its earlier findings on a node clear. A node it did not look at keeps whatever it had until it
 is forgotten. A detector that raises is logged, counted and skipped for that call; nothing else in
@@ -106,7 +113,8 @@ class PoolDetector(abc.ABC):
     @final
     def run(self, frames: FleetFrames, now: float) -> Verdict:
         """Every pool's ``run_pool``. Final: the pipeline runs a pool detector pool by pool
-        (``Pipeline.advance_steps``), so what a detector does must live in ``run_pool``."""
+        (``Pipeline.advance_steps``), so what a detector does must live in ``run_pool`` (or, for
+        an ``OffloadingPoolDetector``, in the parts ``prepare_pool`` returns)."""
         out = Verdict()
         for pool in frames.pools():
             frame = frames.frame(pool)
@@ -117,6 +125,45 @@ class PoolDetector(abc.ABC):
     @abc.abstractmethod
     def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
         """Findings for every node of one pool's frame (empty lists where nothing stands out)."""
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Offload(Generic[T]):
+    """One pool's run, split so that its costly part may leave the caller's thread.
+
+    ``compute()`` is called exactly once, perhaps in a worker thread while the caller ingests reports
+    and runs other detectors' steps. It may read only what it closes over, and what it closes over
+    must be built or copied by ``prepare_pool`` for it alone: arrays it owns (copies, never views of
+    a frame: a frame's rows move when a node is forgotten), frozen settings, plain values. It writes
+    nothing but its return value: no detector state, no frame, no metrics. Logging is fine.
+
+    ``finish(result)`` is called with that return value on the caller's thread, after ``compute`` and
+    before the detector's next ``prepare_pool``; it may use the detector's state, and returns the
+    pool's findings as ``run_pool`` would. Whatever ``compute`` raises is counted as the run failing,
+    as a raising ``run_pool`` is.
+    """
+
+    compute: Callable[[], T]
+    finish: Callable[[T], dict[str, list[Finding]]]
+
+
+class OffloadingPoolDetector(PoolDetector):
+    """A pool detector whose costly part runs off the caller's thread (see ``Offload``): the
+    pipeline calls ``prepare_pool`` and lets its driver run ``compute`` where it likes."""
+
+    @final
+    def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
+        """The three parts in a row, on this thread (replay, tests, ``Pipeline.advance``). Final: what
+        the service runs split must be what everything else runs whole."""
+        work = self.prepare_pool(frame, now)
+        return work.finish(work.compute())
+
+    @abc.abstractmethod
+    def prepare_pool(self, frame: PoolFrame, now: float) -> Offload[Any]:
+        """What one pool's run needs, copied out of ``frame``, and the run's two remaining parts."""
 
 
 S = TypeVar("S", bound=DetectorSettings)

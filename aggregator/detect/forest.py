@@ -38,7 +38,6 @@ decision record as corroboration and tells on-call where to look when nothing el
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Annotated, ClassVar, Final, Literal
@@ -49,8 +48,9 @@ from msgspec import Meta
 from sklearn.ensemble import IsolationForest  # type: ignore[import-untyped]  # no stubs shipped
 
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
-from aggregator.detect.base import PoolDetector
+from aggregator.detect.base import Offload, OffloadingPoolDetector
 from aggregator.detect.load import settled
+from aggregator.detect.nanstats import nanmean
 from aggregator.detect.peers import MAD_SCALE, median_mad, nanmedian, under_load
 from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, PoolFrame
 from aggregator.model import Finding
@@ -179,13 +179,39 @@ class PoolVectors:
     window_start: float
 
 
-def pool_vectors(frame: PoolFrame, now: float, config: ForestConfig) -> PoolVectors:
-    """The per-GPU robust feature vectors of one pool over the window ending at the last complete slot."""
+@dataclass(frozen=True)
+class WindowCopy:
+    """What a forest run reads of a pool's frame, copied: the window and the settling slots before it."""
+
+    nodes: tuple[str, ...]
+    history: npt.NDArray[np.float32]  # (slots, nodes, gpus, GPU_FIELDS), owned: not a view of the frame
+    starts: Float  # (slots,): each slot's start time
+    interval_s: float
+
+
+def window_copy(frame: PoolFrame, now: float, config: ForestConfig) -> WindowCopy:
+    """The slots a run at ``now`` looks at (``window_seconds`` of complete slots and the
+    ``settle_seconds`` before them), copied out of ``frame`` so that the rest of the run may go on
+    while the frame takes new reports and forgets nodes (rows move then)."""
     slots = max(1, round(config.window_seconds / frame.interval_s))
     settle = max(0, round(config.settle_seconds / frame.interval_s))
-    t0, t1 = now - slots * frame.interval_s, now - frame.interval_s
-    nodes, history = frame.snapshot(t0 - settle * frame.interval_s, t1)
-    all_starts = frame.slot_starts(t0 - settle * frame.interval_s, t1)
+    t0, t1 = now - (slots + settle) * frame.interval_s, now - frame.interval_s
+    nodes, history = frame.snapshot(t0, t1)
+    return WindowCopy(tuple(nodes), np.array(history, copy=True), frame.slot_starts(t0, t1), frame.interval_s)
+
+
+def pool_vectors(frame: PoolFrame, now: float, config: ForestConfig) -> PoolVectors:
+    """The per-GPU robust feature vectors of one pool over the window ending at the last complete slot."""
+    return vectors_of(window_copy(frame, now, config), now, config)
+
+
+def vectors_of(window: WindowCopy, now: float, config: ForestConfig) -> PoolVectors:
+    """``pool_vectors`` of a copied window (any thread: it reads nothing else)."""
+    interval = window.interval_s
+    slots = max(1, round(config.window_seconds / interval))
+    settle = max(0, round(config.settle_seconds / interval))
+    t0 = now - slots * interval
+    nodes, history, all_starts = list(window.nodes), window.history, window.starts
     busy = under_load(history, config.load_threshold)
     # A slot counts as loaded once the GPU has been busy for ``settle_seconds`` before it: a GPU
     # that started a job a minute ago is still heating up (heat sinks take minutes), and would
@@ -201,21 +227,20 @@ def pool_vectors(frame: PoolFrame, now: float, config: ForestConfig) -> PoolVect
     rows = np.argwhere(eligible)
     usable = tuple(f for f in FEATURES if all(c in GPU_COLUMN for c in f.columns))
     values = np.full((rows.shape[0], len(usable)), np.nan)
-    with warnings.catch_warnings():
-        # All-NaN lanes (a GPU that never reports a feature) are expected and stay NaN.
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for j, f in enumerate(usable):
-            raw = gpu[..., [GPU_COLUMN[c] for c in f.columns]].astype(np.float64)
-            if f.combine == "ratio":
-                den = raw[..., 1]
-                x = np.where(den > 0, raw[..., 0] / np.where(den > 0, den, 1.0), np.nan)
-            elif f.combine == "any":
-                x = np.nanmax(raw, axis=-1)
-            else:
-                x = raw[..., 0]
-            x = np.where(loaded, x, np.nan)
-            summary = nanmedian(x, axis=0) if f.reduce == "median" else np.nanmean(x, axis=0)
-            values[:, j] = summary[eligible]
+    # All-NaN lanes (a GPU that never reports a feature) are expected and stay NaN. This runs in
+    # a worker thread in the service, so without numpy's warnings (``aggregator.detect.nanstats``).
+    for j, f in enumerate(usable):
+        raw = gpu[..., [GPU_COLUMN[c] for c in f.columns]].astype(np.float64)
+        if f.combine == "ratio":
+            den = raw[..., 1]
+            x = np.where(den > 0, raw[..., 0] / np.where(den > 0, den, 1.0), np.nan)
+        elif f.combine == "any":
+            x = np.fmax.reduce(raw, axis=-1)  # np.nanmax without its all-NaN warning
+        else:
+            x = raw[..., 0]
+        x = np.where(loaded, x, np.nan)
+        summary = nanmedian(x, axis=0) if f.reduce == "median" else nanmean(x, axis=0)
+        values[:, j] = summary[eligible]
     has = ~np.isnan(values)
     if values.shape[0]:
         median, mad = median_mad(values, axis=0)
@@ -286,127 +311,155 @@ def _fmt(value: float, digits: int) -> str:
     return f"{value:.{digits}f}"
 
 
-class ForestDetector(PoolDetector):
-    """Per pool IsolationForest over robust per-GPU feature vectors; findings are alerts only."""
+@dataclass(frozen=True)
+class _Outcome:
+    """A forest run's result: the findings per node and what to log about each (done on the caller's
+    thread, with the findings)."""
+
+    nodes: dict[str, list[Finding]]
+    outliers: tuple[dict[str, object], ...]
+
+
+class ForestDetector(OffloadingPoolDetector):
+    """Per pool IsolationForest over robust per-GPU feature vectors; findings are alerts only.
+
+    Its run is the pipeline's costliest step (the fit and the scores), so it is split: the pool's
+    window is copied out of the frame on the caller's thread (``window_copy``), the vectors, forest,
+    distances and findings are worked out from that copy alone (``_judge``, a worker thread in the
+    service), and the outcome is logged and returned on the caller's thread.
+    """
 
     def __init__(self, config: ForestConfig | None = None) -> None:
         self.config = config if config is not None else ForestConfig()
         self.every_seconds = self.config.every_seconds
 
-    def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
-        """Findings for every node of one pool's frame (empty lists where nothing stands out)."""
-        c = self.config
-        v = pool_vectors(frame, now, c)
-        out: dict[str, list[Finding]] = {n: [] for n in v.nodes}
-        n = v.rows.shape[0]
-        pool_nodes = int(np.unique(v.rows[:, 0]).size) if n else 0
-        if n < c.min_gpus or pool_nodes < c.min_nodes or not v.features:
-            return out
-        scores = self._scores(v.z)
-        median = float(np.median(scores))
-        mad = float(np.median(np.abs(scores - median)))
-        threshold = max(c.min_score, median + c.score_mads * MAD_SCALE * mad)
-        distance = robust_distance(v.z)
-        distance_line = distance_gate(distance, c.healthy_exceedances, c.min_distance)
-        flagged = np.nonzero((scores >= threshold) & (distance >= distance_line))[0]
-        for i in flagged:
-            node = v.nodes[int(v.rows[i, 0])]
-            out[node].append(
-                self._finding(
-                    v,
-                    i=int(i),
-                    score=float(scores[i]),
-                    threshold=threshold,
-                    distance=float(distance[i]),
-                    distance_line=distance_line,
-                    pool=frame.name,
-                    pool_nodes=pool_nodes,
-                )
-            )
-            log.info(
-                "forest outlier",
-                extra={
-                    "node": node,
-                    "gpu": int(v.rows[i, 1]),
-                    "pool": frame.name,
-                    "score": float(scores[i]),
-                    "threshold": threshold,
-                    "distance": float(distance[i]),
-                    "distance_line": distance_line,
-                },
-            )
-        return out
+    def prepare_pool(self, frame: PoolFrame, now: float) -> Offload[_Outcome]:
+        window = window_copy(frame, now, self.config)
+        config, pool = self.config, frame.name  # frozen settings and a str: safe to share
+        return Offload(compute=lambda: _judge(window, now, config, pool), finish=_finish)
 
-    def _scores(self, z: Float) -> Float:
-        """Anomaly scores in (0, 1] (higher is easier to isolate) from a forest fitted on the pool."""
-        c = self.config
-        rng = np.random.default_rng(c.seed)
-        fit = z
-        if z.shape[0] > c.max_fit_samples:
-            fit = z[np.sort(rng.choice(z.shape[0], c.max_fit_samples, replace=False))]
-        forest = IsolationForest(n_estimators=c.n_estimators, contamination="auto", random_state=c.seed)
-        forest.fit(fit)
-        scores: Float = -forest.score_samples(z)
-        return scores
 
-    def _finding(
-        self,
-        v: PoolVectors,
-        *,
-        i: int,
-        score: float,
-        threshold: float,
-        distance: float,
-        distance_line: float,
-        pool: str,
-        pool_nodes: int,
-    ) -> Finding:
-        c = self.config
-        gpu = int(v.rows[i, 1])
-        z = v.z[i]
-        # Largest |z| first; ties by feature order so the same input always reads the same.
-        order = sorted(range(len(v.features)), key=lambda j: (-abs(float(z[j])), j))[: c.top_features]
-        drivers = []
-        parts = []
-        for j in order:
-            f = v.features[j]
-            zz = float(z[j])
-            value, med = float(v.values[i, j]), float(v.median[j])
-            direction = "high" if zz > 0 else "low"
-            drivers.append(
-                {
-                    "feature": f.key,
-                    "value": None if np.isnan(value) else round(value, 4),
-                    "pool_median": round(med, 4),
-                    "mads": round(zz, 2),
-                    "direction": direction,
-                }
+def _finish(outcome: _Outcome) -> dict[str, list[Finding]]:
+    for extra in outcome.outliers:
+        log.info("forest outlier", extra=extra)
+    return outcome.nodes
+
+
+def _judge(window: WindowCopy, now: float, c: ForestConfig, pool: str) -> _Outcome:
+    """Findings for every node of the copied window (empty lists where nothing stands out). Reads
+    nothing but its arguments: it runs in the service's worker thread."""
+    v = vectors_of(window, now, c)
+    out: dict[str, list[Finding]] = {n: [] for n in v.nodes}
+    outliers: list[dict[str, object]] = []
+    n = v.rows.shape[0]
+    pool_nodes = int(np.unique(v.rows[:, 0]).size) if n else 0
+    if n < c.min_gpus or pool_nodes < c.min_nodes or not v.features:
+        return _Outcome(out, ())
+    scores = forest_scores(v.z, c)
+    median = float(np.median(scores))
+    mad = float(np.median(np.abs(scores - median)))
+    threshold = max(c.min_score, median + c.score_mads * MAD_SCALE * mad)
+    distance = robust_distance(v.z)
+    distance_line = distance_gate(distance, c.healthy_exceedances, c.min_distance)
+    flagged = np.nonzero((scores >= threshold) & (distance >= distance_line))[0]
+    for i in flagged:
+        node = v.nodes[int(v.rows[i, 0])]
+        out[node].append(
+            _finding(
+                v,
+                c,
+                i=int(i),
+                score=float(scores[i]),
+                threshold=threshold,
+                distance=float(distance[i]),
+                distance_line=distance_line,
+                pool=pool,
+                pool_nodes=pool_nodes,
             )
-            shown = "n/a" if np.isnan(value) else _fmt(value, f.digits)
-            parts.append(f"{f.label} {shown} {f.unit} ({zz:+.1f} MADs, pool {_fmt(med, f.digits)})")
-        summary = (
-            f"GPU {gpu} unlike the {v.rows.shape[0]} loaded GPUs of pool {pool} taken together "
-            f"(isolation score {score:.2f}, threshold {threshold:.2f}): " + "; ".join(parts)
         )
-        return Finding(
-            detector=ForestConfig.name,
-            key=f"forest:gpu{gpu}",
-            severity="warning",
-            action="alert",
-            summary=summary,
-            since=v.window_start,
-            evidence={
-                "gpu": gpu,
-                "score": round(score, 4),
-                "threshold": round(threshold, 4),
-                "distance": round(distance, 2),
-                "distance_line": round(distance_line, 2),
-                "features": drivers,
-                "all_mads": {f.key: round(float(z[j]), 2) for j, f in enumerate(v.features)},
-                "loaded_slots": int(v.loaded_slots[i]),
+        outliers.append(
+            {
+                "node": node,
+                "gpu": int(v.rows[i, 1]),
                 "pool": pool,
-                "peers": int(v.rows.shape[0]),
-                "peer_nodes": pool_nodes,
-                "seed": c.seed,
-            },
+                "score": float(scores[i]),
+                "threshold": threshold,
+                "distance": float(distance[i]),
+                "distance_line": distance_line,
+            }
         )
+    return _Outcome(out, tuple(outliers))
+
+
+def forest_scores(z: Float, c: ForestConfig) -> Float:
+    """Anomaly scores in (0, 1] (higher is easier to isolate) from a forest fitted on the pool."""
+    rng = np.random.default_rng(c.seed)
+    fit = z
+    if z.shape[0] > c.max_fit_samples:
+        fit = z[np.sort(rng.choice(z.shape[0], c.max_fit_samples, replace=False))]
+    forest = IsolationForest(n_estimators=c.n_estimators, contamination="auto", random_state=c.seed)
+    forest.fit(fit)
+    scores: Float = -forest.score_samples(z)
+    return scores
+
+
+def _finding(
+    v: PoolVectors,
+    c: ForestConfig,
+    *,
+    i: int,
+    score: float,
+    threshold: float,
+    distance: float,
+    distance_line: float,
+    pool: str,
+    pool_nodes: int,
+) -> Finding:
+    gpu = int(v.rows[i, 1])
+    z = v.z[i]
+    # Largest |z| first; ties by feature order so the same input always reads the same.
+    order = sorted(range(len(v.features)), key=lambda j: (-abs(float(z[j])), j))[: c.top_features]
+    drivers = []
+    parts = []
+    for j in order:
+        f = v.features[j]
+        zz = float(z[j])
+        value, med = float(v.values[i, j]), float(v.median[j])
+        direction = "high" if zz > 0 else "low"
+        drivers.append(
+            {
+                "feature": f.key,
+                "value": None if np.isnan(value) else round(value, 4),
+                "pool_median": round(med, 4),
+                "mads": round(zz, 2),
+                "direction": direction,
+            }
+        )
+        shown = "n/a" if np.isnan(value) else _fmt(value, f.digits)
+        parts.append(f"{f.label} {shown} {f.unit} ({zz:+.1f} MADs, pool {_fmt(med, f.digits)})")
+    summary = (
+        f"GPU {gpu} unlike the {v.rows.shape[0]} loaded GPUs of pool {pool} taken together "
+        f"(isolation score {score:.2f}, threshold {threshold:.2f}): " + "; ".join(parts)
+    )
+    return Finding(
+        detector=ForestConfig.name,
+        key=f"forest:gpu{gpu}",
+        severity="warning",
+        action="alert",
+        summary=summary,
+        since=v.window_start,
+        evidence={
+            "gpu": gpu,
+            "score": round(score, 4),
+            "threshold": round(threshold, 4),
+            "distance": round(distance, 2),
+            "distance_line": round(distance_line, 2),
+            "features": drivers,
+            "all_mads": {f.key: round(float(z[j]), 2) for j, f in enumerate(v.features)},
+            "loaded_slots": int(v.loaded_slots[i]),
+            "pool": pool,
+            "peers": int(v.rows.shape[0]),
+            "peer_nodes": pool_nodes,
+            "seed": c.seed,
+        },
+    )
