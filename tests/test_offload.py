@@ -116,15 +116,13 @@ async def test_the_service_computes_off_the_loop_with_the_same_decisions() -> No
     detector = live._detectors[0].detector
     assert isinstance(detector, _SlowDetector)
     clock = FakeClock(T0 + 30)
-    loop = asyncio.get_running_loop()
-    worst = 0.0
+    ran_during_compute = 0  # loop turns taken while a compute was in flight in its thread
 
     async def probe() -> None:
-        nonlocal worst
+        nonlocal ran_during_compute
         while True:
-            asked = loop.time() + 0.01
             await asyncio.sleep(0.01)
-            worst = max(worst, loop.time() - asked)
+            ran_during_compute += detector.running > 0
 
     watcher = asyncio.create_task(probe())
     with ThreadPoolExecutor(max_workers=1) as executor:
@@ -142,7 +140,9 @@ async def test_the_service_computes_off_the_loop_with_the_same_decisions() -> No
     assert detector.threads["prepare"] == detector.threads["finish"] == {main}
     assert detector.threads["compute"] and main not in detector.threads["compute"]
     assert detector.most_at_once == 1  # never two computes at once, however overdue the next run
-    assert worst < COMPUTE_S / 2  # the loop was free while each 0.3-s compute ran
+    # The loop was free while the computes ran (counted, not timed: a loaded machine's lag is no
+    # test's business; inline, no loop turn could see a compute in flight).
+    assert ran_during_compute > 0
     assert _states(live) == _states(inline) == {"gpu-a1": "healthy", "gpu-b1": "suspect", "gpu-x1": "healthy"}
 
 
