@@ -52,7 +52,7 @@ from aggregator.detect.base import Offload, OffloadingPoolDetector
 from aggregator.detect.load import settled
 from aggregator.detect.nanstats import nanmean
 from aggregator.detect.peers import MAD_SCALE, median_mad, nanmedian, under_load
-from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, PoolFrame
+from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, FrameWindow, PoolFrame
 from aggregator.model import Finding
 
 log = logging.getLogger(__name__)
@@ -179,25 +179,13 @@ class PoolVectors:
     window_start: float
 
 
-@dataclass(frozen=True)
-class WindowCopy:
-    """What a forest run reads of a pool's frame, copied: the window and the settling slots before it."""
-
-    nodes: tuple[str, ...]
-    history: npt.NDArray[np.float32]  # (slots, nodes, gpus, GPU_FIELDS), owned: not a view of the frame
-    starts: Float  # (slots,): each slot's start time
-    interval_s: float
-
-
-def window_copy(frame: PoolFrame, now: float, config: ForestConfig) -> WindowCopy:
+def window_copy(frame: PoolFrame, now: float, config: ForestConfig) -> FrameWindow:
     """The slots a run at ``now`` looks at (``window_seconds`` of complete slots and the
-    ``settle_seconds`` before them), copied out of ``frame`` so that the rest of the run may go on
-    while the frame takes new reports and forgets nodes (rows move then)."""
+    ``settle_seconds`` before them), copied out of ``frame`` (``PoolFrame.window``) so that the rest
+    of the run may go on while the frame takes new reports and forgets nodes (rows move then)."""
     slots = max(1, round(config.window_seconds / frame.interval_s))
     settle = max(0, round(config.settle_seconds / frame.interval_s))
-    t0, t1 = now - (slots + settle) * frame.interval_s, now - frame.interval_s
-    nodes, history = frame.snapshot(t0, t1)
-    return WindowCopy(tuple(nodes), np.array(history, copy=True), frame.slot_starts(t0, t1), frame.interval_s)
+    return frame.window(now - (slots + settle) * frame.interval_s, now - frame.interval_s)
 
 
 def pool_vectors(frame: PoolFrame, now: float, config: ForestConfig) -> PoolVectors:
@@ -205,13 +193,13 @@ def pool_vectors(frame: PoolFrame, now: float, config: ForestConfig) -> PoolVect
     return vectors_of(window_copy(frame, now, config), now, config)
 
 
-def vectors_of(window: WindowCopy, now: float, config: ForestConfig) -> PoolVectors:
+def vectors_of(window: FrameWindow, now: float, config: ForestConfig) -> PoolVectors:
     """``pool_vectors`` of a copied window (any thread: it reads nothing else)."""
     interval = window.interval_s
     slots = max(1, round(config.window_seconds / interval))
     settle = max(0, round(config.settle_seconds / interval))
     t0 = now - slots * interval
-    nodes, history, all_starts = list(window.nodes), window.history, window.starts
+    nodes, history, all_starts = list(window.nodes), window.gpu, window.starts
     busy = under_load(history, config.load_threshold)
     # A slot counts as loaded once the GPU has been busy for ``settle_seconds`` before it: a GPU
     # that started a job a minute ago is still heating up (heat sinks take minutes), and would
@@ -345,7 +333,7 @@ def _finish(outcome: _Outcome) -> dict[str, list[Finding]]:
     return outcome.nodes
 
 
-def _judge(window: WindowCopy, now: float, c: ForestConfig, pool: str) -> _Outcome:
+def _judge(window: FrameWindow, now: float, c: ForestConfig, pool: str) -> _Outcome:
     """Findings for every node of the copied window (empty lists where nothing stands out). Reads
     nothing but its arguments: it runs in the service's worker thread."""
     v = vectors_of(window, now, c)

@@ -39,7 +39,11 @@ Per pool, per slot of the frame (the slot still filling is left out), per featur
 
 All of it is numpy over the whole pool; Python loops run over pools, features, slots and findings.
 The detector keeps no state between runs: the CUSUM is recomputed from the frame, so a GPU bad
-from its first report is found by its peers without any clean history.
+from its first report is found by its peers without any clean history, and the escalation's
+"how long" is the run's start slot against ``now``, both read from the frame. That makes it an
+``OffloadingPoolDetector`` with nothing to do on the caller's thread but copy: ``prepare_pool``
+copies the complete slots' live rows (``PoolFrame.window``), the whole judgement runs on that copy
+(``compute``: in the service's worker thread), and ``finish`` hands the findings back.
 """
 
 from __future__ import annotations
@@ -55,9 +59,9 @@ import numpy.typing as npt
 from msgspec import Meta
 
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
-from aggregator.detect.base import PoolDetector
+from aggregator.detect.base import Offload, OffloadingPoolDetector
 from aggregator.detect.cusum import average_run_length, cusum, threshold_for_arl
-from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, PoolFrame
+from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, FrameWindow, PoolFrame
 from aggregator.model import Action, Finding
 
 log = logging.getLogger(__name__)
@@ -413,8 +417,17 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
-class PeerDetector(PoolDetector):
-    """Per pool robust z-scores per slot, accumulated per GPU and feature by a one-sided CUSUM."""
+def _handback(out: dict[str, list[Finding]]) -> dict[str, list[Finding]]:
+    """``finish``: the judgement keeps no state between runs, so there is nothing to apply here."""
+    return out
+
+
+class PeerDetector(OffloadingPoolDetector):
+    """Per pool robust z-scores per slot, accumulated per GPU and feature by a one-sided CUSUM.
+
+    Its attributes are set here once and never changed (frozen settings, a tuple, a dict nobody
+    writes), so the compute of a run may read them from a worker thread.
+    """
 
     def __init__(self, config: PeerConfig | None = None) -> None:
         self.config = config if config is not None else PeerConfig()
@@ -422,11 +435,15 @@ class PeerDetector(PoolDetector):
         self.features = tuple(f for f in FEATURES if all(col in GPU_COLUMN for col in f.columns))
         self.thresholds = {f.key: thresholds(f, self.config) for f in self.features}
 
-    def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
-        """Findings for every node of one pool's frame (empty lists where nothing deviates)."""
-        t0, t1 = complete_slots(frame, now)
-        nodes, gpu = frame.snapshot(t0, t1)
-        starts = frame.slot_starts(t0, t1)
+    def prepare_pool(self, frame: PoolFrame, now: float) -> Offload[dict[str, list[Finding]]]:
+        """The pool's complete slots copied out of the frame; the judgement runs on the copy."""
+        window = frame.window(*complete_slots(frame, now))
+        return Offload(compute=lambda: self.judge(window, now), finish=_handback)
+
+    def judge(self, window: FrameWindow, now: float) -> dict[str, list[Finding]]:
+        """Findings for every node of a pool's copied window (empty lists where nothing deviates).
+        Reads nothing but ``window``, ``now`` and the detector's fixed settings: any thread."""
+        nodes, gpu, starts = list(window.nodes), window.gpu, window.starts
         out: dict[str, list[Finding]] = {n: [] for n in nodes}
         if gpu.shape[0] == 0 or not nodes:
             return out
@@ -434,7 +451,7 @@ class PeerDetector(PoolDetector):
         loaded = under_load(gpu, c.load_threshold)
         capped = gpu[..., GPU_COLUMN["sw_power_cap"]] > 0  # NaN (not reported) compares False
         context = _Context(
-            frame=frame, nodes=nodes, starts=starts, gpu=gpu, loaded=loaded, capped=capped, now=now
+            pool=window.pool, nodes=nodes, starts=starts, gpu=gpu, loaded=loaded, capped=capped, now=now
         )
         for feature in self.features:
             cols = [GPU_COLUMN[col] for col in feature.columns]
@@ -603,7 +620,7 @@ class PeerDetector(PoolDetector):
                         "explanation": explanation,
                         "seconds": round(lasted, 1),
                         "slots": int(runs[n, g]),
-                        "pool": ctx.frame.name,
+                        "pool": ctx.pool,
                         "peers": int(peers[-1]),
                         "peer_nodes": int(peer_nodes[-1]),
                     },
@@ -619,7 +636,7 @@ class PeerDetector(PoolDetector):
 class _Context:
     """What every feature of one pool's run shares."""
 
-    frame: PoolFrame
+    pool: str
     nodes: list[str]
     starts: npt.NDArray[np.float64]
     gpu: npt.NDArray[np.float32]  # (slots, nodes, gpus, GPU_FIELDS)

@@ -22,6 +22,11 @@ pool), and a GPU whose power under load rose by more than ``drift_power_ratio`` 
 power is more heat, not worse cooling). ``drift_celsius`` or more is an alert. A slot counts as
 under load only once the GPU has been busy for ``settle_seconds`` before it: a GPU still heating up
 after its job started is not drifting (``aggregator/detect/load.py``).
+
+Both are recomputed from the frame at every run; nothing is kept between runs. So the detector is
+an ``OffloadingPoolDetector``: ``prepare_pool`` copies the complete slots' live rows, GPU and NIC,
+and each node's NIC names (``PoolFrame.window``), the judgement runs on that copy (in the
+service's worker thread), and ``finish`` hands the findings back.
 """
 
 from __future__ import annotations
@@ -36,10 +41,10 @@ import numpy.typing as npt
 from msgspec import Meta
 
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
-from aggregator.detect.base import PoolDetector
+from aggregator.detect.base import Offload, OffloadingPoolDetector
 from aggregator.detect.load import settled
 from aggregator.detect.peers import MAD_SCALE, complete_slots, median_mad, nanmedian, under_load
-from aggregator.fleet.frame import GPU_COLUMN, NIC_COLUMN, PoolFrame, nic_name
+from aggregator.fleet.frame import GPU_COLUMN, NIC_COLUMN, FrameWindow, PoolFrame, nic_name
 from aggregator.model import Action, Finding
 
 log = logging.getLogger(__name__)
@@ -133,21 +138,34 @@ class _Burst:
     from_pool: npt.NDArray[np.bool_]  # the baseline is the pool's typical device, not its own past
 
 
-class TrendDetector(PoolDetector):
-    """Error-counter bursts and temperature drift, each against the same GPU's or port's past."""
+def _handback(out: dict[str, list[Finding]]) -> dict[str, list[Finding]]:
+    """``finish``: nothing is kept between runs, so there is nothing to apply here."""
+    return out
+
+
+class TrendDetector(OffloadingPoolDetector):
+    """Error-counter bursts and temperature drift, each against the same GPU's or port's past.
+
+    Its settings are frozen and set once, so a run's compute may read them from a worker thread.
+    """
 
     def __init__(self, config: TrendConfig | None = None) -> None:
         self.config = config if config is not None else TrendConfig()
         self.every_seconds = self.config.every_seconds
 
-    def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
-        t0, t1 = complete_slots(frame, now)
-        nodes, gpu = frame.snapshot(t0, t1)
-        _, nic = frame.nic_snapshot(t0, t1)
+    def prepare_pool(self, frame: PoolFrame, now: float) -> Offload[dict[str, list[Finding]]]:
+        """The pool's complete slots (GPU and NIC) copied out of the frame; judged on the copy."""
+        window = frame.window(*complete_slots(frame, now), nic=True)
+        return Offload(compute=lambda: self.judge(window, now), finish=_handback)
+
+    def judge(self, window: FrameWindow, now: float) -> dict[str, list[Finding]]:
+        """Findings for every node of a pool's copied window. Reads nothing but ``window``, ``now``
+        and the frozen settings: any thread."""
+        nodes, gpu, nic = list(window.nodes), window.gpu, window.nic
         out: dict[str, list[Finding]] = {n: [] for n in nodes}
         if not nodes or gpu.shape[0] == 0:
             return out
-        seconds = self.config.recent_slots * frame.interval_s
+        seconds = self.config.recent_slots * window.interval_s
         for counter in GPU_COUNTERS:
             b = self._burst(
                 gpu[..., GPU_COLUMN[counter.column]].astype(np.float64), counter, pool_baseline=True
@@ -178,7 +196,7 @@ class TrendDetector(PoolDetector):
                     continue
                 for n, p in zip(*np.nonzero(b.hit), strict=True):
                     node = nodes[int(n)]
-                    keys = frame.nic_keys(node)
+                    keys = window.nic_keys[int(n)]
                     if int(p) >= len(keys):
                         continue  # a column left over from a node that held the row before
                     port = nic_name(keys[int(p)])
@@ -193,7 +211,7 @@ class TrendDetector(PoolDetector):
                             now=now,
                         )
                     )
-        self._drift(gpu, nodes, now, frame.interval_s, out)
+        self._drift(gpu, nodes, now, window.interval_s, out)
         return out
 
     def _burst(self, rate: Float, counter: Counter, *, pool_baseline: bool) -> _Burst | None:

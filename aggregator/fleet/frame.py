@@ -44,6 +44,7 @@ import logging
 import math
 import types
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import numpy as np
@@ -276,6 +277,25 @@ def nic_block(view: NodeView, keys: list[NicKey]) -> FloatArray:
     return np.array(rows, dtype=np.float32).reshape(len(keys), len(NIC_FIELDS))
 
 
+@dataclass(frozen=True)
+class FrameWindow:
+    """An immutable copy of a pool frame's live rows over a slot range (``PoolFrame.window``).
+
+    Everything here is owned by the window: the arrays are copies (never views of the frame, whose
+    rows move when a node is forgotten and whose slots are cleared as time moves), and read-only,
+    so any thread may read a window while the frame goes on taking reports. ``nic`` and
+    ``nic_keys`` are empty unless the NIC frame was asked for.
+    """
+
+    pool: str
+    interval_s: float
+    nodes: tuple[str, ...]  # row order of the arrays
+    starts: npt.NDArray[np.float64]  # (slots,): each slot's start time, oldest first
+    gpu: FloatArray  # (slots, nodes, gpus, GPU_FIELDS)
+    nic: FloatArray  # (slots, nodes, nics, NIC_FIELDS), or (0, 0, 0, NIC_FIELDS) without NICs
+    nic_keys: tuple[tuple[NicKey, ...], ...]  # per node, its NIC columns in order (with NICs)
+
+
 class PoolFrame:
     """One pool's GPU and NIC state over the last ``slots`` intervals (see the module docstring)."""
 
@@ -438,18 +458,44 @@ class PoolFrame:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _window(self, data: FloatArray, t0: float, t1: float) -> FloatArray:
+    def _window(self, data: FloatArray, t0: float, t1: float, *, copy: bool = False) -> FloatArray:
         n = len(self._names)
         k0, k1 = self._slot_range(t0, t1)
         p0, p1 = k0 % self.slots, k1 % self.slots
         if k1 < k0:
-            out: FloatArray = data[:0, :n]
+            out: FloatArray = data[:0, :n].copy() if copy else data[:0, :n]
         elif p0 <= p1:
             out = data[p0 : p1 + 1, :n]  # a view
-        else:  # the range wraps around the ring: the one case that copies
+            if copy:
+                out = out.copy()
+        else:  # the range wraps around the ring: a copy already
             out = np.concatenate((data[p0:, :n], data[: p1 + 1, :n]))
         out.flags.writeable = False
         return out
+
+    def window(self, t0: float, t1: float, *, nic: bool = False) -> FrameWindow:
+        """A copy of the live rows over ``[t0, t1]`` (clipped as ``snapshot`` is), for a reader on
+        another thread; with ``nic``, the NIC frame and each node's NIC keys too.
+
+        It copies only the range's slots of the live rows, once: at 60 slots of 1,000 nodes of 8
+        GPUs, 35 MB of GPU values, where a deep copy of the frame also copies the spare rows, the
+        NIC frame and every Python object the frame holds.
+        """
+        nodes = tuple(self._names)
+        nics = self._window(self.nic, t0, t1, copy=True) if nic else self.nic[:0, :0, :0].copy()
+        nics.flags.writeable = False
+        keys = tuple(tuple(self._nic_keys.get(n, ())) for n in nodes) if nic else ()
+        starts = self.slot_starts(t0, t1)
+        starts.flags.writeable = False
+        return FrameWindow(
+            pool=self.name,
+            interval_s=self.interval_s,
+            nodes=nodes,
+            starts=starts,
+            gpu=self._window(self.gpu, t0, t1, copy=True),
+            nic=nics,
+            nic_keys=keys,
+        )
 
     def snapshot(self, t0: float, t1: float) -> tuple[list[str], FloatArray]:
         """Node names and the GPU values ``(slots in [t0, t1], nodes, gpus, GPU_FIELDS)``, oldest first.
