@@ -538,3 +538,30 @@ def test_one_heavy_job_among_light_ones_is_judged_on_its_own_capped_spread() -> 
     sim.cap_offset[5] = np.array([0.03, -0.02, 0.01, 0.025, -0.01, 0.0, 0.02, -0.06])
     runs = simulate(sim, minutes=30)
     assert [(t, f.key) for t, node, f in found(runs) if node == "node-005" and f.action == "quarantine"] == []
+
+
+def test_a_run_prepared_before_the_frame_moves_on_judges_what_was_prepared() -> None:
+    """The service runs the judgement in a worker thread while reports keep landing and silent
+    nodes are forgotten (rows move): the findings are those of the frame as it was prepared."""
+
+    def sim() -> PoolSim:
+        return PoolSim(nodes=16, seed=71, faults=[Fault(node=2, gpu=3, start=0.0, slow=0.2)])
+
+    live, still = sim(), sim()
+    t = 0.0
+    for _ in range(40):
+        live.step(t)
+        still.step(t)
+        t += INTERVAL
+    detector = PeerDetector()
+    work = detector.prepare_pool(live.frame, t)
+    # Meanwhile: the faulty GPU recovers for a minute of new slots and node-000 is forgotten
+    # (the last row, node-015, moves into its place).
+    live.faults.clear()
+    for k in range(6):
+        live.step(t + k * INTERVAL)
+    assert live.frame.release("node-000")
+    found = work.finish(work.compute())
+    expected = detector.run_pool(still.frame, t)
+    assert found == expected
+    assert any(f.key == "peer-sm-clock:gpu3" for f in found["node-002"])

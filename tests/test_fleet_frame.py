@@ -206,6 +206,46 @@ def test_snapshot_is_a_read_only_view_unless_the_range_wraps() -> None:
     assert none.shape == (0, 1, 8, len(GPU_FIELDS))
 
 
+def test_window_is_an_owned_read_only_copy_that_outlives_writes_and_forgets() -> None:
+    fleet, frames = frames_for(frame_seconds=60.0)
+    for t in range(0, 90, 10):  # the ring has wrapped, as in the test above
+        for node, base in (("a", 0.0), ("b", 1000.0)):
+            frames.record(fleet.add(hot(t, node, base + t)), POOL)
+    frame = frames.frame("p")
+    assert frame is not None
+    for t0 in (60, 30):  # a contiguous range, then one that wraps around the ring
+        names, expected = frame.snapshot(t0, 80)
+        window = frame.window(t0, 80)
+        assert window.nodes == tuple(names) and window.pool == "p" and window.interval_s == 10.0
+        assert window.starts.tolist() == frame.slot_starts(t0, 80).tolist()
+        np.testing.assert_array_equal(window.gpu, expected)
+        assert not np.shares_memory(window.gpu, frame.gpu)
+        assert not (window.gpu.flags.writeable or window.starts.flags.writeable)
+        assert window.nic.shape[0] == 0 and window.nic_keys == ()  # no NICs unless asked for
+    # The frame moves on (a new slot clears the oldest position, a forgotten node's row is
+    # refilled by the last one); the window still reads what it copied.
+    frames.record(fleet.add(hot(90, "b", 2000.0)), POOL)
+    frames.forget("a")
+    assert window.nodes == ("a", "b")
+    assert window.gpu[:, 0, 0, TEMP].tolist() == [30.0, 40.0, 50.0, 60.0, 70.0, 80.0]
+    assert window.gpu[:, 1, 0, TEMP].tolist() == [1030.0, 1040.0, 1050.0, 1060.0, 1070.0, 1080.0]
+
+
+def test_window_with_nics_copies_each_nodes_nic_columns() -> None:
+    fleet, frames = frames_for()
+    eth = Nic(device="eth0", link_layer="Ethernet", state="up")
+    ib = Nic(device="mlx5_0", link_layer="InfiniBand", port=1, state="ACTIVE")
+    frames.record(fleet.add(report(100, "a", gpus=[], nics=[ib, eth])), POOL)
+    frames.record(fleet.add(report(100, "b", gpus=[], nics=[eth])), POOL)
+    frame = frames.frame("p")
+    assert frame is not None
+    window = frame.window(100, 100, nic=True)
+    assert window.nic_keys == ((("eth0", None), ("mlx5_0", 1)), (("eth0", None),))
+    _, expected = frame.nic_snapshot(100, 100)
+    np.testing.assert_array_equal(window.nic, expected)
+    assert not np.shares_memory(window.nic, frame.nic) and not window.nic.flags.writeable
+
+
 def test_rows_grow_and_released_rows_are_reused_with_data_kept() -> None:
     fleet, frames = frames_for()
     nodes = [f"n{i:02d}" for i in range(20)]  # beyond the initial 8 rows
