@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -128,6 +129,27 @@ def run_chunk(chunk: Chunk) -> dict[str, Any]:
     }
 
 
+def _commit() -> str:
+    """The code a chunk ran on (``git describe --always --dirty``), so a file resumed over several
+    sittings says which chunks ran on which detectors; "unknown" outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def _commits(results: list[dict[str, Any]]) -> Counter[str]:
+    return Counter(str(r.get("commit", "unknown")) for r in results)
+
+
 def _key(c: Chunk | dict[str, Any]) -> tuple[str, int, int, float]:
     """What makes two chunks the same run: a resumed file's outcomes are matched on it."""
     if isinstance(c, Chunk):
@@ -194,7 +216,9 @@ def _log_chunk(chunk: Chunk, r: dict[str, Any]) -> None:
 def render(results: list[dict[str, Any]], command: str, wall_s: float) -> str:
     out = [
         f"Command: `{command}`  ",
-        f"Date: {datetime.now(UTC):%Y-%m-%d}; machine: {machine()}; wall time of this sitting {wall_s / 60:.0f} min.",
+        f"Date: {datetime.now(UTC):%Y-%m-%d}; machine: {machine()}; "
+        f"wall time of this sitting {wall_s / 60:.0f} min.  ",
+        "Code: " + ", ".join(f"{n} chunks on {c}" for c, n in sorted(_commits(results).items())) + ".",
         "",
         "| generator | chunks | node-hours | reports | CPU generate / replay | replay CPU per report "
         "| false quarantines | false link degradations |",
@@ -281,9 +305,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         chunks = [c for c in chunks if _key(c) not in done]
         log.info("resuming: %d chunks kept from %s, %d to run", len(kept), args.json, len(chunks))
     results = list(kept)
+    commit = _commit()
 
     def save(r: dict[str, Any]) -> None:
-        results.append(r)
+        results.append({**r, "commit": commit})
         if args.json:
             payload = {
                 "command": commands[0],
