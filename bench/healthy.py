@@ -3,7 +3,7 @@
 Run from the repository root (no network; traces live in a temporary directory)::
 
     .venv/bin/python bench/healthy.py [--node-hours 10000] [--chunk-hours 2] [--nodes 64]
-        [--generators sim,othergen] [--jobs 2] [--max-minutes M] [--json FILE] [--estimate]
+        [--generators sim,othergen] [--jobs 2] [--max-minutes M] [--json FILE [--resume]] [--estimate]
 
 The node-hours are split evenly over the generators and cut into chunks of ``--nodes`` nodes for
 ``--chunk-hours`` hours, one trace per chunk (its own seed), so memory stays bounded whatever the
@@ -18,7 +18,10 @@ chunk's length of history to build up is not exercised here beyond that length.
 Every node quarantine is a false one (there is no fault to find); every decision entering a state
 other than healthy is counted per detector named in its reasons. ``--max-minutes`` starts no chunk
 after that long (chunks alternate between the generators, so a cut run has both, and the table
-says how many node-hours it covered). ``--estimate`` replays one short
+says how many node-hours it covered). With ``--json`` the file is rewritten after every chunk, so a
+run cut short keeps what it finished; ``--resume`` keeps the chunks already in that file (same
+generator, seed, size and length) and runs only the rest, so a long total can be covered over
+several sittings. ``--estimate`` replays one short
 chunk per generator and prints the CPU seconds per report and what the full size would take, then
 stops. Markdown to stdout, progress to stderr. Not a test: nothing here fails a build.
 """
@@ -31,11 +34,12 @@ import json
 import logging
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -125,6 +129,34 @@ def run_chunk(chunk: Chunk) -> dict[str, Any]:
     }
 
 
+def _commit() -> str:
+    """The code a chunk ran on (``git describe --always --dirty``), so a file resumed over several
+    sittings says which chunks ran on which detectors; "unknown" outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def _commits(results: list[dict[str, Any]]) -> Counter[str]:
+    return Counter(str(r.get("commit", "unknown")) for r in results)
+
+
+def _key(c: Chunk | dict[str, Any]) -> tuple[str, int, int, float]:
+    """What makes two chunks the same run: a resumed file's outcomes are matched on it."""
+    if isinstance(c, Chunk):
+        return (c.generator, c.seed, c.nodes, float(c.hours))
+    return (str(c["generator"]), int(c["seed"]), int(c["nodes"]), float(c["hours"]))
+
+
 def _count_lines(path: Path) -> int:
     with gzip.open(path, "rb") as fh:
         return sum(1 for _ in fh)
@@ -137,9 +169,15 @@ def plan(node_hours: float, nodes: int, chunk_hours: float, generators: Sequence
     return [Chunk(g, SEED_BASE + i, nodes, chunk_hours) for g in generators for i in range(count)]
 
 
-def run(chunks: Sequence[Chunk], workers: int, max_s: float = math.inf) -> list[dict[str, Any]]:
+def run(
+    chunks: Sequence[Chunk],
+    workers: int,
+    max_s: float = math.inf,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
     """Every chunk's outcome; with ``max_s``, no chunk starts after that many seconds (the ones
-    running finish), alternating generators so that a cut run still has both."""
+    running finish), alternating generators so that a cut run still has both. ``on_result`` is
+    called with each outcome as it arrives."""
     order = sorted(chunks, key=lambda c: (c.seed, GENERATORS.index(c.generator)))
     started = time.perf_counter()
     results: list[dict[str, Any]] = []
@@ -151,6 +189,8 @@ def run(chunks: Sequence[Chunk], workers: int, max_s: float = math.inf) -> list[
             for future in done:
                 chunk, r = pending.pop(future), future.result()
                 results.append(r)
+                if on_result is not None:
+                    on_result(r)
                 if queue and time.perf_counter() - started < max_s:
                     nxt = queue.pop(0)
                     pending[pool.submit(run_chunk, nxt)] = nxt
@@ -176,7 +216,9 @@ def _log_chunk(chunk: Chunk, r: dict[str, Any]) -> None:
 def render(results: list[dict[str, Any]], command: str, wall_s: float) -> str:
     out = [
         f"Command: `{command}`  ",
-        f"Date: {datetime.now(UTC):%Y-%m-%d}; machine: {machine()}; wall time {wall_s / 60:.0f} min.",
+        f"Date: {datetime.now(UTC):%Y-%m-%d}; machine: {machine()}; "
+        f"wall time of this sitting {wall_s / 60:.0f} min.  ",
+        "Code: " + ", ".join(f"{n} chunks on {c}" for c, n in sorted(_commits(results).items())) + ".",
         "",
         "| generator | chunks | node-hours | reports | CPU generate / replay | replay CPU per report "
         "| false quarantines | false link degradations |",
@@ -223,6 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--max-minutes", type=float, default=math.inf, help="start no chunk after this many minutes"
     )
+    p.add_argument(
+        "--resume", action="store_true", help="keep the chunks already in --json, run only the rest"
+    )
     p.add_argument("--estimate", action="store_true", help="time one short chunk per generator, and stop")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -231,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--generators: some of {', '.join(GENERATORS)}")
     if args.node_hours <= 0 or args.chunk_hours <= 0 or args.nodes < 1 or args.jobs < 1:
         p.error("--node-hours, --chunk-hours, --nodes and --jobs must be > 0")
+    if args.resume and args.json is None:
+        p.error("--resume needs --json (the file whose chunks are kept)")
     command = ".venv/bin/python bench/healthy.py " + " ".join(sys.argv[1:] if argv is None else argv)
     started = time.perf_counter()
     if args.estimate:
@@ -248,12 +295,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         return 0
     chunks = plan(args.node_hours, args.nodes, args.chunk_hours, gens)
-    results = run(chunks, args.jobs, args.max_minutes * 60.0)
-    print(render(results, command.strip(), time.perf_counter() - started))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"command": command.strip(), "date": f"{datetime.now(UTC):%Y-%m-%d}", "machine": machine()}
-        args.json.write_text(json.dumps({**payload, "chunks": results}, indent=1) + "\n", "utf-8")
+    commands, kept = [command.strip()], []
+    if args.resume and args.json.exists():
+        previous = json.loads(args.json.read_text("utf-8"))
+        wanted = {_key(c) for c in chunks}
+        kept = [r for r in previous["chunks"] if _key(r) in wanted]
+        commands = [*previous.get("commands", [previous["command"]]), command.strip()]
+        done = {_key(r) for r in kept}
+        chunks = [c for c in chunks if _key(c) not in done]
+        log.info("resuming: %d chunks kept from %s, %d to run", len(kept), args.json, len(chunks))
+    results = list(kept)
+    commit = _commit()
+
+    def save(r: dict[str, Any]) -> None:
+        results.append({**r, "commit": commit})
+        if args.json:
+            payload = {
+                "command": commands[0],
+                "commands": commands,
+                "date": f"{datetime.now(UTC):%Y-%m-%d}",
+                "machine": machine(),
+            }
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            tmp = args.json.with_suffix(".tmp")
+            tmp.write_text(json.dumps({**payload, "chunks": results}, indent=1) + "\n", "utf-8")
+            tmp.replace(args.json)
+
+    run(chunks, args.jobs, args.max_minutes * 60.0, save)
+    print(render(results, " ; ".join(commands), time.perf_counter() - started))
     return 0
 
 

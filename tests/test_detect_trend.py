@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggregator.detect.peers import nanmedian
+from aggregator.detect.nanstats import nanmedian
 from aggregator.detect.trend import TrendConfig, TrendDetector
 from aggregator.fleet.frame import GPU_COLUMN, GPU_FIELDS, NIC_COLUMN, NIC_FIELDS, PoolFrame
 from aggregator.model import Finding

@@ -444,6 +444,34 @@ def test_a_slow_pair_result_is_confirmed_with_the_pair_again_and_fresh_partners(
     assert recent_partners
 
 
+def test_a_slow_pair_of_the_first_round_is_confirmed_once_the_pool_has_an_expected_bandwidth() -> None:
+    # A fresh (or restarted) scheduler has no expected bandwidth for its first results: a pair
+    # slow from the start must still get its confirm, not wait a whole rotation to be met again.
+    cfg = fleet_config(round_seconds=300.0)
+    sim = FleetSim(ProbeScheduler(cfg, KEY), names(2, 8))
+    s = sim.scheduler
+    k, first = 0, []
+    while not first:
+        first = [x for x in sim.step(T0 + 10 * k) if x.peer is not None]
+        k += 1
+    a = first[0]
+    bad = (min(a.node, str(a.peer)), max(a.node, str(a.peer)))
+    sim.busbw[bad] = GOOD_BW / 2
+    assert s._expected_of("h100", "tcp_pair") is None
+    for step in range(k, int(cfg.round_seconds // 10)):
+        sim.step(T0 + 10 * step)
+    assert s._expected_of("h100", "tcp_pair") is not None
+    again = [
+        p
+        for p in sim.planned(T0)
+        if p.reason == "confirm" and {p.assignment.node, p.assignment.peer} == set(bad)
+    ]
+    assert len(again) == 2, "the slow pair is probed again within the first round"
+    assert again[0].assignment.not_before <= T0 + cfg.round_seconds
+    # A normal result of those first ones asks for nothing.
+    assert s.assignments_total[("tcp_pair", "confirm")] == 1 + 2 * cfg.fresh_partners
+
+
 def test_confirms_go_before_rotation_and_are_bounded_per_node() -> None:
     cfg = fleet_config(round_seconds=300.0, max_concurrent=2)
     nodes = names(1, 8)

@@ -50,8 +50,8 @@ from sklearn.ensemble import IsolationForest  # type: ignore[import-untyped]  # 
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import Offload, OffloadingPoolDetector
 from aggregator.detect.load import settled
-from aggregator.detect.nanstats import nanmean
-from aggregator.detect.peers import MAD_SCALE, median_mad, nanmedian, under_load
+from aggregator.detect.nanstats import nanmean, nanmedian
+from aggregator.detect.peers import MAD_SCALE, median_mad, under_load
 from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, FrameWindow, PoolFrame
 from aggregator.model import Finding
 

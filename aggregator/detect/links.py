@@ -347,7 +347,7 @@ class LinkLocalizer:
                 # needs a normal result with someone else.
                 # (When each end was normal is _normal_then's question, below.)
                 ea, eb = (
-                    float(np.median([m for _, m in self._votes(end, pair, involving[end], math.inf)]))
+                    float(np.median([m for _, m in self._votes(end, pair, involving, math.inf)]))
                     for end in pair
                 )
                 end_eff = (ea, eb)
@@ -369,8 +369,7 @@ class LinkLocalizer:
                 continue
             mine = [obs[q] for q in qs]
             if not all(
-                self._normal_then(end, pair, mine, involving[end], need=need, bad=set(bad_nodes))
-                for end in pair
+                self._normal_then(end, pair, mine, involving, need=need, bad=set(bad_nodes)) for end in pair
             ):
                 continue
             bad_pairs[pair] = self._pair_finding(pool, pair=pair, test=test, mine=mine, noise=noise, now=now)
@@ -384,7 +383,14 @@ class LinkLocalizer:
                 out.links[pair] = f
 
     def _normal_then(
-        self, end: str, pair: Pair, mine: list[_Obs], involving: list[_Obs], *, need: int, bad: set[str]
+        self,
+        end: str,
+        pair: Pair,
+        mine: list[_Obs],
+        involving: Mapping[str, list[_Obs]],
+        *,
+        need: int,
+        bad: set[str],
     ) -> bool:
         """Whether ``end`` was normal with its other partners when ``pair`` was last slow.
 
@@ -399,7 +405,8 @@ class LinkLocalizer:
         An end with too few partners by then (it ran a job until just before) is judged on the
         partners that follow within ``judge_after_seconds``: the confirm step's fresh partners.
         Never both: a node that was slow with a partner and recovered right after must not have
-        its recovery vote for its slow past."""
+        its recovery vote for its slow past. Each vote is the result less that partner's own
+        level then (``_votes``)."""
         cfg = self.config
         run = self._slow_run(mine)
         if run is None:
@@ -414,7 +421,7 @@ class LinkLocalizer:
             # The earliest moment it had enough partners, if that came soon enough: the nearest
             # evidence in time, so a recovery that came later does not vote.
             first: dict[str, float] = {}
-            for o in involving:
+            for o in involving[end]:
                 if o.pair != pair:
                     other = o.pair[1] if o.pair[0] == end else o.pair[0]
                     first[other] = min(*o.times, first.get(other, math.inf))
@@ -444,20 +451,37 @@ class LinkLocalizer:
         return results[i][0], results[slow[-1]][0]
 
     def _votes(
-        self, end: str, pair: Pair, involving: list[_Obs], until: float, bad: set[str] | None = None
+        self,
+        end: str,
+        pair: Pair,
+        involving: Mapping[str, list[_Obs]],
+        until: float,
+        bad: set[str] | None = None,
     ) -> list[tuple[float, float]]:
-        """Per other partner of ``end``: (when, log ratio) of its latest result up to ``until``.
+        """Per other partner of ``end``: (when, log ratio) of its latest result up to ``until``,
+        less that partner's own level around then (``_partner_level``, its results with everyone
+        but ``end``), as the node test reads a result: a pair result is both ends' effects and the
+        path's, so a partner 13 % slow (one of eight ports down) does not make ``end`` look slow
+        with it. A partner seen with fewer than ``min_partners`` others is taken at 0, the pool's
+        level.
         A slow result with a partner in ``bad`` (found slow with everyone) does not vote: it is
         slow through no fault of ``end``. A normal one still does (measured before that partner
         went bad, it says ``end`` was fine)."""
         slow_line = self.config.slow_line
         latest: dict[str, tuple[float, float]] = {}
-        for other, t, lr in _partner_results(end, pair, involving):
+        for other, t, lr in _partner_results(end, pair, involving[end]):
             if t <= until and t >= latest.get(other, (-math.inf, 0.0))[0]:
                 latest[other] = (t, lr)
+        votes: dict[str, tuple[float, float]] = {}
+        for other, (t, lr) in latest.items():
+            level = self._partner_level(other, (min(end, other), max(end, other)), involving[other], t)
+            # Only a level read off two partners or more is taken off: one partner's result may be
+            # that partner's own degraded link, which would then clear ``end`` of a slow result.
+            known = level is not None and level[1] >= self.config.min_partners
+            votes[other] = (t, lr - level[0]) if level is not None and known else (t, lr)
         if bad:
-            latest = {n: v for n, v in latest.items() if n not in bad or v[1] >= slow_line}
-        return list(latest.values())
+            votes = {n: v for n, v in votes.items() if n not in bad or v[1] >= slow_line}
+        return list(votes.values())
 
     # -- the sequential tests ---------------------------------------------------------------------
 

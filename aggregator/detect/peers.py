@@ -61,6 +61,7 @@ from msgspec import Meta
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import Offload, OffloadingPoolDetector
 from aggregator.detect.cusum import average_run_length, cusum, threshold_for_arl
+from aggregator.detect.nanstats import nanmedian
 from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, FrameWindow, PoolFrame
 from aggregator.model import Action, Finding
 
@@ -281,24 +282,6 @@ def thresholds(feature: PeerFeature, config: PeerConfig) -> Thresholds:
         threshold_for_arl(k, config.arl0_quarantine_slots), config.min_quarantine_slots * config.max_excess
     )
     return Thresholds(h_alert, h_q, average_run_length(k, h_alert), average_run_length(k, h_q))
-
-
-def nanmedian(a: npt.NDArray[np.floating], axis: int) -> Float:
-    """Median along ``axis`` ignoring NaN (NaN where all are NaN), without ``np.nanmedian``'s warnings.
-
-    NaN sorts last, so after one sort the valid values of every lane lead and the median is the
-    mean of the two middle ones; ``np.nanmedian`` goes through masked arrays and is ~10x slower at
-    the sizes of a pool's slot.
-    """
-    moved = np.sort(np.moveaxis(np.asarray(a, np.float64), axis, -1), axis=-1)
-    count = (~np.isnan(moved)).sum(axis=-1)
-    lo = np.maximum((count - 1) // 2, 0)[..., None]
-    hi = np.maximum(count // 2, 0)[..., None]
-    if moved.shape[-1] == 0:
-        return np.full(moved.shape[:-1], np.nan)
-    mid = (np.take_along_axis(moved, lo, -1) + np.take_along_axis(moved, hi, -1))[..., 0] / 2
-    out: Float = np.where(count > 0, mid, np.nan)
-    return out
 
 
 def median_mad(a: Float, axis: int) -> tuple[Float, Float]:

@@ -43,7 +43,8 @@ from msgspec import Meta
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import Offload, OffloadingPoolDetector
 from aggregator.detect.load import settled
-from aggregator.detect.peers import MAD_SCALE, complete_slots, median_mad, nanmedian, under_load
+from aggregator.detect.nanstats import nanmedian
+from aggregator.detect.peers import MAD_SCALE, complete_slots, median_mad, under_load
 from aggregator.fleet.frame import GPU_COLUMN, NIC_COLUMN, FrameWindow, PoolFrame, nic_name
 from aggregator.model import Action, Finding
 

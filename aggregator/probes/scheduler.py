@@ -41,7 +41,10 @@ that kind), asks for the pair again first (planned at once, holding both ends, s
 ``pair_again_after_seconds`` after the result: the link localizer merges copies closer than its
 ``dedupe_seconds``, and a link verdict needs two slow results of the pair itself), then for
 ``fresh_partners`` new partners for each end: idle, in the same group if possible, not paired with
-it within one full rotation; they wait for the repeat while both its ends are idle. Requests not
+it within one full rotation; they wait for the repeat while both its ends are idle. A result that
+comes before its pool has an expected bandwidth (``expected_min_results`` ok results of that
+kind: the first round of a fresh or restarted scheduler) is judged once the pool has one, and
+confirmed then if it was slow. Requests not
 served within ``confirm_within_rounds`` rounds are dropped; a node has at most
 ``max_pending_confirms`` outstanding. A confirm result never asks for more confirms, so a bad node
 cannot start a storm. A probe during which an end turned busy ("interrupted": the agent steps
@@ -335,6 +338,10 @@ class ProbeScheduler:
         self._paired: dict[Pair, float] = {}  # last planned per pair
         self._expected: dict[tuple[str, str], deque[float]] = {}
         self._expected_cache: dict[tuple[str, str], float | None] = {}
+        # Pair results that came before their pool's expected bandwidth was known (its first
+        # results, or the first after a restart): (a, b, bytes/s, when), judged once it is. At
+        # most expected_min_results per (pool, kind): each of them is also one of those results.
+        self._unjudged: dict[tuple[str, str], list[tuple[str, str, float, float]]] = {}
         self._id_prefix: str | None = None
         self._seq = 0
         self.assignments_total: Counter[tuple[str, ProbeReason]] = Counter()
@@ -1042,7 +1049,11 @@ class ProbeScheduler:
                 self._preflight_result(planned, probe, ok and not slow, expected, now)
             return
         reason = planned.reason if planned is not None else None
-        if len(ends) == 2 and reason in (None, "rotation") and not stood_down and (not ok or slow):
+        confirmable = len(ends) == 2 and reason in (None, "rotation") and not stood_down
+        if confirmable and ok and busbw is not None and expected is None:
+            self._unjudged.setdefault((pool, probe.kind), []).append((ends[0], ends[1], busbw, now))
+        self._judge_unjudged(pool, probe.kind, now)
+        if confirmable and (not ok or slow):
             log.info(
                 "suspicious pair probe: confirming",
                 extra={
@@ -1055,6 +1066,41 @@ class ProbeScheduler:
                 },
             )
             self._plan_confirms(ends[0], ends[1], now)
+
+    def _judge_unjudged(self, pool: str, kind: str, now: float) -> None:
+        """Confirm the pool's early results that its expected bandwidth, now known, calls slow.
+
+        A slow pair in the first round of a fresh or restarted scheduler would otherwise wait a
+        whole rotation for its second result (the link localizer needs two): minutes the fault
+        is visible and nothing is asked. Results older than the confirm window are let go."""
+        cfg = self.config
+        key = (pool, kind)
+        waiting = self._unjudged.get(key)
+        if not waiting:
+            return
+        expected = self._expected_of(pool, kind)
+        if expected is None:
+            return
+        del self._unjudged[key]
+        horizon = now - cfg.confirm_within_rounds * cfg.round_seconds
+        for a, b, busbw, at in waiting:
+            if at < horizon or busbw >= cfg.suspicious_ratio * expected:
+                continue
+            if a not in self._nodes or b not in self._nodes:
+                continue  # forgotten since
+            log.info(
+                "suspicious pair probe: confirming",
+                extra={
+                    "node": a,
+                    "peer": b,
+                    "probe_kind": kind,
+                    "ok": True,
+                    "busbw": busbw,
+                    "expected": expected,
+                    "judged_late_seconds": round(now - at, 1),
+                },
+            )
+            self._plan_confirms(a, b, now)
 
     def _plan_confirms(self, a: str, b: str, now: float) -> None:
         cfg = self.config
