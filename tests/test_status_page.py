@@ -131,6 +131,34 @@ async def test_the_node_list_filters_searches_and_pages(aiohttp_client: Any) -> 
     assert await names("?page=banana") == first  # a bad number is the default, not an error
 
 
+async def test_the_fleet_page_names_every_quarantined_node_whatever_the_latest_decisions(
+    aiohttp_client: Any,
+) -> None:
+    # The latest decisions are 30 others' (Source.decisions_since): the quarantined nodes are still
+    # on the page, linked, newest first, with their reason.
+    c = await client(aiohttp_client)
+    body = await (await c.get("/")).text()
+    out = body[body.index("<h2>Quarantined now") : body.index("<h2>Pools")]
+    assert re.findall(r'<td><a href="/nodes/([^"]+)">', out) == ["gpu-0003", "gpu-0012"]
+    assert "XID 79" in out and "DBE" in out
+    assert 'href="/nodes?state=quarantined"' in out
+
+    # Many out at once: the first 20 by name, and how many more, one click from the list.
+    many = [node(i, "quarantined", since=NOW - i) for i in range(25)]
+    app = web.Application()
+    app.router.add_routes(status_routes(Source(many), config=Config(), clock=FakeClock(NOW)))
+    c2: TestClient[web.Request, web.Application] = await aiohttp_client(app)
+    body = await (await c2.get("/")).text()
+    out = body[body.index("<h2>Quarantined now") : body.index("<h2>Pools")]
+    assert re.findall(r'<td><a href="/nodes/([^"]+)">', out) == [f"gpu-{i:04d}" for i in range(20)]
+    assert "and 5 more" in out
+
+    app = web.Application()
+    app.router.add_routes(status_routes(Source([node(1)]), config=Config(), clock=FakeClock(NOW)))
+    c3: TestClient[web.Request, web.Application] = await aiohttp_client(app)
+    assert "No node is quarantined." in await (await c3.get("/")).text()
+
+
 async def test_the_story_says_what_next_and_the_runbook(aiohttp_client: Any) -> None:
     config = parse_config(
         "remediation: {mode: enforce}\nnotify: {runbook_base_url: 'https://wiki.local/rb'}", "t"

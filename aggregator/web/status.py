@@ -63,6 +63,8 @@ CONTENT_SECURITY_POLICY: Final = (
     "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
     "base-uri 'none'; frame-ancestors 'none'"
 )
+# Quarantined nodes the fleet page lists by name; the rest are one click away (the node list).
+_GLANCE_QUARANTINED: Final = 20
 _REFRESH_S: Final = {"glance": 15, "nodes": 30, "node": 10, "feed": 15}
 
 _PKG = resources.files("aggregator.web")
@@ -344,6 +346,7 @@ class StatusView:
         if s["systemic_active"]:
             body.append("<h2>Systemic events now</h2>")
             body += [_systemic_line(e) for e in s["systemic_active"]]
+        body.append(self._quarantined_now())
         body.append("<h2>Pools</h2>" + _count_table(s["pools"], ("pool",)))
         troubled = [r for r in s["racks"] if r["nodes"] > r["healthy"] or r["silent"]]
         calm = len(s["racks"]) - len(troubled)
@@ -358,6 +361,32 @@ class StatusView:
         body.append('<h2>Latest decisions <a class="muted" href="/decisions">(all)</a></h2>')
         body.append(_decision_table(recent, with_node=True))
         return self.page("Fleet", "\n".join(body), refresh=_REFRESH_S["glance"], started=started)
+
+    def _quarantined_now(self) -> str:
+        """The nodes out of scheduling now, newest first and linked: what on-call opens the page
+        for, which the latest decisions alone would push off the page in a busy minute."""
+        out = [n for n in self.nodes() if n["state"] == "quarantined"]
+        every = _href("/nodes", state="quarantined")
+        title = f'<h2>Quarantined now <a class="muted" href="{every}">(all)</a></h2>'
+        if not out:
+            return title + "<p>No node is quarantined.</p>"
+        out.sort(key=lambda n: (-(n.get("since") or 0.0), n["node"]))
+        rows = [
+            f"<tr class='out'><td>{_node_link(n['node'])}</td><td>{h(iso(n.get('since')))}</td>"
+            f"<td>{h(n.get('pool') or '-')}</td><td>{h(n.get('rack') or '-')}</td>"
+            f"<td class='why'>{h('; '.join(n.get('reasons', []))[:200])}</td></tr>"
+            for n in out[:_GLANCE_QUARANTINED]
+        ]
+        more = (
+            f'<p class="muted">and {len(out) - _GLANCE_QUARANTINED} more: '
+            f'<a href="{every}">the node list</a>.</p>'
+            if len(out) > _GLANCE_QUARANTINED
+            else ""
+        )
+        return (
+            title + "<table><thead><tr><th>node</th><th>since</th><th>pool</th><th>rack</th><th>why</th>"
+            f"</tr></thead><tbody>{''.join(rows)}</tbody></table>{more}"
+        )
 
     def _breaker_card(self, b: Mapping[str, Any] | None) -> str:
         mode = self.config.remediation.mode
