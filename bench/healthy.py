@@ -130,20 +130,22 @@ def run_chunk(chunk: Chunk) -> dict[str, Any]:
 
 
 def _commit() -> str:
-    """The code a chunk ran on (``git describe --always --dirty``), so a file resumed over several
-    sittings says which chunks ran on which detectors; "unknown" outside a git checkout."""
+    """The code a chunk ran on (the short commit, ``-dirty`` with local changes outside
+    bench/results/, where the run writes), so a file resumed over several sittings says which
+    chunks ran on which detectors; "unknown" outside a git checkout."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=here, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+
     try:
-        out = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
+        head = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", "..", ":!../bench/results")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return out.stdout.strip() or "unknown"
+    return f"{head}-dirty" if changed else head or "unknown"
 
 
 def _commits(results: list[dict[str, Any]]) -> Counter[str]:
