@@ -36,7 +36,7 @@ import time as _time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, ParamSpec, Protocol, TypeVar
 
 import msgspec
 
@@ -149,6 +149,23 @@ class OffloadStep:
         return self._value
 
 
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
+
+
+class _Failed:
+    """What ``_Running.attempt`` returns for a hook that raised (its earlier findings stand)."""
+
+
+_FAILED: Final = _Failed()
+
+
+def _finish(work: Offload[Any], step: OffloadStep) -> dict[str, list[Finding]]:
+    """An offloaded pool run's last part, on the caller's thread: its compute's result handed
+    to ``finish`` (the compute runs here first if the driver did not run it)."""
+    return work.finish(step.result())
+
+
 @dataclass
 class _Running:
     """One detector in the pipeline: when it runs next, its own link state machine, its counts."""
@@ -163,6 +180,20 @@ class _Running:
     seconds: float = 0.0
     logged_at: float = -math.inf
     unlogged: int = 0  # failures since the last one logged
+
+    def attempt(
+        self, now: float, call: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs
+    ) -> _T | _Failed:
+        """``call(*args, **kwargs)``, timed into ``seconds``, or ``_FAILED`` if it raised: counted
+        and logged by ``failed``, never raised further."""
+        started = _time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        except Exception:
+            self.failed("run", now)
+            return _FAILED
+        finally:
+            self.seconds += _time.perf_counter() - started
 
     def failed(self, hook: str, now: float) -> None:
         """One of its hooks raised (call from the ``except``): counted, and logged with the trace
@@ -428,46 +459,31 @@ class Pipeline:
             frame = self.frames.frame(pool)
             if frame is None:
                 continue
-            started = _time.perf_counter()
-            work: Offload[Any] | None = None
-            try:
-                if isinstance(detector, OffloadingPoolDetector):
-                    work = detector.prepare_pool(frame, tick)
-                else:
-                    found = detector.run_pool(frame, tick)
-            except Exception:
-                run.failed("run", tick)
-                continue
-            finally:
-                run.seconds += _time.perf_counter() - started
-            if work is not None:
+            found: dict[str, list[Finding]] | _Failed
+            if isinstance(detector, OffloadingPoolDetector):
+                work: Offload[Any] | _Failed = run.attempt(tick, detector.prepare_pool, frame, tick)
+                if isinstance(work, _Failed):
+                    continue
                 step = OffloadStep(work.compute)
                 yield step
-                elsewhere = step.done  # the driver ran it (a worker thread); else it runs here
-                started = _time.perf_counter()
-                try:
-                    found = work.finish(step.result())
-                except Exception:
-                    run.failed("run", tick)
-                    continue
-                finally:
-                    run.seconds += _time.perf_counter() - started + (step.seconds if elsewhere else 0.0)
+                if step.done:  # the driver ran it (a worker thread) and timed it; else finish runs it
+                    run.seconds += step.seconds
+                found = run.attempt(tick, _finish, work, step)
+            else:
+                found = run.attempt(tick, detector.run_pool, frame, tick)
+            if isinstance(found, _Failed):
+                continue  # its earlier findings stand; the other pools are judged all the same
             for node, findings in found.items():
                 self._emit(self.health.update(node, run.name, findings, tick))
-            if work is None:
+            if not isinstance(detector, OffloadingPoolDetector):
                 yield None
 
     def _run_detector(self, run: _Running, tick: float) -> None:
         run.due = tick + run.detector.every_seconds
-        started = _time.perf_counter()
-        try:
-            verdict = run.detector.run(self.frames, tick)
-        except Exception:
-            run.failed("run", tick)
+        run.runs += 1
+        verdict = run.attempt(tick, run.detector.run, self.frames, tick)
+        if isinstance(verdict, _Failed):
             return  # what it found before stands until a run succeeds
-        finally:
-            run.runs += 1
-            run.seconds += _time.perf_counter() - started
         for node, found in verdict.nodes.items():
             self._emit(self.health.update(node, run.name, found, tick))
         if verdict.links is not None:
