@@ -7,7 +7,7 @@
     advance_steps(now)         the same, one step at a time (the service yields to the event loop
                                between steps, so a slow detector run does not hold up every POST);
                                a step may be an ``OffloadStep``, whose costly, pure part the service
-                               runs in a worker thread (the forest's fit and scores)
+                               runs in a worker thread (the forest's, peer and trend detectors' pool runs)
 
 By default ``ingest`` ends with ``advance(received)``, so a caller that only ingests (replay,
 benchmarks, tests) sees time-driven work happen. The service turns that off

@@ -65,8 +65,8 @@ below the file limit. Refusals are logged at most once per reason every few seco
 
 The pipeline is only ever called from the event loop's thread, so it needs
 no locks: ingestion and the periodic ``advance`` never run at the same time. The one piece of work
-that leaves the loop, an ``OffloadableStep`` of the periodic cycle (the forest's fit and scores),
-reads only a copy made for it and hands its result back to the loop.
+that leaves the loop, an ``OffloadableStep`` of the periodic cycle (a pool run of the forest, peer
+or trend detector), reads only a copy made for it and hands its result back to the loop.
 
 A node's clock does not matter for liveness: the pipeline gets the aggregator's receive time.
 """
@@ -872,7 +872,7 @@ async def advance_periodically(
 
     A pipeline that can advance in steps (``SteppedPipeline``) yields to the event loop between
     them, so reports are answered between two detectors' runs rather than after all of them. A
-    step that can leave the loop (``OffloadableStep``: the forest's fit and scores) runs in
+    step that can leave the loop (``OffloadableStep``: a forest, peer or trend pool run) runs in
     ``executor`` while the loop goes on; the cycle waits for it before its next step, so one such
     run is in flight at a time and the next cycle never starts a second. Without an executor it
     runs on the loop, as the pipeline would run it.
@@ -996,8 +996,8 @@ def create_app(
 
         async def periodic(app: web.Application) -> AsyncIterator[None]:
             # One thread: one offloaded run at a time, and at most one core's worth of competition
-            # for the loop. What it runs is numpy and scikit-learn, which release the GIL in their
-            # compiled loops; the Python between them still takes turns with the loop.
+            # for the loop. What it runs is numpy (and scikit-learn for the forest), which release the GIL
+            # in their compiled loops; the Python between them still takes turns with the loop.
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpuwarden-detect")
             task = asyncio.create_task(
                 advance_periodically(pipeline, clock, metrics, interval, executor), name="gpuwarden-advance"

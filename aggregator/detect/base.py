@@ -12,7 +12,7 @@ settings the ``detectors:`` section of the config file gives it. Then, for every
   now)``), and optionally slow links (for the link state machine) and switch alerts;
 - ``forget(node)`` when the pipeline forgets a node that has been silent for a long time.
 
-A pool detector whose run is mostly pure number crunching (the forest's fit and scores) can be an
+A pool detector whose run is mostly pure number crunching (the forest, peer and trend detectors) can be an
 ``OffloadingPoolDetector``: it splits each pool's run into ``prepare_pool`` (on the caller's thread:
 copies what it needs out of the frame), ``Offload.compute`` (reads only that copy; the live service
 runs it in a worker thread while the event loop goes on answering reports) and ``Offload.finish``

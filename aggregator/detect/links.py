@@ -473,12 +473,14 @@ class LinkLocalizer:
             if t <= until and t >= latest.get(other, (-math.inf, 0.0))[0]:
                 latest[other] = (t, lr)
         votes: dict[str, tuple[float, float]] = {}
-        for other, (t, lr) in latest.items():
+        for other, (t, raw) in latest.items():
+            lr = raw
             level = self._partner_level(other, (min(end, other), max(end, other)), involving[other], t)
             # Only a level read off two partners or more is taken off: one partner's result may be
             # that partner's own degraded link, which would then clear ``end`` of a slow result.
-            known = level is not None and level[1] >= self.config.min_partners
-            votes[other] = (t, lr - level[0]) if level is not None and known else (t, lr)
+            if level is not None and level[1] >= self.config.min_partners:
+                lr -= level[0]
+            votes[other] = (t, lr)
         if bad:
             votes = {n: v for n, v in votes.items() if n not in bad or v[1] >= slow_line}
         return list(votes.values())

@@ -1054,18 +1054,7 @@ class ProbeScheduler:
             self._unjudged.setdefault((pool, probe.kind), []).append((ends[0], ends[1], busbw, now))
         self._judge_unjudged(pool, probe.kind, now)
         if confirmable and (not ok or slow):
-            log.info(
-                "suspicious pair probe: confirming",
-                extra={
-                    "node": ends[0],
-                    "peer": ends[1],
-                    "probe_kind": probe.kind,
-                    "ok": probe.ok,
-                    "busbw": busbw,
-                    "expected": expected,
-                },
-            )
-            self._plan_confirms(ends[0], ends[1], now)
+            self._confirm(ends[0], ends[1], now, kind=probe.kind, ok=probe.ok, busbw=busbw, expected=expected)
 
     def _judge_unjudged(self, pool: str, kind: str, now: float) -> None:
         """Confirm the pool's early results that its expected bandwidth, now known, calls slow.
@@ -1086,21 +1075,35 @@ class ProbeScheduler:
         for a, b, busbw, at in waiting:
             if at < horizon or busbw >= cfg.suspicious_ratio * expected:
                 continue
-            if a not in self._nodes or b not in self._nodes:
-                continue  # forgotten since
-            log.info(
-                "suspicious pair probe: confirming",
-                extra={
-                    "node": a,
-                    "peer": b,
-                    "probe_kind": kind,
-                    "ok": True,
-                    "busbw": busbw,
-                    "expected": expected,
-                    "judged_late_seconds": round(now - at, 1),
-                },
-            )
-            self._plan_confirms(a, b, now)
+            if a in self._nodes and b in self._nodes:  # not forgotten since
+                self._confirm(a, b, now, kind=kind, ok=True, busbw=busbw, expected=expected, late_s=now - at)
+
+    def _confirm(
+        self,
+        a: str,
+        b: str,
+        now: float,
+        *,
+        kind: str,
+        ok: bool,
+        busbw: float | None,
+        expected: float | None,
+        late_s: float = 0.0,
+    ) -> None:
+        """Plan the confirms of a suspicious pair result (``late_s``: judged that long after it came)."""
+        log.info(
+            "suspicious pair probe: confirming",
+            extra={
+                "node": a,
+                "peer": b,
+                "probe_kind": kind,
+                "ok": ok,
+                "busbw": busbw,
+                "expected": expected,
+                "judged_late_seconds": round(late_s, 1),
+            },
+        )
+        self._plan_confirms(a, b, now)
 
     def _plan_confirms(self, a: str, b: str, now: float) -> None:
         cfg = self.config

@@ -114,6 +114,24 @@ def _num(v: float) -> str:
 # -- the fleet at a glance ------------------------------------------------------------------------
 
 
+def _node_table(nodes: Sequence[Mapping[str, Any]], now: float) -> str:
+    """Nodes as the node list shows them: state, since, place, last report, why."""
+    rows = []
+    for n in nodes:
+        flags = "".join(_badge(x) + " " for x in _flags(n))
+        rows.append(
+            f'<tr class="{"out" if n["state"] in ("quarantined", "probation") else ""}">'
+            f"<td>{_node_link(n['node'])}</td><td>{flags}</td><td>{h(iso(n.get('since')))}</td>"
+            f"<td>{h(n.get('pool') or '-')}</td><td>{h(n.get('rack') or '-')}</td>"
+            f"<td>{h(duration(now - n['last_received']))} ago</td>"
+            f"<td class='why'>{h('; '.join(n.get('reasons', []))[:300])}</td></tr>"
+        )
+    return (
+        "<table><thead><tr><th>node</th><th>state</th><th>since</th><th>pool</th><th>rack</th>"
+        f"<th>last report</th><th>why</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
+    )
+
+
 def _flags(n: Mapping[str, Any]) -> list[str]:
     out = [n["state"]]
     if n.get("silent"):
@@ -371,22 +389,13 @@ class StatusView:
         if not out:
             return title + "<p>No node is quarantined.</p>"
         out.sort(key=lambda n: (-(n.get("since") or 0.0), n["node"]))
-        rows = [
-            f"<tr class='out'><td>{_node_link(n['node'])}</td><td>{h(iso(n.get('since')))}</td>"
-            f"<td>{h(n.get('pool') or '-')}</td><td>{h(n.get('rack') or '-')}</td>"
-            f"<td class='why'>{h('; '.join(n.get('reasons', []))[:200])}</td></tr>"
-            for n in out[:_GLANCE_QUARANTINED]
-        ]
         more = (
             f'<p class="muted">and {len(out) - _GLANCE_QUARANTINED} more: '
             f'<a href="{every}">the node list</a>.</p>'
             if len(out) > _GLANCE_QUARANTINED
             else ""
         )
-        return (
-            title + "<table><thead><tr><th>node</th><th>since</th><th>pool</th><th>rack</th><th>why</th>"
-            f"</tr></thead><tbody>{''.join(rows)}</tbody></table>{more}"
-        )
+        return title + _node_table(out[:_GLANCE_QUARANTINED], self.clock.time()) + more
 
     def _breaker_card(self, b: Mapping[str, Any] | None) -> str:
         mode = self.config.remediation.mode
@@ -423,25 +432,10 @@ class StatusView:
             f'<input type="hidden" name="per" value="{f.per}">',
             '<button type="submit">Filter</button> <a href="/nodes">clear</a></form>',
         ]
-        rows = []
-        for n in shown:
-            flags = "".join(_badge(x) + " " for x in _flags(n))
-            rows.append(
-                f'<tr class="{"out" if n["state"] in ("quarantined", "probation") else ""}">'
-                f"<td>{_node_link(n['node'])}</td><td>{flags}</td><td>{h(iso(n.get('since')))}</td>"
-                f"<td>{h(n.get('pool') or '-')}</td><td>{h(n.get('rack') or '-')}</td>"
-                f"<td>{h(duration(now - n['last_received']))} ago</td>"
-                f"<td class='why'>{h('; '.join(n.get('reasons', []))[:300])}</td></tr>"
-            )
         first = (page - 1) * f.per + 1 if shown else 0
         count = f"<p>{first}-{first + len(shown) - 1 if shown else 0} of {len(hits)} nodes"
         count += f" (of {len(nodes)} in the fleet)</p>" if len(hits) != len(nodes) else "</p>"
-        table = (
-            "<table><thead><tr><th>node</th><th>state</th><th>since</th><th>pool</th><th>rack</th>"
-            f"<th>last report</th><th>why</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
-            if rows
-            else "<p>No node matches.</p>"
-        )
+        table = _node_table(shown, now) if shown else "<p>No node matches.</p>"
         pager = _pager("/nodes", f.params(), page, pages)
         body = "".join(form) + count + pager + table + pager
         return self.page("Nodes", body, refresh=_REFRESH_S["nodes"], started=started)
