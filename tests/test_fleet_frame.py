@@ -190,20 +190,64 @@ def test_ring_reuse_clears_the_old_time() -> None:
     assert frame.write("a", 100, values[0, 0], [], np.zeros((0, len(NIC_FIELDS)), np.float32)) is False
 
 
-def test_snapshot_is_a_read_only_view_unless_the_range_wraps() -> None:
+def test_snapshot_is_a_read_only_copy_in_slot_order() -> None:
     fleet, frames = frames_for(frame_seconds=60.0)
     for t in range(0, 90, 10):  # slots 0..8 in 6 positions: the ring has wrapped
         frames.record(fleet.add(hot(t, "a", float(t))), POOL)
     frame = frames.frame("p")
     assert frame is not None
     _, inside = frames.snapshot("p", 60, 80)  # positions 0..2: contiguous
-    assert np.shares_memory(inside, frame.gpu)
-    assert not inside.flags.writeable
+    assert inside[:, 0, 0, TEMP].tolist() == [60.0, 70.0, 80.0]
+    assert not inside.flags.writeable and not np.shares_memory(inside, frame.gpu)
     _, wrapped = frames.snapshot("p", 30, 80)  # positions 3..5 then 0..2
     assert wrapped[:, 0, 0, TEMP].tolist() == [30.0, 40.0, 50.0, 60.0, 70.0, 80.0]
     assert not wrapped.flags.writeable
     _, none = frames.snapshot("p", 200, 300)
     assert none.shape == (0, 1, 8, len(GPU_FIELDS))
+
+
+def test_window_taken_then_read_after_the_frame_moved_on_reads_what_it_was_taken_on() -> None:
+    """A window copies nothing when taken (on the event loop); the frame copies a slot before
+    changing it under a live window. Read only after every kind of change, it must still show
+    the frame as it was."""
+    fleet, frames = frames_for(frame_seconds=60.0)
+    for t in range(0, 60, 10):
+        for node, base in (("a", 0.0), ("b", 1000.0), ("c", 2000.0)):
+            frames.record(fleet.add(hot(t, node, base + t)), POOL)
+    frame = frames.frame("p")
+    assert frame is not None
+    _, expected = frame.snapshot(0, 50)
+    window = frame.window(0, 50, nic=True)
+    expected_nic = frame.nic_snapshot(0, 50)[1]
+    frames.record(fleet.add(hot(55, "a", -1.0)), POOL)  # a write into a slot the window holds
+    frames.forget("a")  # swap-remove: c's row moves into a's in every slot
+    for t in range(60, 90, 10):  # new slots clear the oldest positions
+        frames.record(fleet.add(hot(t, "b", 5000.0 + t)), POOL)
+    for i in range(12):  # the rows grow: new arrays for every position
+        frames.record(fleet.add(hot(90, f"n{i}", 7.0)), POOL)
+    assert window.nodes == ("a", "b", "c")
+    np.testing.assert_array_equal(window.gpu, expected)
+    np.testing.assert_array_equal(window.nic, expected_nic)
+    assert window.gpu[:, 0, 0, TEMP].tolist() == [0.0, 10.0, 20.0, 30.0, 40.0, 50.0]
+    assert not (window.gpu.flags.writeable or window.nic.flags.writeable)
+    # And the frame itself went on as if no window had been taken.
+    _, now = frame.snapshot(40, 50)  # slots 4..9 held now
+    assert frame.nodes[:2] == ["c", "b"]
+    assert now[:, 0, 0, TEMP].tolist() == [2040.0, 2050.0]
+
+
+def test_a_window_nobody_holds_costs_the_frame_no_copy() -> None:
+    fleet, frames = frames_for(frame_seconds=60.0)
+    for t in range(0, 60, 10):
+        frames.record(fleet.add(hot(t, "a", float(t))), POOL)
+    frame = frames.frame("p")
+    assert frame is not None
+    arrays = list(frame._gpu)
+    window = frame.window(0, 50)
+    del window
+    frames.record(fleet.add(hot(55, "a", 1.0)), POOL)  # slot 5, written in place again
+    frames.record(fleet.add(hot(60, "a", 1.0)), POOL)  # slot 6 clears position 0 in place
+    assert all(a is b for a, b in zip(frame._gpu, arrays, strict=True))
 
 
 def test_window_is_an_owned_read_only_copy_that_outlives_writes_and_forgets() -> None:

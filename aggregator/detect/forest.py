@@ -181,8 +181,8 @@ class PoolVectors:
 
 def window_copy(frame: PoolFrame, now: float, config: ForestConfig) -> FrameWindow:
     """The slots a run at ``now`` looks at (``window_seconds`` of complete slots and the
-    ``settle_seconds`` before them), copied out of ``frame`` (``PoolFrame.window``) so that the rest
-    of the run may go on while the frame takes new reports and forgets nodes (rows move then)."""
+    ``settle_seconds`` before them), frozen (``PoolFrame.window``) so that the rest of the run may
+    go on while the frame takes new reports and forgets nodes (rows move then)."""
     slots = max(1, round(config.window_seconds / frame.interval_s))
     settle = max(0, round(config.settle_seconds / frame.interval_s))
     return frame.window(now - (slots + settle) * frame.interval_s, now - frame.interval_s)

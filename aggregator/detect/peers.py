@@ -41,9 +41,10 @@ All of it is numpy over the whole pool; Python loops run over pools, features, s
 The detector keeps no state between runs: the CUSUM is recomputed from the frame, so a GPU bad
 from its first report is found by its peers without any clean history, and the escalation's
 "how long" is the run's start slot against ``now``, both read from the frame. That makes it an
-``OffloadingPoolDetector`` with nothing to do on the caller's thread but copy: ``prepare_pool``
-copies the complete slots' live rows (``PoolFrame.window``), the whole judgement runs on that copy
-(``compute``: in the service's worker thread), and ``finish`` hands the findings back.
+``OffloadingPoolDetector`` with almost nothing to do on the caller's thread: ``prepare_pool`` takes
+the complete slots' live rows (``PoolFrame.window``: frozen, and copied only as the worker reads
+them), the whole judgement runs on that window (``compute``: in the service's worker thread), and
+``finish`` hands the findings back.
 """
 
 from __future__ import annotations

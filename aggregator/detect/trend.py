@@ -24,9 +24,9 @@ under load only once the GPU has been busy for ``settle_seconds`` before it: a G
 after its job started is not drifting (``aggregator/detect/load.py``).
 
 Both are recomputed from the frame at every run; nothing is kept between runs. So the detector is
-an ``OffloadingPoolDetector``: ``prepare_pool`` copies the complete slots' live rows, GPU and NIC,
-and each node's NIC names (``PoolFrame.window``), the judgement runs on that copy (in the
-service's worker thread), and ``finish`` hands the findings back.
+an ``OffloadingPoolDetector``: ``prepare_pool`` takes the complete slots' live rows, GPU and NIC,
+and each node's NIC names (``PoolFrame.window``, frozen), the judgement runs on that window (in
+the service's worker thread), and ``finish`` hands the findings back.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """Columnar state per pool, so that peer detectors compare a node with its pool in a few numpy calls.
 
-A ``PoolFrame`` holds, for one pool, ``gpu``: float32 ``(slots, nodes, gpus, len(GPU_FIELDS))`` and
-``nic``: float32 ``(slots, nodes, nics, len(NIC_FIELDS))``; NaN is "no value" (not reported, null,
-GPU or NIC absent, slot not written). Time is a ring of slots ``interval_seconds`` wide: slot number
-``k = floor(t / interval)`` lives at position ``k % slots``. When the newest slot number moves
-forward, the positions of every slot number it passes are cleared first, so a position never shows
-data of an older time, and a slot no report landed in reads NaN. Nodes are rows; the row capacity
-grows by a quarter when full (``_GROWTH``), and a forgotten node's row is filled with the last row
-(swap-remove), so rows ``[0, n)`` are always the live nodes and a snapshot of a contiguous slot
-range is a view, no copy.
+A ``PoolFrame`` holds, for one pool and each slot, float32 GPU values ``(nodes, gpus,
+len(GPU_FIELDS))`` and NIC values ``(nodes, nics, len(NIC_FIELDS))``; NaN is "no value" (not
+reported, null, GPU or NIC absent, slot not written). Time is a ring of slots ``interval_seconds``
+wide: slot number ``k = floor(t / interval)`` lives at position ``k % slots``. When the newest slot
+number moves forward, the positions of every slot number it passes are cleared first, so a position
+never shows data of an older time, and a slot no report landed in reads NaN. Nodes are rows; the row
+capacity grows by a quarter when full (``_GROWTH``), and a forgotten node's row is filled with the
+last row (swap-remove), so rows ``[0, n)`` are always the live nodes. Each slot has arrays of its
+own, so that a reader on another thread can hold a slot instead of copying it (``FrameWindow``: the
+frame copies a slot on write while a window holds it).
 
 Columns are named by module constants (``GPU_COLUMN["temperature_celsius"]``) so detectors never
 hard-code an index. Gauges come from the node's latest report; counter rates are the view's
@@ -40,9 +41,11 @@ live service should pass the time it received the report (replay passes report t
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import types
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -279,25 +282,59 @@ def nic_block(view: NodeView, keys: list[NicKey]) -> FloatArray:
 
 @dataclass(frozen=True)
 class FrameWindow:
-    """An immutable copy of a pool frame's live rows over a slot range (``PoolFrame.window``).
+    """A pool frame's live rows over a slot range, frozen (``PoolFrame.window``).
 
-    Everything here is owned by the window: the arrays are copies (never views of the frame, whose
-    rows move when a node is forgotten and whose slots are cleared as time moves), and read-only,
-    so any thread may read a window while the frame goes on taking reports. ``nic`` and
-    ``nic_keys`` are empty unless the NIC frame was asked for.
+    Nothing here changes after the window is taken, so any thread may read it while the frame goes
+    on taking reports. Taking one copies nothing: the window holds read-only views of the frame's
+    per-slot arrays, and the frame copies a slot before it next changes that slot in place while a
+    window still holds it (copy on write; see ``PoolFrame``). Detectors read only complete slots,
+    which the frame rarely writes again, so it almost never has to. ``gpu`` and ``nic`` stack the
+    slots into one array when first read: in the reader's thread, not on the event loop. ``nic``
+    and ``nic_keys`` are empty unless the NIC frame was asked for.
     """
 
     pool: str
     interval_s: float
     nodes: tuple[str, ...]  # row order of the arrays
     starts: npt.NDArray[np.float64]  # (slots,): each slot's start time, oldest first
-    gpu: FloatArray  # (slots, nodes, gpus, GPU_FIELDS)
-    nic: FloatArray  # (slots, nodes, nics, NIC_FIELDS), or (0, 0, 0, NIC_FIELDS) without NICs
     nic_keys: tuple[tuple[NicKey, ...], ...]  # per node, its NIC columns in order (with NICs)
+    # Per slot, oldest first: views of the frame's arrays, (nodes, gpus, GPU_FIELDS) and (nodes, nics,
+    # NIC_FIELDS). Private: the frame leaves them alone only while the window lives, so a reader
+    # takes ``gpu`` and ``nic``, which are the window's own.
+    _gpu_slots: tuple[FloatArray, ...]
+    _nic_slots: tuple[FloatArray, ...]
+    gpus: int  # GPU columns per node
+    nic_width: int  # NIC columns per node (0 without NICs)
+
+    @functools.cached_property
+    def gpu(self) -> FloatArray:
+        """``(slots, nodes, gpus, GPU_FIELDS)``, read-only."""
+        return _stack(self._gpu_slots, (len(self.nodes), self.gpus, len(GPU_FIELDS)))
+
+    @functools.cached_property
+    def nic(self) -> FloatArray:
+        """``(slots, nodes, nics, NIC_FIELDS)``, or ``(0, 0, 0, NIC_FIELDS)`` without NICs; read-only."""
+        if not self.nic_width:
+            return _stack((), (0, 0, len(NIC_FIELDS)))
+        return _stack(self._nic_slots, (len(self.nodes), self.nic_width, len(NIC_FIELDS)))
+
+
+def _stack(slots: tuple[FloatArray, ...], shape: tuple[int, int, int]) -> FloatArray:
+    out: FloatArray = np.stack(slots) if slots else np.empty((0, *shape), np.float32)
+    out.flags.writeable = False
+    return out
 
 
 class PoolFrame:
-    """One pool's GPU and NIC state over the last ``slots`` intervals (see the module docstring)."""
+    """One pool's GPU and NIC state over the last ``slots`` intervals (see the module docstring).
+
+    Each ring position holds its own arrays, ``(rows, gpus, GPU_FIELDS)`` and ``(rows, nics,
+    NIC_FIELDS)``, so that a ``FrameWindow`` can hold a slot's arrays instead of copying them. A
+    position remembers the windows that hold its arrays (weakly: a window nobody reads any more
+    holds nothing), and before the frame changes a held position in place it gives the position
+    new arrays (a copy, or fresh NaN when the slot is cleared) and leaves the old ones to the
+    windows.
+    """
 
     def __init__(
         self,
@@ -319,15 +356,34 @@ class PoolFrame:
         self.slots = slots
         self.gpus = gpus
         self._ratelog = RateLimitedLog(log)  # a node sending new NIC names may not flood the log
-        self.gpu: FloatArray = np.full((slots, initial_rows, gpus, len(GPU_FIELDS)), np.nan, np.float32)
-        self.nic: FloatArray = np.full(
-            (slots, initial_rows, initial_nics, len(NIC_FIELDS)), np.nan, np.float32
-        )
+        self._capacity = initial_rows
+        self._nic_width = initial_nics
+        self._gpu: list[FloatArray] = [self._empty_gpu(initial_rows) for _ in range(slots)]
+        self._nic: list[FloatArray] = [self._empty_nic(initial_rows, initial_nics) for _ in range(slots)]
+        # Per position: the windows holding its arrays (copy on write while one of them lives).
+        self._readers: list[list[weakref.ref[FrameWindow]]] = [[] for _ in range(slots)]
         self.head: int | None = None  # newest slot number written
         self._names: list[str] = []
         self._rows: dict[str, int] = {}
         self._nic_keys: dict[str, list[NicKey]] = {}
         self._nic_seen: dict[str, set[NicKey]] = {}  # assigned a column or left out
+
+    def _empty_gpu(self, rows: int) -> FloatArray:
+        return np.full((rows, self.gpus, len(GPU_FIELDS)), np.nan, np.float32)
+
+    def _empty_nic(self, rows: int, width: int) -> FloatArray:
+        return np.full((rows, width, len(NIC_FIELDS)), np.nan, np.float32)
+
+    @property
+    def gpu(self) -> FloatArray:
+        """Every position's GPU values, ``(slots, rows, gpus, GPU_FIELDS)`` in position order: a
+        copy, for inspection (``snapshot`` and ``window`` give slot order)."""
+        return np.stack(self._gpu)
+
+    @property
+    def nic(self) -> FloatArray:
+        """Every position's NIC values, ``(slots, rows, nics, NIC_FIELDS)``: a copy, like ``gpu``."""
+        return np.stack(self._nic)
 
     # -- rows --------------------------------------------------------------------------------
 
@@ -346,20 +402,38 @@ class PoolFrame:
         """The node's NICs in column order of the NIC frame."""
         return list(self._nic_keys.get(node, ()))
 
-    def _resize_rows(self, capacity: int) -> None:
+    def _held(self, p: int) -> bool:
+        """Whether a live window holds position ``p``'s arrays (and forget the windows that died)."""
+        readers = self._readers[p]
+        if readers:
+            readers[:] = [r for r in readers if r() is not None]
+        return bool(readers)
+
+    def _writable(self, p: int) -> None:
+        """Before changing position ``p`` in place: a window holding its arrays keeps them."""
+        if self._held(p):
+            self._gpu[p] = self._gpu[p].copy()
+            self._nic[p] = self._nic[p].copy()
+            self._readers[p].clear()
+
+    def _resize(self, capacity: int, width: int) -> None:
+        """New arrays for every position (the windows keep the old), rows ``[0, n)`` copied."""
         n = len(self._names)
-        gpu = np.full((self.slots, capacity, *self.gpu.shape[2:]), np.nan, np.float32)
-        nic = np.full((self.slots, capacity, *self.nic.shape[2:]), np.nan, np.float32)
-        gpu[:, :n] = self.gpu[:, :n]
-        nic[:, :n] = self.nic[:, :n]
-        self.gpu, self.nic = gpu, nic
+        w = min(width, self._nic_width)
+        for p in range(self.slots):
+            gpu, nic = self._empty_gpu(capacity), self._empty_nic(capacity, width)
+            gpu[:n] = self._gpu[p][:n]
+            nic[:n, :w] = self._nic[p][:n, :w]
+            self._gpu[p], self._nic[p] = gpu, nic
+            self._readers[p].clear()
+        self._capacity, self._nic_width = capacity, width
 
     def _row(self, node: str) -> int:
         row = self._rows.get(node)
         if row is None:
             row = len(self._names)
-            if row == self.gpu.shape[1]:
-                self._resize_rows(max(row + 1, math.ceil(row * _GROWTH)))
+            if row == self._capacity:
+                self._resize(max(row + 1, math.ceil(row * _GROWTH)), self._nic_width)
             self._names.append(node)
             self._rows[node] = row
         return row
@@ -372,18 +446,22 @@ class PoolFrame:
         self._nic_keys.pop(node, None)
         self._nic_seen.pop(node, None)
         last = len(self._names) - 1
+        for p in range(self.slots):
+            self._writable(p)
+            gpu, nic = self._gpu[p], self._nic[p]
+            if row != last:
+                gpu[row] = gpu[last]
+                nic[row] = nic[last]
+            gpu[last] = np.nan
+            nic[last] = np.nan
         if row != last:
             moved = self._names[last]
-            self.gpu[:, row] = self.gpu[:, last]
-            self.nic[:, row] = self.nic[:, last]
             self._names[row] = moved
             self._rows[moved] = row
-        self.gpu[:, last] = np.nan
-        self.nic[:, last] = np.nan
         self._names.pop()
-        capacity = self.gpu.shape[1]
+        capacity = self._capacity
         if capacity > _INITIAL_ROWS and len(self._names) <= capacity // 4:
-            self._resize_rows(max(_INITIAL_ROWS, capacity // 2))
+            self._resize(max(_INITIAL_ROWS, capacity // 2), self._nic_width)
         return True
 
     def assign_nics(self, node: str, keys: list[NicKey], max_nics: int) -> list[NicKey]:
@@ -410,11 +488,8 @@ class PoolFrame:
                 continue
             seen.add(key)
             known.append(key)
-        if len(known) > self.nic.shape[2]:
-            width = max(len(known), 2 * self.nic.shape[2])
-            nic = np.full((*self.nic.shape[:2], width, len(NIC_FIELDS)), np.nan, np.float32)
-            nic[:, :, : self.nic.shape[2]] = self.nic
-            self.nic = nic
+        if len(known) > self._nic_width:
+            self._resize(self._capacity, max(len(known), 2 * self._nic_width))
         return known
 
     # -- time --------------------------------------------------------------------------------
@@ -422,16 +497,23 @@ class PoolFrame:
     def slot_number(self, t: float) -> int:
         return math.floor(t / self.interval_s)
 
+    def _clear(self, p: int) -> None:
+        if self._held(p):  # the windows keep the old arrays; the position starts on new ones
+            self._gpu[p] = self._empty_gpu(self._capacity)
+            self._nic[p] = self._empty_nic(self._capacity, self._nic_width)
+            self._readers[p].clear()
+        else:
+            self._gpu[p].fill(np.nan)
+            self._nic[p].fill(np.nan)
+
     def _advance(self, k: int) -> None:
         head = self.head
         if head is None or k - head >= self.slots:
-            self.gpu[:] = np.nan
-            self.nic[:] = np.nan
+            for p in range(self.slots):
+                self._clear(p)
         else:
             for m in range(head + 1, k + 1):
-                p = m % self.slots
-                self.gpu[p] = np.nan
-                self.nic[p] = np.nan
+                self._clear(m % self.slots)
         self.head = k
 
     def _slot_range(self, t0: float, t1: float) -> tuple[int, int]:
@@ -442,6 +524,10 @@ class PoolFrame:
         k1 = min(self.slot_number(t1), self.head)
         return k0, k1
 
+    def _positions(self, t0: float, t1: float) -> list[int]:
+        k0, k1 = self._slot_range(t0, t1)
+        return [k % self.slots for k in range(k0, k1 + 1)]
+
     def write(self, node: str, t: float, gpu: FloatArray, nics: list[NicKey], nic: FloatArray) -> bool:
         """Store one node's values for the slot of ``t``; False when that slot is already gone."""
         k = self.slot_number(t)
@@ -451,64 +537,63 @@ class PoolFrame:
             return False
         p = k % self.slots
         row = self._row(node)
-        self.gpu[p, row] = gpu
+        self._writable(p)
+        self._gpu[p][row] = gpu
         if nics:
-            self.nic[p, row, : len(nics)] = nic
+            self._nic[p][row, : len(nics)] = nic
         return True
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _window(self, data: FloatArray, t0: float, t1: float, *, copy: bool = False) -> FloatArray:
+    def _views(self, arrays: list[FloatArray], positions: list[int]) -> tuple[FloatArray, ...]:
         n = len(self._names)
-        k0, k1 = self._slot_range(t0, t1)
-        p0, p1 = k0 % self.slots, k1 % self.slots
-        if k1 < k0:
-            out: FloatArray = data[:0, :n].copy() if copy else data[:0, :n]
-        elif p0 <= p1:
-            out = data[p0 : p1 + 1, :n]  # a view
-            if copy:
-                out = out.copy()
-        else:  # the range wraps around the ring: a copy already
-            out = np.concatenate((data[p0:, :n], data[: p1 + 1, :n]))
-        out.flags.writeable = False
-        return out
+        views = []
+        for p in positions:
+            view = arrays[p][:n]
+            view.flags.writeable = False  # the view only: the frame still writes the array
+            views.append(view)
+        return tuple(views)
 
     def window(self, t0: float, t1: float, *, nic: bool = False) -> FrameWindow:
-        """A copy of the live rows over ``[t0, t1]`` (clipped as ``snapshot`` is), for a reader on
+        """The live rows over ``[t0, t1]`` (clipped as ``snapshot`` is), frozen, for a reader on
         another thread; with ``nic``, the NIC frame and each node's NIC keys too.
 
-        It copies only the range's slots of the live rows, once: at 60 slots of 1,000 nodes of 8
-        GPUs, 35 MB of GPU values, where a deep copy of the frame also copies the spare rows, the
-        NIC frame and every Python object the frame holds.
+        It copies no values (see ``FrameWindow``): on the event loop it costs a view per slot,
+        whatever the pool's size.
         """
         nodes = tuple(self._names)
-        nics = self._window(self.nic, t0, t1, copy=True) if nic else self.nic[:0, :0, :0].copy()
-        nics.flags.writeable = False
-        keys = tuple(tuple(self._nic_keys.get(n, ())) for n in nodes) if nic else ()
+        positions = self._positions(t0, t1)
         starts = self.slot_starts(t0, t1)
         starts.flags.writeable = False
-        return FrameWindow(
+        window = FrameWindow(
             pool=self.name,
             interval_s=self.interval_s,
             nodes=nodes,
             starts=starts,
-            gpu=self._window(self.gpu, t0, t1, copy=True),
-            nic=nics,
-            nic_keys=keys,
+            nic_keys=tuple(tuple(self._nic_keys.get(n, ())) for n in nodes) if nic else (),
+            _gpu_slots=self._views(self._gpu, positions),
+            _nic_slots=self._views(self._nic, positions) if nic else (),
+            gpus=self.gpus,
+            nic_width=self._nic_width if nic else 0,
         )
+        ref = weakref.ref(window)
+        for p in positions:
+            self._readers[p].append(ref)
+        return window
 
     def snapshot(self, t0: float, t1: float) -> tuple[list[str], FloatArray]:
         """Node names and the GPU values ``(slots in [t0, t1], nodes, gpus, GPU_FIELDS)``, oldest first.
 
         The range is clipped to the slots the ring holds (``slot_starts`` gives each one's time).
-        The array is read-only and, when the range does not wrap around the ring, a view of the
-        live state: use it before the next ``write``, or copy it.
+        The array is a read-only copy.
         """
-        return list(self._names), self._window(self.gpu, t0, t1)
+        views = self._views(self._gpu, self._positions(t0, t1))
+        return list(self._names), _stack(views, (len(self._names), self.gpus, len(GPU_FIELDS)))
 
     def nic_snapshot(self, t0: float, t1: float) -> tuple[list[str], FloatArray]:
         """Like ``snapshot`` for the NIC frame ``(slots, nodes, nics, NIC_FIELDS)``; see ``nic_keys``."""
-        return list(self._names), self._window(self.nic, t0, t1)
+        views = self._views(self._nic, self._positions(t0, t1))
+        return list(self._names), _stack(views, (len(self._names), self._nic_width, len(NIC_FIELDS)))
 
     def slot_starts(self, t0: float, t1: float) -> npt.NDArray[np.float64]:
         """The start time of each slot a snapshot of ``[t0, t1]`` returns."""

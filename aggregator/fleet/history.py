@@ -12,7 +12,8 @@ A decoded report of an 8-GPU node (18 NVLinks per GPU, 8 InfiniBand ports with t
 about 60 KB of Python objects. Keeping every report for the window (1,800 s at 10 s: 180 reports)
 would cost 11 MB per node, 80 GB for 7,500 nodes. So a node keeps only its latest report and the
 previous one of the same boot in full (the view needs them), and for everything older only the
-numbers someone asked for, as columns of ``array('d')`` aligned with the node's sample times:
+numbers someone asked for, as the columns of one row-major ``array('d')`` whose rows are the
+node's samples:
 
 - a *series* is one number per sample: the cumulative reset-safe increase of one counter (GPU
   counter, NVLink counter summed over the GPU's links, NIC counter) or the value of one GPU gauge;
@@ -34,13 +35,19 @@ numbers someone asked for, as columns of ``array('d')`` aligned with the node's 
 Memory for one node at 10 s reports, window 1,800 s: 30 fine + 25 coarse samples (+ up to 5 waiting
 to be thinned) = 60 rows. The default pipeline keeps 144 series for an 8-GPU, 8-port node (16 GPU
 counters, 32 NVLink sums, 80 NIC counters, 16 gauges) x 8 bytes x 60 rows = 69 KB of numbers;
-measured with the objects around them (one ``array`` and one Python object per series): 122 KB a
-node, 0.9 GB for 7,500 nodes (``bench/memory.py --holders``; without the thinning, 180 rows: about
-2 GB). The two full reports a node keeps come on top (38 KB each for an H100 node decoded from
-the wire; the pipeline needs the latest anyway). Rows share one boot-id string per boot, and the
-series keys are the fleet's (``SeriesRegistry.key``). A node reporting far faster than expected
-is capped at ``max_samples`` rows (the oldest go first), so a misconfigured agent shortens its own
-window instead of growing memory.
+measured with the per-column state and the key tables around them: 100 KB a node, 0.75 GB for 7,500
+nodes (``bench/memory.py --holders``; without the thinning, 180 rows: about 2 GB). One array for all
+the series, not one per series: a report appends one row and a thinned sample deletes one, and the
+node's numbers are one object, not 145 arrays and 144 state objects that every full garbage
+collection would walk (a node's tracked objects went from 382 to 57 with this layout). The counters'
+state (last raw value, cumulative value, boot) lives in per-column lists, the NVLink sums' per-link
+state in tuples, which the collector stops tracking. Adding a column (a field asked for the first
+time, a new NIC) or dropping one (a NIC gone for the window) rewrites the rows once. The two full
+reports a node keeps come on top (38 KB each for an H100 node decoded from the wire; the pipeline
+needs the latest anyway). Rows share one boot-id string per boot, and the series keys are the
+fleet's (``SeriesRegistry.key``). A node reporting far faster than expected is capped at
+``max_samples`` rows (the oldest go first), so a misconfigured agent shortens its own window instead
+of growing memory.
 
 Out-of-order reports
 --------------------
@@ -68,6 +75,7 @@ bounded by the view's own time and boot (after a reboot an old view's rates are 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import sys
@@ -193,96 +201,13 @@ class SeriesRegistry:
             self.version += 1
 
 
-class _Counter:
-    """One counter's cumulative reset-safe increase per sample (NaN: no value in that sample)."""
-
-    __slots__ = ("cum", "last_boot", "last_cum", "last_raw", "since")
-
-    def __init__(self, rows: int) -> None:
-        self.cum: array[float] = array("d", [_NAN]) * rows
-        self.since = math.inf  # time of its first row: earlier rows are padding, not nulls
-        self.last_raw = 0.0
-        self.last_cum = 0.0
-        self.last_boot: str | None = None  # boot of the last valid sample; None: no sample yet
-
-    def push(self, value: float | None, boot: str) -> None:
-        if value is None:
-            self.cum.append(_NAN)
-            return
-        if value == self.last_raw and boot == self.last_boot:  # unchanged: the common case
-            self.cum.append(self.last_cum)
-            return
-        if boot != self.last_boot:
-            c = self.last_cum  # a new boot starts over: its first sample is the baseline
-        else:
-            d = value - self.last_raw
-            c = self.last_cum + (d if d >= 0 else value)  # went down: reset, counts from zero
-        self.cum.append(c)
-        self.last_raw = value
-        self.last_cum = c
-        self.last_boot = boot
+_LinkIds = tuple[int, ...]
+_LinkValues = tuple[int | None, ...]
 
 
-class _LinkCounter(_Counter):
-    """An NVLink counter summed over a GPU's links, each link reset-safe on its own."""
-
-    __slots__ = ("get", "ids", "prev")
-
-    def __init__(self, rows: int, name: str) -> None:
-        super().__init__(rows)
-        self.get = _LINK_GETTERS[name]
-        self.ids: list[int] = []  # link numbers of the last sample, in report order
-        self.prev: list[int | None] = []  # each link's last value this boot (None: none yet)
-
-    def push_links(self, links: list[NvLink], ids: list[int], boot: str) -> None:
-        values: list[int | None] = list(map(self.get, links))
-        if boot != self.last_boot:
-            self.ids, self.prev = [], []  # a new boot: every link starts over
-        if ids == self.ids and values == self.prev:
-            # Nothing counted since the last sample: by far the common case, at C speed.
-            if values.count(None) == len(values):
-                self.cum.append(_NAN)
-            else:
-                self.cum.append(self.last_cum)
-            return
-        if ids == self.ids:
-            prev = self.prev
-        else:  # links appeared, vanished or moved: match them by number
-            old = dict(zip(self.ids, self.prev, strict=True))
-            prev = [old.get(i) for i in ids]
-        delta = 0.0
-        valid = False
-        kept: list[int | None] = []
-        for v, p in zip(values, prev, strict=True):
-            if v is None:
-                kept.append(p)
-                continue
-            valid = True
-            if p is not None:
-                d = v - p
-                delta += d if d >= 0 else v
-            kept.append(v)
-        self.ids, self.prev = ids, kept
-        if not valid:
-            self.cum.append(_NAN)
-            return
-        c = self.last_cum + delta
-        self.cum.append(c)
-        self.last_cum = c
-        self.last_boot = boot
-
-
-def _links(gpu: Gpu | None) -> tuple[list[NvLink], list[int]]:
+def _links(gpu: Gpu | None) -> tuple[list[NvLink], _LinkIds]:
     links = gpu.nvlink if gpu is not None and isinstance(gpu.nvlink, list) else []
-    return links, [link.link for link in links]
-
-
-class _Gauge:
-    __slots__ = ("since", "vals")
-
-    def __init__(self, rows: int) -> None:
-        self.vals: array[float] = array("d", [_NAN]) * rows
-        self.since = math.inf  # time of its first row: earlier rows are padding, not nulls
+    return links, tuple(link.link for link in links)
 
 
 def _gauge_value(gpu: Gpu | None, name: str) -> float:
@@ -388,11 +313,27 @@ class NodeHistory:
 
         self._nic_seen_at: dict[NicKey, float] = {}  # NIC -> last seen present; LRU order
         self._nic_layout: tuple[NicKey, ...] = ()  # the NICs of the layout in force
-        self._gpu_counters: dict[tuple[int, str], _Counter] = {}
-        self._nvlinks: dict[tuple[int, str], _LinkCounter] = {}
-        self._nic_counters: dict[tuple[str, int | None, str], _Counter] = {}
-        self._gauges: dict[tuple[int, str], _Gauge] = {}
-        self._columns: list[array[float]] = []  # every series' array, for row deletions
+        # Each series' column in ``_data``.
+        self._gpu_counters: dict[tuple[int, str], int] = {}
+        self._nvlinks: dict[tuple[int, str], int] = {}
+        self._nic_counters: dict[tuple[str, int | None, str], int] = {}
+        self._gauges: dict[tuple[int, str], int] = {}
+        # Every series' numbers in one array, one row per sample (row r, column c at
+        # ``r * _width + c``): a report writes one row, a thinned sample deletes one, and the
+        # node holds one object for its numbers instead of one array and one object per series.
+        self._data: array[float] = array("d")
+        self._width = 0
+        # Per column: the time of its first row (earlier rows are padding, not nulls) and, for a
+        # counter, its last raw value, cumulative value and boot (None: no sample yet).
+        self._since: list[float] = []
+        self._last_raw: list[float] = []
+        self._last_cum: list[float] = []
+        self._last_boot: list[str | None] = []
+        # Per NVLink column: the link numbers of the last sample in report order, and each link's
+        # last value this boot (None: none yet). Tuples of numbers, which the cycle collector
+        # stops tracking.
+        self._link_ids: list[_LinkIds] = []
+        self._link_prev: list[_LinkValues] = []
         self._layout: tuple[object, ...] | None = None
         self._rows_version = 0  # changes whenever rows are added or removed
         self._span_key: tuple[float, float, int] | None = None
@@ -495,24 +436,81 @@ class NodeHistory:
         self._forget_seen(report.time)
 
     def _push(self, report: Report) -> None:
+        """Append the row of ``report`` (its time is already the last of ``_times``)."""
         boot = sys.intern(report.boot_id)
+        row = [_NAN] * self._width
         gpus = {g.index: g for g in report.gpus}
-        for (gi, name), c in self._gpu_counters.items():
+        count = self._count
+        for (gi, name), col in self._gpu_counters.items():
             g = gpus.get(gi)
             v = None if g is None else getattr(g, name)
-            c.push(None if v is None else float(v), boot)
-        links: dict[int, tuple[list[NvLink], list[int]]] = {}
-        for (gi, _), lc in self._nvlinks.items():
+            row[col] = count(col, None if v is None else float(v), boot)
+        links: dict[int, tuple[list[NvLink], _LinkIds]] = {}
+        for (gi, name), col in self._nvlinks.items():
             per_gpu = links.get(gi)
             if per_gpu is None:
                 per_gpu = links[gi] = _links(gpus.get(gi))
-            lc.push_links(per_gpu[0], per_gpu[1], boot)
+            row[col] = self._count_links(col, name, per_gpu[0], per_gpu[1], boot)
         if self._nic_counters:
             nics = {(n.device, n.port): n for n in report.nics}
-            for (device, port, counter), c in self._nic_counters.items():
-                c.push(_nic_value(nics.get((device, port)), counter), boot)
-        for (gi, name), gauge in self._gauges.items():
-            gauge.vals.append(_gauge_value(gpus.get(gi), name))
+            for (device, port, counter), col in self._nic_counters.items():
+                row[col] = count(col, _nic_value(nics.get((device, port)), counter), boot)
+        for (gi, name), col in self._gauges.items():
+            row[col] = _gauge_value(gpus.get(gi), name)
+        self._data.fromlist(row)
+
+    def _count(self, col: int, value: float | None, boot: str) -> float:
+        """Counter ``col``'s cumulative reset-safe increase at a new sample (NaN: no value)."""
+        if value is None:
+            return _NAN
+        last_boot = self._last_boot[col]
+        if value == self._last_raw[col] and boot == last_boot:  # unchanged: the common case
+            return self._last_cum[col]
+        if boot != last_boot:
+            c = self._last_cum[col]  # a new boot starts over: its first sample is the baseline
+        else:
+            d = value - self._last_raw[col]
+            c = self._last_cum[col] + (d if d >= 0 else value)  # went down: reset, counts from zero
+        self._last_raw[col] = value
+        self._last_cum[col] = c
+        self._last_boot[col] = boot
+        return c
+
+    def _count_links(self, col: int, name: str, links: list[NvLink], ids: _LinkIds, boot: str) -> float:
+        """Like ``_count`` for an NVLink counter summed over a GPU's links, each link reset-safe."""
+        values: _LinkValues = tuple(map(_LINK_GETTERS[name], links))
+        if boot != self._last_boot[col]:
+            self._link_ids[col] = self._link_prev[col] = ()  # a new boot: every link starts over
+        last_ids, last = self._link_ids[col], self._link_prev[col]
+        if ids == last_ids and values == last:
+            # Nothing counted since the last sample: by far the common case, at C speed.
+            if values.count(None) == len(values):
+                return _NAN
+            return self._last_cum[col]
+        if ids == last_ids:
+            prev = last
+        else:  # links appeared, vanished or moved: match them by number
+            old = dict(zip(last_ids, last, strict=True))
+            prev = tuple(old.get(i) for i in ids)
+        delta = 0.0
+        valid = False
+        kept: list[int | None] = []
+        for v, p in zip(values, prev, strict=True):
+            if v is None:
+                kept.append(p)
+                continue
+            valid = True
+            if p is not None:
+                d = v - p
+                delta += d if d >= 0 else v
+            kept.append(v)
+        self._link_ids[col], self._link_prev[col] = ids, tuple(kept)
+        if not valid:
+            return _NAN
+        c = self._last_cum[col] + delta
+        self._last_cum[col] = c
+        self._last_boot[col] = boot
+        return c
 
     def _insert_late(self, report: Report, latest: Report) -> None:
         if report.time < latest.time - self.fine_s:
@@ -523,12 +521,12 @@ class NodeHistory:
         self._times.insert(row, report.time)
         self._boots.insert(row, sys.intern(report.boot_id))
         self._rows_version += 1
-        for counters in (self._gpu_counters, self._nvlinks, self._nic_counters):
-            for c in counters.values():
-                c.cum.insert(row, _NAN)
+        values = [_NAN] * self._width  # counters: NaN (see the module docstring)
         gpus = {g.index: g for g in report.gpus}
-        for (gi, name), gauge in self._gauges.items():
-            gauge.vals.insert(row, _gauge_value(gpus.get(gi), name))
+        for (gi, name), col in self._gauges.items():
+            values[col] = _gauge_value(gpus.get(gi), name)
+        at = row * self._width
+        self._data[at:at] = array("d", values)
         boots = self._boots
         start = len(boots) - 1
         while start > 0 and boots[start - 1] == latest.boot_id:
@@ -558,20 +556,30 @@ class NodeHistory:
         if nic_keys:
             self._note_nics(nic_keys, report.time)
             self._forget_nics(set(nic_keys), report.time)
+        # What is missing, keyed so that a GPU or NIC named twice gets one series; then the
+        # columns for all of them at once (widening the rows copies every number).
+        t = report.time
+        new: dict[tuple[object, ...], Callable[[int], int]] = {}
         for gi in gpu_idx:
             for name in reg.gpu_counters:
                 if (gi, name) not in self._gpu_counters:
-                    self._new_gpu_counter(gi, name, report.time)
+                    new[("gpu", gi, name)] = functools.partial(self._new_gpu_counter, gi, name, t)
             for name in reg.nvlink_counters:
                 if (gi, name) not in self._nvlinks:
-                    self._new_nvlink(gi, name, report.time)
+                    new[("nvlink", gi, name)] = functools.partial(self._new_nvlink, gi, name, t)
             for name in reg.gpu_gauges:
                 if (gi, name) not in self._gauges:
-                    self._new_gauge(gi, name, report.time)
+                    new[("gauge", gi, name)] = functools.partial(self._new_gauge, gi, name, t)
         for dev, port in nic_keys:
             for counter in reg.nic_counters:
                 if (dev, port, counter) not in self._nic_counters:
-                    self._new_nic_counter((dev, port), counter, report.time)
+                    new[("nic", dev, port, counter)] = functools.partial(
+                        self._new_nic_counter, (dev, port), counter, t
+                    )
+        if new:
+            col = self._add_columns(len(new))
+            for i, make in enumerate(new.values()):
+                make(col + i)
 
     def _note_nics(self, keys: Iterable[NicKey], at: float) -> None:
         seen = self._nic_seen_at
@@ -592,9 +600,9 @@ class NodeHistory:
         gone = set(drop)
         for key in drop:
             del seen[key]
-        columns = {id(c.cum) for (dev, port, _), c in self._nic_counters.items() if (dev, port) in gone}
+        columns = {col for (dev, port, _), col in self._nic_counters.items() if (dev, port) in gone}
         self._nic_counters = {k: c for k, c in self._nic_counters.items() if (k[0], k[1]) not in gone}
-        self._columns = [col for col in self._columns if id(col) not in columns]
+        self._drop_columns(columns)
 
     def nic_keys(self) -> list[NicKey]:
         """The NICs the node's history holds series for (present or gone less than the window)."""
@@ -615,42 +623,76 @@ class NodeHistory:
             return [prev, latest]
         return [latest]
 
-    def _start(self, series: _Counter | _Gauge, seed: Callable[[Report], None], first: float) -> None:
-        """Align a new series with the rows and fill its newest rows from the seeds.
+    def _add_columns(self, k: int) -> int:
+        """Widen every row by ``k`` NaN columns (no value yet); the first new column's number."""
+        w, n = self._width, len(self._times)
+        wide = w + k
+        data = array("d", [_NAN]) * (n * wide)
+        old = self._data
+        for r in range(n):
+            data[r * wide : r * wide + w] = old[r * w : (r + 1) * w]
+        self._data, self._width = data, wide
+        self._since += [math.inf] * k
+        self._last_raw += [0.0] * k
+        self._last_cum += [0.0] * k
+        self._last_boot += [None] * k
+        self._link_ids += [()] * k
+        self._link_prev += [()] * k
+        return w
+
+    def _drop_columns(self, columns: set[int]) -> None:
+        """Remove these columns from every row and renumber the rest (a NIC's series gone)."""
+        if not columns:
+            return
+        w, n = self._width, len(self._times)
+        keep = [c for c in range(w) if c not in columns]
+        old = self._data
+        self._data = array("d", [old[r * w + c] for r in range(n) for c in keep])
+        self._width = len(keep)
+        self._since = [self._since[c] for c in keep]
+        self._last_raw = [self._last_raw[c] for c in keep]
+        self._last_cum = [self._last_cum[c] for c in keep]
+        self._last_boot = [self._last_boot[c] for c in keep]
+        self._link_ids = [self._link_ids[c] for c in keep]
+        self._link_prev = [self._link_prev[c] for c in keep]
+        renumber = {c: i for i, c in enumerate(keep)}
+        _renumber(self._gpu_counters, renumber)
+        _renumber(self._nvlinks, renumber)
+        _renumber(self._nic_counters, renumber)
+        _renumber(self._gauges, renumber)
+
+    def _start(self, col: int, value: Callable[[Report], float], first: float) -> None:
+        """Fill a new column's newest rows from the seeds, and date its start.
 
         ``first`` is the time of the report about to be pushed, for a series created before it.
         """
-        column = series.cum if isinstance(series, _Counter) else series.vals
         seeds = self._seeds()
-        del column[len(self._times) - len(seeds) :]
+        w = self._width
+        row = len(self._times) - len(seeds)
         for r in seeds:
-            seed(r)
-        series.since = seeds[0].time if seeds else first
-        self._columns.append(column)
+            self._data[row * w + col] = value(r)
+            row += 1
+        self._since[col] = seeds[0].time if seeds else first
 
-    def _new_gpu_counter(self, gpu: int, name: str, first: float) -> _Counter:
-        c = _Counter(len(self._times))
-        self._start(c, lambda r: c.push(_gpu_value(_find_gpu(r, gpu), name), r.boot_id), first)
-        self._gpu_counters[self.registry.key((gpu, name))] = c
-        return c
+    def _new_gpu_counter(self, gpu: int, name: str, first: float, col: int) -> int:
+        self._start(col, lambda r: self._count(col, _gpu_value(_find_gpu(r, gpu), name), r.boot_id), first)
+        self._gpu_counters[self.registry.key((gpu, name))] = col
+        return col
 
-    def _new_nvlink(self, gpu: int, name: str, first: float) -> _LinkCounter:
-        c = _LinkCounter(len(self._times), name)
-        self._start(c, lambda r: c.push_links(*_links(_find_gpu(r, gpu)), r.boot_id), first)
-        self._nvlinks[self.registry.key((gpu, name))] = c
-        return c
+    def _new_nvlink(self, gpu: int, name: str, first: float, col: int) -> int:
+        self._start(col, lambda r: self._count_links(col, name, *_links(_find_gpu(r, gpu)), r.boot_id), first)
+        self._nvlinks[self.registry.key((gpu, name))] = col
+        return col
 
-    def _new_nic_counter(self, nic: NicKey, counter: str, first: float) -> _Counter:
-        c = _Counter(len(self._times))
-        self._start(c, lambda r: c.push(_nic_value(_find_nic(r, nic), counter), r.boot_id), first)
-        self._nic_counters[self.registry.key((nic[0], nic[1], counter))] = c
-        return c
+    def _new_nic_counter(self, nic: NicKey, counter: str, first: float, col: int) -> int:
+        self._start(col, lambda r: self._count(col, _nic_value(_find_nic(r, nic), counter), r.boot_id), first)
+        self._nic_counters[self.registry.key((nic[0], nic[1], counter))] = col
+        return col
 
-    def _new_gauge(self, gpu: int, name: str, first: float) -> _Gauge:
-        g = _Gauge(len(self._times))
-        self._start(g, lambda r: g.vals.append(_gauge_value(_find_gpu(r, gpu), name)), first)
-        self._gauges[self.registry.key((gpu, name))] = g
-        return g
+    def _new_gauge(self, gpu: int, name: str, first: float, col: int) -> int:
+        self._start(col, lambda r: _gauge_value(_find_gpu(r, gpu), name), first)
+        self._gauges[self.registry.key((gpu, name))] = col
+        return col
 
     # -- eviction and thinning -----------------------------------------------------------------
 
@@ -661,8 +703,8 @@ class NodeHistory:
         del self._times[start:end]
         del self._boots[start:end]
         self._rows_version += 1
-        for col in self._columns:
-            del col[start:end]
+        w = self._width
+        del self._data[start * w : end * w]
         for attr in ("_boot_start", "_thin_from", "_pending"):
             row: int = getattr(self, attr)
             setattr(self, attr, row - n if row >= end else min(row, start))
@@ -720,7 +762,7 @@ class NodeHistory:
         self._span_rows = (lo, hi)
         return lo, hi
 
-    def _rate(self, series: _Counter, window_s: float, at: Report) -> float | None:
+    def _rate(self, col: int, window_s: float, at: Report) -> float | None:
         latest = self._latest
         if latest is None or (at is not latest and at.boot_id != latest.boot_id):
             return None
@@ -729,24 +771,28 @@ class NodeHistory:
             lo, hi = self._span_rows
         else:
             lo, hi = self._span(window_s, at.time)
-        if lo > hi or series.since > self._times[lo]:
+        if lo > hi or self._since[col] > self._times[lo]:
             # The series was started after the window (this boot's part of it) began: its rate
             # would spread the window's increase over less time than the window. No rate is
             # better than an inflated one; the rule engine asks on a node's first report, so in
             # practice every series it uses covers the node's whole history.
             return None
-        cum = series.cum
-        while lo < hi and cum[lo] != cum[lo]:  # NaN: no value in that sample
+        data, w = self._data, self._width
+        first = data[lo * w + col]
+        while lo < hi and math.isnan(first):  # NaN: no value in that sample
             lo += 1
-        while hi > lo and cum[hi] != cum[hi]:
+            first = data[lo * w + col]
+        last = data[hi * w + col]
+        while hi > lo and math.isnan(last):
             hi -= 1
+            last = data[hi * w + col]
         if hi <= lo:
             return None
         times = self._times
         dt = times[hi] - times[lo]
         if dt <= 0:
             return None
-        return (cum[hi] - cum[lo]) / dt
+        return (last - first) / dt
 
     def gpu_rate(self, gpu: int, name: str, window_s: float, at: Report) -> float | None:
         c = self._gpu_counters.get((gpu, name))
@@ -755,7 +801,7 @@ class NodeHistory:
             self.registry.track_gpu_counters(name)
             if _find_gpu(at, gpu) is None:
                 return None
-            c = self._new_gpu_counter(gpu, name, at.time)
+            c = self._new_gpu_counter(gpu, name, at.time, self._add_columns(1))
         return self._rate(c, window_s, at)
 
     def nvlink_rate(self, gpu: int, name: str, window_s: float, at: Report) -> float | None:
@@ -765,7 +811,7 @@ class NodeHistory:
             self.registry.track_nvlink_counters(name)
             if _find_gpu(at, gpu) is None:
                 return None
-            c = self._new_nvlink(gpu, name, at.time)
+            c = self._new_nvlink(gpu, name, at.time, self._add_columns(1))
         return self._rate(c, window_s, at)
 
     def nic_rate(
@@ -776,7 +822,7 @@ class NodeHistory:
             self.registry.track_nic_counters(counter)
             if _find_nic(at, (device, port)) is None:
                 return None
-            c = self._new_nic_counter((device, port), counter, at.time)
+            c = self._new_nic_counter((device, port), counter, at.time, self._add_columns(1))
         return self._rate(c, window_s, at)
 
     def gpu_samples(
@@ -789,13 +835,19 @@ class NodeHistory:
             self.registry.track_gpu_gauges(name)
             if _find_gpu(at, gpu) is None:
                 return []
-            g = self._new_gauge(gpu, name, at.time)
+            g = self._new_gauge(gpu, name, at.time, self._add_columns(1))
         times = self._times
         now = at.time
-        lo = bisect_left(times, max(now - window_s, g.since))
+        lo = bisect_left(times, max(now - window_s, self._since[g]))
         hi = bisect_right(times, now)
-        vals = g.vals
-        return [(times[i], None if vals[i] != vals[i] else vals[i]) for i in range(lo, hi)]
+        data, w = self._data, self._width
+        values = [data[i * w + g] for i in range(lo, hi)]
+        return [(times[i], None if math.isnan(v) else v) for i, v in zip(range(lo, hi), values, strict=True)]
+
+
+def _renumber(series: dict[_K, int], renumber: dict[int, int]) -> None:
+    for key, col in series.items():
+        series[key] = renumber[col]
 
 
 def _find_gpu(report: Report, index: int) -> Gpu | None:
