@@ -145,6 +145,8 @@ def _swap(hint: Any, subs: Mapping[Any, Any]) -> Any:
         return functools.reduce(operator.or_, (_swap(a, subs) for a in args))
     if origin is list:
         return list[_swap(args[0], subs)]  # type: ignore[misc]
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return tuple[_swap(args[0], subs), ...]  # type: ignore[misc]
     return hint
 
 
@@ -390,7 +392,7 @@ def _float_plan(struct: type[msgspec.Struct]) -> _FloatPlan | None:
             nested: Any = None
             if member is float:
                 names.append(name)
-            elif typing.get_origin(member) is list:
+            elif typing.get_origin(member) in (list, tuple):  # list[S] or tuple[S, ...]
                 nested = get_args(member)[0]
             elif isinstance(member, type) and issubclass(member, msgspec.Struct):
                 nested = member
@@ -419,7 +421,7 @@ def _all_finite(plan: _FloatPlan, items: list[Any]) -> bool:
     for name, child in plan.children:
         found: list[Any] = []
         for value in map(operator.attrgetter(name), items):
-            if isinstance(value, list):
+            if isinstance(value, (list, tuple)):
                 found.extend(value)
             elif isinstance(value, msgspec.Struct):
                 found.append(value)
@@ -434,11 +436,10 @@ def _first_non_finite(plan: _FloatPlan, obj: Any, path: str) -> str:
             return f"{path}.{name}"
     for name, child in plan.children:
         value = getattr(obj, name)
-        items = value if isinstance(value, list) else [value] if isinstance(value, msgspec.Struct) else []
+        many = isinstance(value, (list, tuple))
+        items = value if many else [value] if isinstance(value, msgspec.Struct) else []
         for i, item in enumerate(items):
-            where = _first_non_finite(
-                child, item, f"{path}.{name}[{i}]" if isinstance(value, list) else f"{path}.{name}"
-            )
+            where = _first_non_finite(child, item, f"{path}.{name}[{i}]" if many else f"{path}.{name}")
             if where:
                 return where
     return ""
@@ -537,8 +538,8 @@ def as_v1(report: Report) -> Report:
     gpus = []
     for gpu in report.gpus:
         plain = _plain(Gpu, gpu)
-        if isinstance(gpu.nvlink, list):
-            plain = msgspec.structs.replace(plain, nvlink=[_plain(NvLink, link) for link in gpu.nvlink])
+        if not isinstance(gpu.nvlink, UnsetType):
+            plain = msgspec.structs.replace(plain, nvlink=tuple(_plain(NvLink, link) for link in gpu.nvlink))
         gpus.append(plain)
     return msgspec.structs.replace(report, gpus=gpus, nics=[_plain(Nic, nic) for nic in report.nics])
 

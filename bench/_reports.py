@@ -272,7 +272,7 @@ class NodeSim:
             pcie_link_width=16,
             pcie_link_width_max=16,
             pcie_replay_total=g.pcie_replay,
-            nvlink=[
+            nvlink=tuple(
                 NvLink(
                     link=n,
                     active=True,
@@ -282,7 +282,7 @@ class NodeSim:
                     recovery_errors_total=c[3],
                 )
                 for n, c in enumerate(g.links)
-            ],
+            ),
         )
 
     def _nic(self, n: _NicState, down: bool) -> Nic:

@@ -542,7 +542,7 @@ class _Node:
         temperature = float(round(min(84.0, g.temperature + rng.uniform(-0.7, 0.7) * k)))
         g.energy_j += power * dt
         g.memory_used = int(rng.uniform(60.0, 78.0) * _GIB) if busy else 512 << 20
-        nvlink = [
+        nvlink = tuple(
             NvLink(
                 link=i,
                 active=True,
@@ -552,7 +552,7 @@ class _Node:
                 recovery_errors_total=0,
             )
             for i in range(p.nvlinks)
-        ]
+        )
         gpu = Gpu(
             index=g.index,
             uuid=g.uuid,

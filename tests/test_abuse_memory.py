@@ -89,7 +89,7 @@ def test_a_report_over_a_cap_is_refused_naming_the_cap() -> None:
     errors = cap_errors(over, DEFAULTS.ingest)
     assert errors == ["$.nics: 40 NICs, a node holds at most 32"]
     assert cap_errors(report, DEFAULTS.ingest) == []
-    many_links = msgspec.structs.replace(report.gpus[0], nvlink=[*report.gpus[0].nvlink] * 2)
+    many_links = msgspec.structs.replace(report.gpus[0], nvlink=(*report.gpus[0].nvlink,) * 2)
     assert cap_errors(msgspec.structs.replace(report, gpus=[many_links]), DEFAULTS.ingest) == [
         "$.gpus[0].nvlink: 36 links, a GPU has at most 18"
     ]

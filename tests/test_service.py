@@ -86,7 +86,7 @@ def make_report(
             pcie_link_width=16,
             pcie_link_width_max=16,
             pcie_replay_total=0,
-            nvlink=[
+            nvlink=tuple(
                 NvLink(
                     link=link,
                     active=True,
@@ -96,7 +96,7 @@ def make_report(
                     recovery_errors_total=0,
                 )
                 for link in range(18)
-            ],
+            ),
         )
         for i in range(8)
     ]

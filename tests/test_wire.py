@@ -72,8 +72,8 @@ EDGE_CASES: dict[str, Report] = {
     "minimal: every optional section absent": minimal(),
     "optional sections present and empty": minimal(labels={}, events=[], probes=[], errors=[]),
     "a GPU of nulls, no NVLinks field": minimal(gpus=[Gpu(index=0, uuid="GPU-0")]),
-    "a GPU with an empty NVLink list": minimal(gpus=[Gpu(index=0, uuid="GPU-0", nvlink=[])]),
-    "NVLinks of nulls": minimal(gpus=[Gpu(index=1, uuid="GPU-1", nvlink=[NvLink(link=0), NvLink(link=17)])]),
+    "a GPU with an empty NVLink list": minimal(gpus=[Gpu(index=0, uuid="GPU-0", nvlink=())]),
+    "NVLinks of nulls": minimal(gpus=[Gpu(index=1, uuid="GPU-1", nvlink=(NvLink(link=0), NvLink(link=17)))]),
     "a NIC without counters": minimal(nics=[Nic(device="eth0", link_layer="Ethernet")]),
     "a NIC with empty counters": minimal(nics=[Nic(device="eth0", link_layer="Ethernet", counters={})]),
     "counters the table does not name, and zero values": minimal(

@@ -445,7 +445,7 @@ class NvmlCollector:
         return None
 
     @staticmethod
-    def _nvlinks(api: NvmlApi, handle: DeviceHandle, r: _Reader) -> list[NvLink] | UnsetType:
+    def _nvlinks(api: NvmlApi, handle: DeviceHandle, r: _Reader) -> tuple[NvLink, ...] | UnsetType:
         links: list[NvLink] = []
         counter = api.nvmlDeviceGetNvLinkErrorCounter
         for link in range(MAX_LINKS):
@@ -478,7 +478,7 @@ class NvmlCollector:
                 )
             )
         # The schema has no null for nvlink: a GPU without NVLink leaves the field out.
-        return links if links else UNSET
+        return tuple(links) if links else UNSET
 
     def _driver(self, api: NvmlApi, r: _Reader) -> str | None:
         if self._driver_version is None:

@@ -81,9 +81,11 @@ import math
 import sys
 from array import array
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Final, Literal, TypeVar
+
+from msgspec import UnsetType
 
 from agent.errors import ConfigError, ReportError
 from agent.report import (
@@ -205,8 +207,8 @@ _LinkIds = tuple[int, ...]
 _LinkValues = tuple[int | None, ...]
 
 
-def _links(gpu: Gpu | None) -> tuple[list[NvLink], _LinkIds]:
-    links = gpu.nvlink if gpu is not None and isinstance(gpu.nvlink, list) else []
+def _links(gpu: Gpu | None) -> tuple[Sequence[NvLink], _LinkIds]:
+    links = gpu.nvlink if gpu is not None and not isinstance(gpu.nvlink, UnsetType) else ()
     return links, tuple(link.link for link in links)
 
 
@@ -445,7 +447,7 @@ class NodeHistory:
             g = gpus.get(gi)
             v = None if g is None else getattr(g, name)
             row[col] = count(col, None if v is None else float(v), boot)
-        links: dict[int, tuple[list[NvLink], _LinkIds]] = {}
+        links: dict[int, tuple[Sequence[NvLink], _LinkIds]] = {}
         for (gi, name), col in self._nvlinks.items():
             per_gpu = links.get(gi)
             if per_gpu is None:
@@ -476,7 +478,7 @@ class NodeHistory:
         self._last_boot[col] = boot
         return c
 
-    def _count_links(self, col: int, name: str, links: list[NvLink], ids: _LinkIds, boot: str) -> float:
+    def _count_links(self, col: int, name: str, links: Sequence[NvLink], ids: _LinkIds, boot: str) -> float:
         """Like ``_count`` for an NVLink counter summed over a GPU's links, each link reset-safe."""
         values: _LinkValues = tuple(map(_LINK_GETTERS[name], links))
         if boot != self._last_boot[col]:
