@@ -358,8 +358,12 @@ class PoolFrame:
         self._ratelog = RateLimitedLog(log)  # a node sending new NIC names may not flood the log
         self._capacity = initial_rows
         self._nic_width = initial_nics
-        self._gpu: list[FloatArray] = [self._empty_gpu(initial_rows) for _ in range(slots)]
-        self._nic: list[FloatArray] = [self._empty_nic(initial_rows, initial_nics) for _ in range(slots)]
+        # One block per frame, each position a view of its part: one large allocation, which the
+        # allocator maps and returns whole, where 2 x slots arrays of a few hundred KB each left
+        # the heap fragmented (bench/memory.py: about 60 KB a node more RSS). A position a window
+        # holds is given an array of its own when it next changes (``_writable``, ``_clear``).
+        self._gpu: list[FloatArray] = list(self._empty_gpu(initial_rows, slots))
+        self._nic: list[FloatArray] = list(self._empty_nic(initial_rows, initial_nics, slots))
         # Per position: the windows holding its arrays (copy on write while one of them lives).
         self._readers: list[list[weakref.ref[FrameWindow]]] = [[] for _ in range(slots)]
         self.head: int | None = None  # newest slot number written
@@ -368,11 +372,11 @@ class PoolFrame:
         self._nic_keys: dict[str, list[NicKey]] = {}
         self._nic_seen: dict[str, set[NicKey]] = {}  # assigned a column or left out
 
-    def _empty_gpu(self, rows: int) -> FloatArray:
-        return np.full((rows, self.gpus, len(GPU_FIELDS)), np.nan, np.float32)
+    def _empty_gpu(self, rows: int, *slots: int) -> FloatArray:
+        return np.full((*slots, rows, self.gpus, len(GPU_FIELDS)), np.nan, np.float32)
 
-    def _empty_nic(self, rows: int, width: int) -> FloatArray:
-        return np.full((rows, width, len(NIC_FIELDS)), np.nan, np.float32)
+    def _empty_nic(self, rows: int, width: int, *slots: int) -> FloatArray:
+        return np.full((*slots, rows, width, len(NIC_FIELDS)), np.nan, np.float32)
 
     @property
     def gpu(self) -> FloatArray:
@@ -420,12 +424,12 @@ class PoolFrame:
         """New arrays for every position (the windows keep the old), rows ``[0, n)`` copied."""
         n = len(self._names)
         w = min(width, self._nic_width)
+        gpus, nics = self._empty_gpu(capacity, self.slots), self._empty_nic(capacity, width, self.slots)
         for p in range(self.slots):
-            gpu, nic = self._empty_gpu(capacity), self._empty_nic(capacity, width)
-            gpu[:n] = self._gpu[p][:n]
-            nic[:n, :w] = self._nic[p][:n, :w]
-            self._gpu[p], self._nic[p] = gpu, nic
+            gpus[p, :n] = self._gpu[p][:n]
+            nics[p, :n, :w] = self._nic[p][:n, :w]
             self._readers[p].clear()
+        self._gpu, self._nic = list(gpus), list(nics)
         self._capacity, self._nic_width = capacity, width
 
     def _row(self, node: str) -> int:
