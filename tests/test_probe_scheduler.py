@@ -488,9 +488,49 @@ def test_confirms_go_before_rotation_and_are_bounded_per_node() -> None:
         s.result("gpu-00-00", failed, placement("gpu-00-00"), now)
     assert s._pending["gpu-00-00"] == cfg.max_pending_confirms
     assert max(s._pending.values()) <= cfg.max_pending_confirms
+    # At its limit a node's pair-again requests take the place of its fresh partners: each
+    # failed pair is met again.
+    assert sorted(str(c.peer) for c in s._confirms if c.node == "gpu-00-00") == sorted(peers)
     new = sim.step(now)
-    # Two probes may run fleet-wide: both are confirms, though the round's rotation is owed too.
-    assert len(new) == 4 and {sim.seen[a.id][a.node].reason for a in new} == {"confirm"}
+    # Two probes may run fleet-wide: a confirm goes first, though the round's rotation is owed too.
+    assert len(new) == 4 and [sim.seen[a.id][a.node].reason for a in new][:2] == ["confirm", "confirm"]
+
+
+def test_a_pair_again_takes_the_place_of_fresh_partners_at_an_ends_limit() -> None:
+    # The partner of a bad node is held at its limit by the fresh partners the bad node's slow
+    # result asked for; its own slow path with a third node must still be probed again (the
+    # one confirm a link verdict needs), or that path waits a whole rotation.
+    cfg = fleet_config(round_seconds=300.0)
+    nodes = names(1, 8)
+    sim = warmed(cfg, nodes, rounds=1)
+    s = sim.scheduler
+    now = T0 + cfg.round_seconds + 5
+    bad, partner = nodes[0], nodes[1]
+    # Results of pairs the last round planned would be taken for that round's copies.
+    met = {frozenset((p.assignment.node, str(p.assignment.peer))) for p in sim.planned()}
+    third, fourth = [n for n in nodes[2:] if not {frozenset((partner, n)), frozenset((bad, n))} & met][:2]
+
+    def failed(a: str, b: str, at: float) -> None:
+        s.result(a, Probe(kind="tcp_pair", time=at, ok=False, peer=b, error="timeout"), placement(a), at)
+
+    failed(bad, partner, now)
+    assert s._pending[partner] == cfg.max_pending_confirms  # the pair again and two fresh partners
+    failed(partner, third, now + 1)
+    again = [c for c in s._confirms if c.peer is not None and {c.node, c.peer} == {partner, third}]
+    assert len(again) == 1, "the second slow path is probed again"
+    assert s._pending[partner] == cfg.max_pending_confirms
+    # What gave way is one of the partner's fresh-partner requests, not the first pair again.
+    mine = [c for c in s._confirms if partner in (c.node, c.peer)]
+    assert sorted((c.node, c.peer) for c in mine if c.peer is not None) == sorted(
+        [(bad, partner), (partner, third)]
+    )
+    assert sum(1 for c in mine if c.peer is None) == 1
+    # Another slow path takes the last fresh partner's place; then the limit is all pair-agains,
+    # which are never displaced, and a fourth waits for the rotation.
+    failed(partner, fourth, now + 2)
+    assert [c.peer for c in s._confirms if c.peer is not None and c.node == partner] == [third, fourth]
+    assert not [c for c in s._confirms if c.node == partner and c.peer is None]
+    assert max(s._pending.values()) <= cfg.max_pending_confirms
 
 
 def test_a_failed_pair_triggers_confirms_but_a_busy_one_does_not() -> None:

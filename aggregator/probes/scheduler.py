@@ -44,13 +44,13 @@ that kind), asks for the pair again first (planned at once, holding both ends, s
 it within one full rotation; they wait for the repeat while both its ends are idle. A result that
 comes before its pool has an expected bandwidth (``expected_min_results`` ok results of that
 kind: the first round of a fresh or restarted scheduler) is judged once the pool has one, and
-confirmed then if it was slow. Requests not
-served within ``confirm_within_rounds`` rounds are dropped; a node has at most
-``max_pending_confirms`` outstanding. A confirm result never asks for more confirms, so a bad node
-cannot start a storm. A probe during which an end turned busy ("interrupted": the agent steps
-aside for the job) says nothing about the hardware and is ignored for confirms and for known-good,
-as is a result whose error starts with the agent's ``skipped:`` or ``stepped aside:``
-(``BUSY_ERROR_PREFIXES``).
+confirmed then if it was slow. Requests not served within ``confirm_within_rounds`` rounds are
+dropped; a node has at most ``max_pending_confirms`` outstanding, and a pair-again request takes
+the place of an end's oldest fresh-partner request when that end is at its limit. A confirm result
+never asks for more confirms, so a bad node cannot start a storm. A probe during which an end
+turned busy ("interrupted": the agent steps aside for the job) says nothing about the hardware and
+is ignored for confirms and for known-good, as is a result whose error starts with the agent's
+``skipped:`` or ``stepped aside:`` (``BUSY_ERROR_PREFIXES``).
 
 **Preflight.** A node observed with ``preflight=True`` leaves the rotation until it has a verdict:
 first its local probe (when ``local_kind`` is set), then a pair probe with a known-good partner
@@ -865,6 +865,24 @@ class ProbeScheduler:
                 return best[1]
         return None
 
+    def _displaceable(self, end: str, limit: int) -> list[_Confirm] | None:
+        """``end``'s oldest unserved fresh-partner requests to drop to bring it under ``limit``
+        ([]: it is under; None: its limit is held by pair-again requests, which are not dropped).
+
+        Only a pair-again request displaces: it is the one confirm a link verdict cannot do
+        without, while fresh partners are more of what the rotation brings anyway. Without this a
+        partner of a bad node, whose every result asks fresh partners for both ends, is kept at
+        its limit by those, and the pair-again of its own slow path is not planned: that path is
+        met again only a rotation later. Pair-again requests stay bounded: one per suspicious
+        rotation or unplanned result, each expiring after ``confirm_within_rounds``."""
+        need = self._pending[end] - limit + 1
+        if need <= 0:
+            return []
+        fresh = [c for c in self._confirms if c.node == end and c.peer is None and not c.done]
+        if len(fresh) < need:
+            return None
+        return sorted(fresh, key=lambda c: c.not_before)[:need]
+
     def _release_confirm(self, req: _Confirm) -> None:
         for end in (req.node, req.peer):
             if end is not None:
@@ -1121,6 +1139,13 @@ class ProbeScheduler:
         repeat: _Confirm | None = None
         for x, peer in requests:
             ends = (x,) if peer is None else (x, peer)
+            if peer is not None:
+                drop = [self._displaceable(e, cfg.max_pending_confirms) for e in ends]
+                if all(d is not None for d in drop):
+                    for req in (r for d in drop for r in d or ()):
+                        req.done = True
+                        self._release_confirm(req)
+                    self._confirms = [c for c in self._confirms if not c.done]
             if any(self._pending[e] >= cfg.max_pending_confirms for e in ends):
                 continue
             for e in ends:
