@@ -15,6 +15,8 @@ pipeline's fixed state exist by then) and the end:
 - with ``--holders``, the memory each part of the pipeline holds at the end (a walk of its object
   graph with ``sys.getsizeof``; an object reachable from two parts counts for the first listed);
 - with ``--tracemalloc``, the allocation sites (file:line) still holding the most memory;
+- with ``--tracked N``, the N types with the most tracked objects grown per node (what to make
+  untracked, or fewer, to shorten a full collection);
 - with ``--time-rounds M``, M more rounds with the CPU of ``Pipeline.ingest`` timed (the reports of
   each round built first, then ingested under ``time.process_time``): median per report.
 
@@ -33,6 +35,7 @@ import statistics
 import sys
 import time
 import tracemalloc
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from types import FunctionType, MethodType, ModuleType
@@ -103,12 +106,18 @@ def holders(pipeline: Pipeline) -> list[tuple[str, int]]:
     return [(name, deep_size(roots, seen)) for name, roots in parts]
 
 
+def tracked_types() -> Counter[str]:
+    """Objects the cyclic collector tracks, by type (module-qualified)."""
+    return Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=185, help="reports per node, 10 s apart")
     ap.add_argument("--holders", action="store_true", help="walk the pipeline: who holds what")
     ap.add_argument("--tracemalloc", type=int, default=0, metavar="N", help="top N allocation sites")
+    ap.add_argument("--tracked", type=int, default=0, metavar="N", help="top N tracked types grown")
     ap.add_argument(
         "--time-rounds",
         type=int,
@@ -135,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         tracemalloc.start()
     gc.collect()
     rss0, objs0 = rss_bytes(), len(gc.get_objects())
+    types0 = tracked_types() if args.tracked else Counter[str]()
     checkpoints: dict[int, tuple[int, int]] = {}
     for r in range(args.rounds):
         feed(r)
@@ -169,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
             frame = s.traceback[0]
             where = f"{Path(frame.filename).name}:{frame.lineno}"
             print(f"  {s.size / n / 1024:8.1f} KB/node  {s.count / n:7.0f} blocks/node  {where}")
+    if args.tracked:
+        grown = tracked_types() - types0
+        out["tracked_per_node"] = {t: round(c / n, 1) for t, c in grown.most_common(args.tracked)}
+        print(f"tracked objects grown, per node (top {args.tracked} types):")
+        for t, c in grown.most_common(args.tracked):
+            print(f"  {c / n:8.1f}  {t}")
     if args.holders:
         out["holders_kb_per_node"] = {}
         print("held at the end (object-graph walk), per node:")

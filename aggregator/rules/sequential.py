@@ -70,6 +70,8 @@ import math
 from dataclasses import dataclass
 from typing import Final, Literal
 
+import msgspec
+
 # At least this many reports' worth of evidence to decide: one report's increment is capped at
 # h / MIN_REPORTS. Three reports are 30 s at the agent's default 10-s interval; a burst confined
 # to one interval cannot decide alone, while a real excess of 10x a budget still decides in three.
@@ -276,19 +278,20 @@ class PoissonCusum:
         return arl_seconds(self.h, self.lambda0, self.ratio, rate)
 
 
-class CountEvidence:
-    """The statistic of one counter on one subject (see the module doc for every case)."""
+class CountEvidence(msgspec.Struct, gc=False):
+    """The statistic of one counter on one subject (see the module doc for every case).
 
-    __slots__ = ("at", "counts", "decided", "saturated", "start", "statistic", "value")
+    A struct the cycle collector does not track (``gc=False``: it holds numbers only): the engine
+    keeps one per counting rule and subject, eight a node with the shipped rules, and every
+    tracked object lengthens each full collection, which holds the event loop."""
 
-    def __init__(self) -> None:
-        self.value: int | None = None  # the counter at the last report that carried it
-        self.at: float | None = None  # that report's time
-        self.statistic = 0.0  # S, nats
-        self.start: float | None = None  # when S last left zero: the change-point estimate
-        self.counts = 0  # counts since ``start``
-        self.decided = False
-        self.saturated = False
+    value: int | None = None  # the counter at the last report that carried it
+    at: float | None = None  # that report's time
+    statistic: float = 0.0  # S, nats
+    start: float | None = None  # when S last left zero: the change-point estimate
+    counts: int = 0  # counts since ``start``
+    decided: bool = False
+    saturated: bool = False
 
     @property
     def state(self) -> EvidenceState:
