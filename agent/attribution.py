@@ -274,7 +274,7 @@ def allocations(listing: PodListing, gpus: Sequence[Gpu]) -> tuple[list[GpuAlloc
         if kept:
             out.append(
                 GpuAllocation(
-                    namespace=namespace, pod=pod, container=container, resource=resource, devices=kept
+                    namespace=namespace, pod=pod, container=container, resource=resource, devices=tuple(kept)
                 )
             )
 

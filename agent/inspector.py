@@ -1040,7 +1040,7 @@ class Summarizer:
                     gpu=UNSET if gpu is None else gpu,
                 )
             )
-        jobs = Jobs(format=JOBS_FORMAT, collectives=rows, records=self.records, dropped=self.dropped)
+        jobs = Jobs(format=JOBS_FORMAT, collectives=tuple(rows), records=self.records, dropped=self.dropped)
         self._rows = {}
         self.records = 0
         self.dropped = 0

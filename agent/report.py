@@ -229,7 +229,7 @@ class Jobs(_Base, frozen=True):
 
     # The section's own version: it can change without a report v2.
     format: Literal["gpuwarden/jobs/v1"]
-    collectives: Annotated[list[Collective], Meta(max_length=MAX_COLLECTIVES)]
+    collectives: Annotated[tuple[Collective, ...], Meta(max_length=MAX_COLLECTIVES)]
     # Records read this cycle.
     records: Count
     # Records read but not summarized (caps, unknown kinds, malformed).
@@ -245,17 +245,21 @@ class GpuAllocation(_Base, frozen=True):
     # e.g. "nvidia.com/gpu".
     resource: Str253
     # Device IDs as the device plugin names them: GPU (or MIG) UUIDs for NVIDIA's.
-    devices: Annotated[list[Str96], Meta(max_length=64)]
+    devices: Annotated[tuple[Str96, ...], Meta(max_length=64)]
 
 
 class Report(_Base, frozen=True):
+    # Every array is a tuple, as ``Gpu.nvlink`` is and for the same reason: the aggregator keeps
+    # two reports per node, a tuple of gc=False structs stops being tracked at the first collection
+    # it survives, and a list is tracked (and promoted, and walked by every full collection) for as
+    # long as it lives.
     schema: Literal["gpuwarden/report/v1"]
     node: NodeName
     time: float
     seq: Count
     boot_id: Annotated[str, Meta(min_length=1, max_length=64)]
-    gpus: Annotated[list[Gpu], Meta(max_length=64)]
-    nics: Annotated[list[Nic], Meta(max_length=256)]
+    gpus: Annotated[tuple[Gpu, ...], Meta(max_length=64)]
+    nics: Annotated[tuple[Nic, ...], Meta(max_length=256)]
     # Optional but never null in the schema: UNSET leaves them out of the JSON and refuses null.
     # Measured fields inside a GPU or NIC are the opposite: always written, null where unsupported.
     agent_version: Str64 | UnsetType = UNSET
@@ -264,14 +268,14 @@ class Report(_Base, frozen=True):
     run: Annotated[str, Meta(min_length=1, max_length=64)] | UnsetType = UNSET
     interval_seconds: Annotated[float, Meta(gt=0)] | UnsetType = UNSET
     labels: Annotated[dict[str, Str128], Meta(max_length=16)] | UnsetType = UNSET
-    events: Annotated[list[Event], Meta(max_length=1024)] | UnsetType = UNSET
-    probes: Annotated[list[Probe], Meta(max_length=256)] | UnsetType = UNSET
-    errors: Annotated[list[CollectorError], Meta(max_length=64)] | UnsetType = UNSET
+    events: Annotated[tuple[Event, ...], Meta(max_length=1024)] | UnsetType = UNSET
+    probes: Annotated[tuple[Probe, ...], Meta(max_length=256)] | UnsetType = UNSET
+    errors: Annotated[tuple[CollectorError, ...], Meta(max_length=64)] | UnsetType = UNSET
     # Added within v1 (docs/jobs.md): absent = the Inspector collector is not enabled on this node;
     # present with no collectives = enabled, nothing new this cycle.
     jobs: Jobs | UnsetType = UNSET
     # Absent = attribution not available (no kubelet socket); present and empty = no pod holds a GPU.
-    pods: Annotated[list[GpuAllocation], Meta(max_length=256)] | UnsetType = UNSET
+    pods: Annotated[tuple[GpuAllocation, ...], Meta(max_length=256)] | UnsetType = UNSET
 
 
 # -- The field catalogue ---------------------------------------------------------------------------

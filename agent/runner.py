@@ -197,14 +197,14 @@ class Agent:
             run=self.run_id,
             agent_version=__version__,
             interval_seconds=self.interval_seconds,
-            gpus=sorted(gpus, key=lambda g: g.index),
-            nics=nics,
+            gpus=tuple(sorted(gpus, key=lambda g: g.index)),
+            nics=tuple(nics),
             labels=dict(self.labels) if self.labels else UNSET,
-            events=events if events else UNSET,
-            probes=probes if probes else UNSET,
-            errors=errors if errors else UNSET,
+            events=tuple(events) if events else UNSET,
+            probes=tuple(probes) if probes else UNSET,
+            errors=tuple(errors) if errors else UNSET,
             jobs=jobs if jobs is not None else UNSET,
-            pods=pods if pods is not None else UNSET,
+            pods=tuple(pods) if pods is not None else UNSET,
         )
         self._seq += 1
         result = CycleResult(report=report, statuses=tuple(statuses))

@@ -541,7 +541,8 @@ def as_v1(report: Report) -> Report:
         if not isinstance(gpu.nvlink, UnsetType):
             plain = msgspec.structs.replace(plain, nvlink=tuple(_plain(NvLink, link) for link in gpu.nvlink))
         gpus.append(plain)
-    return msgspec.structs.replace(report, gpus=gpus, nics=[_plain(Nic, nic) for nic in report.nics])
+    nics = tuple(_plain(Nic, nic) for nic in report.nics)
+    return msgspec.structs.replace(report, gpus=tuple(gpus), nics=nics)
 
 
 # -- Traces ----------------------------------------------------------------------------------------

@@ -355,7 +355,7 @@ class Pipeline:
         # fleet (or a probe nobody assigned) would be state one token makes up at will.
         observed = report
         if report.probes and len(kept) != len(report.probes):
-            observed = msgspec.structs.replace(report, probes=kept if kept else msgspec.UNSET)
+            observed = msgspec.structs.replace(report, probes=tuple(kept) if kept else msgspec.UNSET)
         for run in self._detectors:
             try:
                 run.detector.observe_report(observed, placement, received)

@@ -338,12 +338,12 @@ class NodeSim:
             time=time,
             seq=self.seq,
             boot_id=self.boot_id,
-            gpus=gpus,
-            nics=nics,
+            gpus=tuple(gpus),
+            nics=tuple(nics),
             agent_version=AGENT_VERSION,
             interval_seconds=self.interval,
             labels=self.labels,
-            events=events if events else UNSET,
+            events=tuple(events) if events else UNSET,
         )
         self.seq += 1
         return report

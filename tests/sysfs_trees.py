@@ -50,8 +50,8 @@ def validate(nics: list[Nic]) -> None:
         time=1_764_441_600.0,
         seq=1,
         boot_id="5c2e1f4a-boot",
-        gpus=[],
-        nics=nics,
+        gpus=(),
+        nics=tuple(nics),
     )
     data = report_mod.encode(report)
     jsonschema.validate(msgspec.json.decode(data), report_mod.json_schema())

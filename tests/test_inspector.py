@@ -387,7 +387,7 @@ def test_rows_are_capped_and_the_rest_counted_dropped() -> None:
     jobs = summ.take()
     assert (len(jobs.collectives), jobs.records, jobs.dropped) == (2, 5, 2)
     assert [c.count for c in jobs.collectives] == [2, 1]
-    assert summ.take() == report.Jobs(format="gpuwarden/jobs/v1", collectives=[], records=0, dropped=0)
+    assert summ.take() == report.Jobs(format="gpuwarden/jobs/v1", collectives=(), records=0, dropped=0)
     with pytest.raises(ValueError):
         Summarizer(max_keys=report.MAX_COLLECTIVES + 1)
 
@@ -400,7 +400,7 @@ def test_a_full_summary_fits_the_report_and_its_schema() -> None:
     jobs = summ.take()
     assert len(jobs.collectives) == report.MAX_COLLECTIVES and jobs.dropped == 11
     r = report.Report(
-        schema=report.SCHEMA_ID, node="n", time=1.0, seq=0, boot_id="b", gpus=[], nics=[], jobs=jobs
+        schema=report.SCHEMA_ID, node="n", time=1.0, seq=0, boot_id="b", gpus=(), nics=(), jobs=jobs
     )
     wire = report.encode(r)
     jsonschema.Draft202012Validator(report.json_schema()).validate(json.loads(wire))

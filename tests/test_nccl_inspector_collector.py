@@ -93,7 +93,7 @@ def test_not_enabled_and_not_present_are_states_not_errors(tmp_path: Path) -> No
     assert r.jobs is msgspec_unset() and r.errors is msgspec_unset()
     missing.mkdir()
     r = agent.cycle().report
-    assert r.jobs == Jobs(format="gpuwarden/jobs/v1", collectives=[], records=0, dropped=0)
+    assert r.jobs == Jobs(format="gpuwarden/jobs/v1", collectives=(), records=0, dropped=0)
 
 
 def msgspec_unset() -> object:
@@ -433,7 +433,7 @@ def test_agent_once_reports_what_the_directory_holds(tmp_path: Path) -> None:
     r = report.decode(out.stdout)
     assert isinstance(r.jobs, Jobs) and (r.jobs.records, r.jobs.dropped) == (6, 1)
     assert len(r.jobs.collectives) == 4
-    assert isinstance(r.errors, list)
+    assert isinstance(r.errors, tuple)
     (err,) = [e for e in r.errors if e.collector == "nccl_inspector"]
     assert err.message.startswith("broken-pid2.log: 1 unknown_version")
     bad = subprocess.run(

@@ -105,11 +105,11 @@ def test_allocations_keep_gpus_and_leave_other_devices_out() -> None:
     pods, problems = allocations(listing, GPUS)
     assert problems == []
     assert [(a.namespace, a.pod, a.container, a.resource, a.devices) for a in pods] == [
-        ("b", "renamed", "main", "example.com/accel", [UUIDS[2]]),
+        ("b", "renamed", "main", "example.com/accel", (UUIDS[2],)),
         # A MIG device is reported even where its parent cannot be told (R470+ naming).
-        ("c", "mig", "main", "nvidia.com/mig-1g.10gb", ["MIG-8d5b4d4e-4a5b-5f2e-9c1d-0e1f2a3b4c5d"]),
-        ("ml", "trainer-0", "main", "nvidia.com/gpu", [UUIDS[0], UUIDS[1]]),
-        ("serve", "infer", "triton", "gpu.nvidia.com", ["gpu-1"]),  # DRA: the driver's device names
+        ("c", "mig", "main", "nvidia.com/mig-1g.10gb", ("MIG-8d5b4d4e-4a5b-5f2e-9c1d-0e1f2a3b4c5d",)),
+        ("ml", "trainer-0", "main", "nvidia.com/gpu", (UUIDS[0], UUIDS[1])),
+        ("serve", "infer", "triton", "gpu.nvidia.com", ("gpu-1",)),  # DRA: the driver's device names
     ]
     assert {i: [a.pod for a in al] for i, al in gpu_holders(pods, BY_INDEX).items()} == {
         0: ["trainer-0"],
@@ -145,7 +145,7 @@ def test_allocations_respect_the_schema_s_bounds() -> None:
     assert any("longer than 253" in p for p in problems)
     # Whatever was kept is a valid report section.
     report = _report(pods)
-    assert decode(encode(report)).pods == pods
+    assert decode(encode(report)).pods == tuple(pods)
 
 
 def _report(pods: list[GpuAllocation] | None) -> msgspec.Struct:
@@ -185,11 +185,11 @@ def test_the_cycle_puts_the_pods_in_the_report_and_asks_once() -> None:
     source = FakePodResources(PodListing(devices=(_dev("trainer-0", "nvidia.com/gpu", UUIDS[1]),), pods=1))
     agent, _ = _agent(source)
     result = agent.cycle()
-    assert result.report.pods == [
+    assert result.report.pods == (
         GpuAllocation(
-            namespace="ml", pod="trainer-0", container="main", resource="nvidia.com/gpu", devices=[UUIDS[1]]
-        )
-    ]
+            namespace="ml", pod="trainer-0", container="main", resource="nvidia.com/gpu", devices=(UUIDS[1],)
+        ),
+    )
     assert source.calls == 1
     status = {s.name: s for s in result.statuses}[NAME]
     assert status.supported and status.success
@@ -208,7 +208,7 @@ def test_no_pod_holding_a_gpu_is_an_empty_list_not_absent() -> None:
     agent, _ = _agent(
         FakePodResources(PodListing(devices=(_dev("nic", "openshift.io/sriov", "0000:3b:00.2"),)))
     )
-    assert agent.cycle().report.pods == []
+    assert agent.cycle().report.pods == ()
 
 
 def test_without_a_socket_pods_are_unset_and_it_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -236,7 +236,7 @@ def test_without_a_socket_pods_are_unset_and_it_is_logged_once(caplog: pytest.Lo
     assert not any(name == "gpuwarden_gpu_pod_info" for name, _ in samples)
     # The socket appears (the kubelet started, the mount was fixed): attribution starts, logged once.
     source.unsupported = None
-    assert agent.cycle().report.pods == []
+    assert agent.cycle().report.pods == ()
     assert [r.getMessage() for r in caplog.records][-1] == "pod attribution available"
 
 
@@ -263,7 +263,7 @@ def test_a_failing_kubelet_is_an_error_and_is_asked_less_often(caplog: pytest.Lo
     assert len(warnings) == 1  # the same failure is logged once
     source.fail = None
     clock.advance(RETRY_MAX_S)
-    assert agent.cycle().report.pods == []
+    assert agent.cycle().report.pods == ()
     assert caplog.records[-1].getMessage() == "kubelet PodResources call recovered"
     asked = source.calls
     source.fail = "boom"  # failing again after recovering waits the first interval again, not 60 s
@@ -335,29 +335,29 @@ def _row(hostname: str | None, gpu: int | None = None) -> Collective:
 
 def test_inspector_rows_of_a_one_gpu_pod_get_its_gpu() -> None:
     long_name = "w" * 62 + "-0"  # 64 characters: the hostname is cut to 63, then loses its "-"
-    pods = [
+    pods = (
         GpuAllocation(
-            namespace="ml", pod="one-gpu", container="c", resource="nvidia.com/gpu", devices=[UUIDS[4]]
+            namespace="ml", pod="one-gpu", container="c", resource="nvidia.com/gpu", devices=(UUIDS[4],)
         ),
         GpuAllocation(
-            namespace="ml", pod=long_name, container="c", resource="nvidia.com/gpu", devices=[UUIDS[6]]
+            namespace="ml", pod=long_name, container="c", resource="nvidia.com/gpu", devices=(UUIDS[6],)
         ),
         GpuAllocation(
             namespace="ml", pod="eight", container="c", resource="nvidia.com/gpu", devices=UUIDS[:2]
         ),
         # The same pod name in two namespaces: nothing can be told.
         GpuAllocation(
-            namespace="a", pod="twin", container="c", resource="nvidia.com/gpu", devices=[UUIDS[2]]
+            namespace="a", pod="twin", container="c", resource="nvidia.com/gpu", devices=(UUIDS[2],)
         ),
         GpuAllocation(
-            namespace="b", pod="twin", container="c", resource="nvidia.com/gpu", devices=[UUIDS[3]]
+            namespace="b", pod="twin", container="c", resource="nvidia.com/gpu", devices=(UUIDS[3],)
         ),
-    ]
+    )
     jobs = Jobs(
         format="gpuwarden/jobs/v1",
         records=5,
         dropped=0,
-        collectives=[
+        collectives=(
             _row("one-gpu"),
             _row("w" * 62),  # the kubelet's hostname for that pod
             _row("eight"),
@@ -365,7 +365,7 @@ def test_inspector_rows_of_a_one_gpu_pod_get_its_gpu() -> None:
             _row("node-a"),  # hostNetwork: the node's name
             _row(None),
             _row("one-gpu", gpu=7),  # already known (Prometheus mode): kept
-        ],
+        ),
     )
     out = attribute_collectives(jobs, pods, BY_INDEX)
     assert [r.gpu for r in out.collectives] == [4, 6, UNSET, UNSET, UNSET, UNSET, 7]
@@ -380,7 +380,7 @@ def test_the_cycle_fills_in_the_gpu_of_the_jobs_rows() -> None:
             return Support(True)
 
         def collect(self) -> Collected:
-            jobs = Jobs(format="gpuwarden/jobs/v1", records=1, dropped=0, collectives=[_row("trainer-0")])
+            jobs = Jobs(format="gpuwarden/jobs/v1", records=1, dropped=0, collectives=(_row("trainer-0"),))
             return Collected(jobs=jobs)
 
         def close(self) -> None:

@@ -231,9 +231,9 @@ def test_report_carries_at_most_256_probes_and_counts_the_dropped() -> None:
         results.add(Probe(kind="tcp_pair", time=float(i), ok=True))
     agent = Agent(node="node-a", collectors=[], clock=FakeClock(), boot_id="b", probes=results)
     report = decode(encode(agent.cycle().report))
-    assert isinstance(report.probes, list) and len(report.probes) == 256
+    assert isinstance(report.probes, tuple) and len(report.probes) == 256
     assert report.probes[0].time == 44.0  # the oldest 44 gave way
-    assert isinstance(report.errors, list)
+    assert isinstance(report.errors, tuple)
     assert [(e.collector, e.message) for e in report.errors] == [
         ("probes", "44 oldest probe results dropped")
     ]

@@ -52,7 +52,7 @@ def make_report(
     node: str = "gpu-0001", seq: int = 1, *, boot_id: str = "boot-a", time_: float = NOW - 2.0
 ) -> Report:
     """An 8-GPU H100 node with NVLinks and 8 InfiniBand ports, as the agent sends it."""
-    gpus = [
+    gpus = tuple(
         Gpu(
             index=i,
             uuid=f"GPU-{node}-{i:02d}",
@@ -99,8 +99,8 @@ def make_report(
             ),
         )
         for i in range(8)
-    ]
-    nics = [
+    )
+    nics = tuple(
         Nic(
             device=f"mlx5_{i}",
             link_layer="InfiniBand",
@@ -116,7 +116,7 @@ def make_report(
             counters={"symbol_error": 0, "link_downed": 0, "port_rcv_errors": 0, "port_xmit_wait": 1234},
         )
         for i in range(8)
-    ]
+    )
     return Report(
         schema=SCHEMA_ID,
         node=node,
@@ -127,8 +127,8 @@ def make_report(
         interval_seconds=10.0,
         gpus=gpus,
         nics=nics,
-        events=[Event(kind="xid", time=time_ - 30.0, gpu=3, code=13, message="Graphics Engine Exception")],
-        probes=[
+        events=(Event(kind="xid", time=time_ - 30.0, gpu=3, code=13, message="Graphics Engine Exception"),),
+        probes=(
             Probe(
                 kind="nccl_allreduce_local",
                 time=time_ - 60.0,
@@ -136,8 +136,8 @@ def make_report(
                 size_bytes=1 << 30,
                 busbw_bytes_per_second=4.5e11,
                 duration_seconds=3.2,
-            )
-        ],
+            ),
+        ),
     )
 
 
@@ -714,7 +714,7 @@ def test_implausible_values_are_named(change: Callable[[dict[str, Any]], None], 
 
 def test_non_finite_values_of_a_constructed_report_are_refused() -> None:
     base = make_report()
-    gpus = [msgspec.structs.replace(base.gpus[0], temperature_celsius=float("nan")), *base.gpus[1:]]
+    gpus = (msgspec.structs.replace(base.gpus[0], temperature_celsius=float("nan")), *base.gpus[1:])
     report = msgspec.structs.replace(base, gpus=gpus, time=float("inf"))
     errors = plausibility_errors(report, now=NOW)
     assert any("$.time" in e and "finite" in e for e in errors)
@@ -1049,7 +1049,7 @@ async def test_a_compact_report_is_checked_for_plausibility_like_json(
 ) -> None:
     report = make_report()
     hot = msgspec.structs.replace(report.gpus[0], temperature_celsius=900.0)
-    report = msgspec.structs.replace(report, gpus=[hot, *report.gpus[1:]])
+    report = msgspec.structs.replace(report, gpus=(hot, *report.gpus[1:]))
     resp = await client.post(REPORTS_PATH, data=wire.encode_compact(report), headers=compact_headers())
     assert resp.status == 422
     answer = await resp.json()

@@ -35,8 +35,8 @@ def make_report(seq: int, node: str = "node-1") -> Report:
         time=1_764_441_600.0 + seq,
         seq=seq,
         boot_id="b",
-        gpus=[],
-        nics=[],
+        gpus=(),
+        nics=(),
     )
 
 

@@ -51,8 +51,8 @@ def minimal(**kw: Any) -> Report:
         "time": 1_764_441_600.0,
         "seq": 0,
         "boot_id": "b",
-        "gpus": [],
-        "nics": [],
+        "gpus": (),
+        "nics": (),
     }
     return Report(**{**fields, **kw})
 
@@ -70,42 +70,42 @@ def generated() -> list[Report]:
 
 EDGE_CASES: dict[str, Report] = {
     "minimal: every optional section absent": minimal(),
-    "optional sections present and empty": minimal(labels={}, events=[], probes=[], errors=[]),
-    "a GPU of nulls, no NVLinks field": minimal(gpus=[Gpu(index=0, uuid="GPU-0")]),
-    "a GPU with an empty NVLink list": minimal(gpus=[Gpu(index=0, uuid="GPU-0", nvlink=())]),
-    "NVLinks of nulls": minimal(gpus=[Gpu(index=1, uuid="GPU-1", nvlink=(NvLink(link=0), NvLink(link=17)))]),
-    "a NIC without counters": minimal(nics=[Nic(device="eth0", link_layer="Ethernet")]),
-    "a NIC with empty counters": minimal(nics=[Nic(device="eth0", link_layer="Ethernet", counters={})]),
+    "optional sections present and empty": minimal(labels={}, events=(), probes=(), errors=()),
+    "a GPU of nulls, no NVLinks field": minimal(gpus=(Gpu(index=0, uuid="GPU-0"),)),
+    "a GPU with an empty NVLink list": minimal(gpus=(Gpu(index=0, uuid="GPU-0", nvlink=()),)),
+    "NVLinks of nulls": minimal(gpus=(Gpu(index=1, uuid="GPU-1", nvlink=(NvLink(link=0), NvLink(link=17))),)),
+    "a NIC without counters": minimal(nics=(Nic(device="eth0", link_layer="Ethernet"),)),
+    "a NIC with empty counters": minimal(nics=(Nic(device="eth0", link_layer="Ethernet", counters={}),)),
     "counters the table does not name, and zero values": minimal(
-        nics=[
+        nics=(
             Nic(
                 device="mlx5_0",
                 link_layer="InfiniBand",
                 port=1,
                 counters={"symbol_error": 0, "driver_only_counter": 5, "rx_bytes": 2**64 - 1},
-            )
-        ]
+            ),
+        )
     ),
     "only counters the table does not name": minimal(
-        nics=[Nic(device="mlx5_0", link_layer="InfiniBand", counters={"np_cnp_sent_x": 1})]
+        nics=(Nic(device="mlx5_0", link_layer="InfiniBand", counters={"np_cnp_sent_x": 1}),)
     ),
     "every column of the counter table": minimal(
-        nics=[
+        nics=(
             Nic(
                 device="mlx5_0",
                 link_layer="InfiniBand",
                 counters={name: i for i, name in enumerate(NIC_COUNTER_CATALOGUE)},
-            )
-        ]
+            ),
+        )
     ),
     "events, probes, errors, labels": minimal(
         agent_version="0.1.0",
         run="r1",
         interval_seconds=10.0,
         labels={"pool": "a"},
-        events=[Event(kind="xid", time=1_764_441_599.0, gpu=3, code=79, message="fell off the bus")],
-        probes=[Probe(kind="tcp_pair", time=1_764_441_598.0, ok=False, peer="n2", error="refused")],
-        errors=[CollectorError(collector="nvml", message="GPU 3 is lost", code="gpu_lost", gpu=3)],
+        events=(Event(kind="xid", time=1_764_441_599.0, gpu=3, code=79, message="fell off the bus"),),
+        probes=(Probe(kind="tcp_pair", time=1_764_441_598.0, ok=False, peer="n2", error="refused"),),
+        errors=(CollectorError(collector="nvml", message="GPU 3 is lost", code="gpu_lost", gpu=3),),
     ),
 }
 

@@ -13,6 +13,8 @@ import time as _time
 from collections import deque
 from typing import Any, Final
 
+from msgspec import UnsetType
+
 from agent.report import Report
 
 # The summary's keys, in tuple order; "received_at" is derived from "received" when read.
@@ -46,8 +48,8 @@ def summary(report: Report, received: float, boot_id: str | None = None) -> Summ
         boot_id if boot_id == report.boot_id else report.boot_id,
         len(report.gpus),
         len(report.nics),
-        len(report.events) if isinstance(report.events, list) else 0,
-        tuple(e.message for e in report.errors) if isinstance(report.errors, list) else (),
+        0 if isinstance(report.events, UnsetType) else len(report.events),
+        () if isinstance(report.errors, UnsetType) else tuple(e.message for e in report.errors),
         # The status page's sparklines: the hottest GPU, the node's power, its uncorrectable errors.
         max((g.temperature_celsius or 0.0 for g in report.gpus), default=None),
         sum(g.power_watts or 0.0 for g in report.gpus),

@@ -905,7 +905,7 @@ class RuleEngine:
         )
         run.hit(key, sc.rid, rule, run.now, evidence)
 
-    def _check_events(self, run: _Pass, source: Report, events: list[Event]) -> None:
+    def _check_events(self, run: _Pass, source: Report, events: Sequence[Event]) -> None:
         gpus: dict[int, Gpu] | None = None
         for event in events:
             code = event.code
@@ -1013,7 +1013,7 @@ class RuleEngine:
                 }
                 run.hit(f"{rule.name}:gpu{index}", rid, rule, run.now, evidence)
 
-    def _check_errors(self, run: _Pass, errors: list[CollectorError]) -> None:
+    def _check_errors(self, run: _Pass, errors: Sequence[CollectorError]) -> None:
         gpus = run.view.report.gpus
         for rid, rule in self._errors:
             for error in errors:
