@@ -14,6 +14,7 @@ from agent.errors import ConfigError, ReportError
 from agent.report import Gpu, Nic, NvLink, Report
 from aggregator.config import FleetConfig
 from aggregator.fleet.history import (
+    _MAX_BOOT_CODES,
     GPU_COUNTER_FIELDS,
     GPU_FLAG_FIELDS,
     GPU_GAUGE_FIELDS,
@@ -433,6 +434,24 @@ def test_a_nic_gone_for_the_window_loses_its_series_and_the_rest_keep_their_rate
     assert [v for _, v in view.gpu_samples(0, "temperature_celsius", 30.0)] == [40.0] * 4
 
 
+def test_a_boot_id_new_every_report_neither_grows_the_node_nor_loses_a_reset() -> None:
+    # An agent (or a forger with its token) that changes the boot id on every report: each boot
+    # starts the counter over, and the node's map of boots stays bounded by its window.
+    fleet = Fleet()
+    fleet.registry.track_gpu_counters(ECC)
+    for k in range(400):
+        view = fleet.add(ecc_report(10.0 * k, 5 + k % 3, boot=f"boot-{k}"))
+    history = fleet.history("gpu-0001")
+    assert history is not None
+    assert len(history._boot_codes) <= max(_MAX_BOOT_CODES, len(set(history._boots)) + 1)
+    # Every report is the first of its boot: no rate across boots, however the values moved.
+    assert view.gpu_rate(0, ECC, 600.0) is None
+    # The same boot again counts as one boot: 5 -> 7 is two errors.
+    fleet.add(ecc_report(4000.0, 5, boot="boot-x"))
+    view = fleet.add(ecc_report(4010.0, 7, boot="boot-x"))
+    assert view.gpu_rate(0, ECC, 10.0) == pytest.approx(0.2)
+
+
 def test_a_nodes_series_are_a_few_objects_for_the_garbage_collector() -> None:
     """A full collection walks every tracked object: at 7,500 nodes one object per series (144 a
     node) made pauses of about a second. The numbers are one array whatever the series count."""
@@ -453,7 +472,7 @@ def test_a_nodes_series_are_a_few_objects_for_the_garbage_collector() -> None:
     assert history is not None
     gc.collect()  # tuples of numbers are untracked at a collection
     seen: set[int] = set()
-    tracked = 0
+    tracked = visits = 0
     shared = ("_latest", "_previous", "registry")  # the reports, and the fleet's registry
     stack: list[object] = [v for k, v in vars(history).items() if k not in shared]
     while stack:
@@ -463,7 +482,12 @@ def test_a_nodes_series_are_a_few_objects_for_the_garbage_collector() -> None:
         seen.add(id(obj))
         if gc.is_tracked(obj):
             tracked += 1
-            stack.extend(gc.get_referents(obj))
+            referents = gc.get_referents(obj)
+            visits += len(referents)
+            stack.extend(referents)
     series = 8 * (1 + 2 + 1) + 8 * 2
     assert series == 48
     assert tracked < 30, tracked
+    # And what a collection visits from them: every item of a list (a float included), nothing
+    # inside an array. Per-series state in lists made this grow with the series (7 x 48 here).
+    assert visits < 3 * series, visits

@@ -205,6 +205,8 @@ class SeriesRegistry:
 
 _LinkIds = tuple[int, ...]
 _LinkValues = tuple[int | None, ...]
+# Boot codes a node keeps before letting go of those nothing refers to (see _boot_code).
+_MAX_BOOT_CODES: Final = 32
 
 
 def _links(gpu: Gpu | None) -> tuple[Sequence[NvLink], _LinkIds]:
@@ -326,16 +328,20 @@ class NodeHistory:
         self._data: array[float] = array("d")
         self._width = 0
         # Per column: the time of its first row (earlier rows are padding, not nulls) and, for a
-        # counter, its last raw value, cumulative value and boot (None: no sample yet).
-        self._since: list[float] = []
-        self._last_raw: list[float] = []
-        self._last_cum: list[float] = []
-        self._last_boot: list[str | None] = []
-        # Per NVLink column: the link numbers of the last sample in report order, and each link's
-        # last value this boot (None: none yet). Tuples of numbers, which the cycle collector
-        # stops tracking.
-        self._link_ids: list[_LinkIds] = []
-        self._link_prev: list[_LinkValues] = []
+        # counter, its last raw value, cumulative value and boot (a code from _boot_code; NaN: no
+        # sample yet). Arrays, not lists: a full collection visits every item of a list (145 per
+        # column list, most of what it walked per node), none of an array's.
+        self._since: array[float] = array("d")
+        self._last_raw: array[float] = array("d")
+        self._last_cum: array[float] = array("d")
+        self._last_boot: array[float] = array("d")
+        self._boot_codes: dict[str, float] = {}
+        self._next_boot_code = 0.0
+        # Per NVLink column that has counted: the link numbers of its last sample in report
+        # order, and each link's last value this boot (None: none yet). Flat tuples of numbers,
+        # which a collection stops tracking (a tuple of tuples can take more than one).
+        self._link_ids: dict[int, _LinkIds] = {}
+        self._link_prev: dict[int, _LinkValues] = {}
         self._layout: tuple[object, ...] | None = None
         self._rows_version = 0  # changes whenever rows are added or removed
         self._span_key: tuple[float, float, int] | None = None
@@ -439,7 +445,7 @@ class NodeHistory:
 
     def _push(self, report: Report) -> None:
         """Append the row of ``report`` (its time is already the last of ``_times``)."""
-        boot = sys.intern(report.boot_id)
+        boot = self._boot_code(report.boot_id)
         row = [_NAN] * self._width
         gpus = {g.index: g for g in report.gpus}
         count = self._count
@@ -461,7 +467,22 @@ class NodeHistory:
             row[col] = _gauge_value(gpus.get(gi), name)
         self._data.fromlist(row)
 
-    def _count(self, col: int, value: float | None, boot: str) -> float:
+    def _boot_code(self, boot: str) -> float:
+        """The number that stands for ``boot`` in ``_last_boot``; never reused for another boot.
+
+        Codes of boots that neither a row nor a column's last sample refers to are let go once
+        there are ``_MAX_BOOT_CODES``: an agent that changes its boot id every report cannot grow
+        the map past what the window holds."""
+        code = self._boot_codes.get(boot)
+        if code is None:
+            if len(self._boot_codes) >= _MAX_BOOT_CODES:
+                rows, cols = set(self._boots), set(self._last_boot)
+                self._boot_codes = {b: c for b, c in self._boot_codes.items() if b in rows or c in cols}
+            self._next_boot_code += 1.0
+            code = self._boot_codes[boot] = self._next_boot_code
+        return code
+
+    def _count(self, col: int, value: float | None, boot: float) -> float:
         """Counter ``col``'s cumulative reset-safe increase at a new sample (NaN: no value)."""
         if value is None:
             return _NAN
@@ -478,12 +499,13 @@ class NodeHistory:
         self._last_boot[col] = boot
         return c
 
-    def _count_links(self, col: int, name: str, links: Sequence[NvLink], ids: _LinkIds, boot: str) -> float:
+    def _count_links(self, col: int, name: str, links: Sequence[NvLink], ids: _LinkIds, boot: float) -> float:
         """Like ``_count`` for an NVLink counter summed over a GPU's links, each link reset-safe."""
         values: _LinkValues = tuple(map(_LINK_GETTERS[name], links))
-        if boot != self._last_boot[col]:
-            self._link_ids[col] = self._link_prev[col] = ()  # a new boot: every link starts over
-        last_ids, last = self._link_ids[col], self._link_prev[col]
+        if boot == self._last_boot[col]:
+            last_ids, last = self._link_ids.get(col, ()), self._link_prev.get(col, ())
+        else:
+            last_ids, last = (), ()  # a new boot: every link starts over
         if ids == last_ids and values == last:
             # Nothing counted since the last sample: by far the common case, at C speed.
             if values.count(None) == len(values):
@@ -634,12 +656,10 @@ class NodeHistory:
         for r in range(n):
             data[r * wide : r * wide + w] = old[r * w : (r + 1) * w]
         self._data, self._width = data, wide
-        self._since += [math.inf] * k
-        self._last_raw += [0.0] * k
-        self._last_cum += [0.0] * k
-        self._last_boot += [None] * k
-        self._link_ids += [()] * k
-        self._link_prev += [()] * k
+        self._since.extend(array("d", [math.inf]) * k)
+        self._last_raw.extend(array("d", [0.0]) * k)
+        self._last_cum.extend(array("d", [0.0]) * k)
+        self._last_boot.extend(array("d", [_NAN]) * k)
         return w
 
     def _drop_columns(self, columns: set[int]) -> None:
@@ -651,13 +671,13 @@ class NodeHistory:
         old = self._data
         self._data = array("d", [old[r * w + c] for r in range(n) for c in keep])
         self._width = len(keep)
-        self._since = [self._since[c] for c in keep]
-        self._last_raw = [self._last_raw[c] for c in keep]
-        self._last_cum = [self._last_cum[c] for c in keep]
-        self._last_boot = [self._last_boot[c] for c in keep]
-        self._link_ids = [self._link_ids[c] for c in keep]
-        self._link_prev = [self._link_prev[c] for c in keep]
+        self._since = array("d", [self._since[c] for c in keep])
+        self._last_raw = array("d", [self._last_raw[c] for c in keep])
+        self._last_cum = array("d", [self._last_cum[c] for c in keep])
+        self._last_boot = array("d", [self._last_boot[c] for c in keep])
         renumber = {c: i for i, c in enumerate(keep)}
+        self._link_ids = {renumber[c]: v for c, v in self._link_ids.items() if c in renumber}
+        self._link_prev = {renumber[c]: v for c, v in self._link_prev.items() if c in renumber}
         _renumber(self._gpu_counters, renumber)
         _renumber(self._nvlinks, renumber)
         _renumber(self._nic_counters, renumber)
@@ -677,17 +697,29 @@ class NodeHistory:
         self._since[col] = seeds[0].time if seeds else first
 
     def _new_gpu_counter(self, gpu: int, name: str, first: float, col: int) -> int:
-        self._start(col, lambda r: self._count(col, _gpu_value(_find_gpu(r, gpu), name), r.boot_id), first)
+        self._start(
+            col,
+            lambda r: self._count(col, _gpu_value(_find_gpu(r, gpu), name), self._boot_code(r.boot_id)),
+            first,
+        )
         self._gpu_counters[self.registry.key((gpu, name))] = col
         return col
 
     def _new_nvlink(self, gpu: int, name: str, first: float, col: int) -> int:
-        self._start(col, lambda r: self._count_links(col, name, *_links(_find_gpu(r, gpu)), r.boot_id), first)
+        self._start(
+            col,
+            lambda r: self._count_links(col, name, *_links(_find_gpu(r, gpu)), self._boot_code(r.boot_id)),
+            first,
+        )
         self._nvlinks[self.registry.key((gpu, name))] = col
         return col
 
     def _new_nic_counter(self, nic: NicKey, counter: str, first: float, col: int) -> int:
-        self._start(col, lambda r: self._count(col, _nic_value(_find_nic(r, nic), counter), r.boot_id), first)
+        self._start(
+            col,
+            lambda r: self._count(col, _nic_value(_find_nic(r, nic), counter), self._boot_code(r.boot_id)),
+            first,
+        )
         self._nic_counters[self.registry.key((nic[0], nic[1], counter))] = col
         return col
 
