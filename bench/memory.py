@@ -15,8 +15,9 @@ pipeline's fixed state exist by then) and the end:
 - with ``--holders``, the memory each part of the pipeline holds at the end (a walk of its object
   graph with ``sys.getsizeof``; an object reachable from two parts counts for the first listed);
 - with ``--tracemalloc``, the allocation sites (file:line) still holding the most memory;
-- with ``--tracked N``, the N types with the most tracked objects grown per node (what to make
-  untracked, or fewer, to shorten a full collection);
+- with ``--tracked N``, the tracked objects grown per node and the references a full collection
+  visits from them, with the N types that visit most (what to make untracked, or an array, to
+  shorten a full collection);
 - with ``--time-rounds M``, M more rounds with the CPU of ``Pipeline.ingest`` timed (the reports of
   each round built first, then ingested under ``time.process_time``): median per report.
 
@@ -106,9 +107,16 @@ def holders(pipeline: Pipeline) -> list[tuple[str, int]]:
     return [(name, deep_size(roots, seen)) for name, roots in parts]
 
 
-def tracked_types() -> Counter[str]:
-    """Objects the cyclic collector tracks, by type (module-qualified)."""
-    return Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.get_objects())
+def tracked_types() -> tuple[Counter[str], Counter[str]]:
+    """Objects the cyclic collector tracks, by type (module-qualified), and the references a
+    collection visits from them (every item of a list or dict, none inside an array)."""
+    count: Counter[str] = Counter()
+    visits: Counter[str] = Counter()
+    for o in gc.get_objects():
+        t = f"{type(o).__module__}.{type(o).__qualname__}"
+        count[t] += 1
+        visits[t] += len(gc.get_referents(o))
+    return count, visits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         tracemalloc.start()
     gc.collect()
     rss0, objs0 = rss_bytes(), len(gc.get_objects())
-    types0 = tracked_types() if args.tracked else Counter[str]()
+    types0, visits0 = tracked_types() if args.tracked else (Counter[str](), Counter[str]())
     checkpoints: dict[int, tuple[int, int]] = {}
     for r in range(args.rounds):
         feed(r)
@@ -180,11 +188,16 @@ def main(argv: list[str] | None = None) -> int:
             where = f"{Path(frame.filename).name}:{frame.lineno}"
             print(f"  {s.size / n / 1024:8.1f} KB/node  {s.count / n:7.0f} blocks/node  {where}")
     if args.tracked:
-        grown = tracked_types() - types0
+        types1, visits1 = tracked_types()
+        grown, visited = types1 - types0, visits1 - visits0
         out["tracked_per_node"] = {t: round(c / n, 1) for t, c in grown.most_common(args.tracked)}
-        print(f"tracked objects grown, per node (top {args.tracked} types):")
-        for t, c in grown.most_common(args.tracked):
-            print(f"  {c / n:8.1f}  {t}")
+        out["visits_per_node"] = round(sum(visited.values()) / n)
+        print(
+            f"tracked objects grown, per node: {sum(grown.values()) / n:.1f}, visiting "
+            f"{sum(visited.values()) / n:.0f} references (top {args.tracked} types by visits):"
+        )
+        for t, v in visited.most_common(args.tracked):
+            print(f"  {v / n:8.1f} visits  {grown[t] / n:6.1f} objects  {t}")
     if args.holders:
         out["holders_kb_per_node"] = {}
         print("held at the end (object-graph walk), per node:")
