@@ -250,6 +250,26 @@ def test_a_fixed_nodes_stale_slow_pairs_are_not_degraded_links() -> None:
     assert ("node2", "node3") not in verdict.links
 
 
+def test_a_fixed_nodes_last_slow_pair_is_no_link_once_its_other_slow_results_aged_out() -> None:
+    # node2 was slow with everyone and found so; its last slow pair was (0, 2), rotation and
+    # re-probe, and then it was repaired. Its older slow results with others go out of the window
+    # first (max_age_seconds=40 here): for a few seconds (0, 2) is its only slow pair left, with
+    # the repaired node normal with the partners that followed. The pair is still node2's past.
+    before = [(2, 4, 100, 12), (2, 5, 104, 12), (1, 2, 108, 12), (0, 2, 112, 12), (0, 2, 115, 12)]
+    after = [(2, 3, 117, 120), (1, 2, 118, 120), (2, 4, 122, 120), (2, 5, 126, 120), (2, 3, 130, 120)]
+    others = [(0, 1, 101, 120), (0, 3, 105, 120), (0, 4, 109, 120), (1, 3, 113, 120), (3, 4, 119, 120)]
+    others += [(0, 1, 121, 120), (0, 3, 125, 120), (4, 5, 129, 120), (0, 4, 133, 120), (1, 5, 137, 120)]
+    loc = _sparse([s for s in before + after + others if s[2] <= 116])
+    assert quarantined(loc.run(FRAMES, T0 + 116)) == {"node2"}
+    for a, b, t, mbps in [s for s in after + others if s[2] > 116]:
+        for me, peer in ((SIX[a], SIX[b]), (SIX[b], SIX[a])):
+            p = Probe(kind="tcp_pair", time=T0 + t, ok=True, peer=peer, busbw_bytes_per_second=mbps * 1e6)
+            loc.observe(report(me, T0 + t, [p]), SIX_PLACE, received=T0 + t + 0.1)
+    verdict = loc.run(FRAMES, T0 + 149)  # (1, 2) at 108 has aged out; (0, 2) at 112 and 115 not
+    assert not quarantined(verdict)
+    assert not verdict.links
+
+
 def test_an_end_busy_until_just_before_is_judged_on_the_partners_that_follow() -> None:
     # node1 ran a job until t=150, so it has no past with anyone. Its first probe (with node0)
     # is slow, and so is the re-probe; the confirm step's fresh partners that follow within

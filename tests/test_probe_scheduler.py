@@ -756,3 +756,60 @@ def test_what_the_link_localizer_counts_as_slow_is_confirmed() -> None:
     from aggregator.detect.links import LinkConfig
 
     assert ProbesConfig().suspicious_ratio >= math.exp(LinkConfig().slow_line)
+
+
+def test_a_pair_again_keeps_its_ends_while_its_trigger_frees_them() -> None:
+    # A slow rotation result is in from one end while the other end's copy is still on its way
+    # (that end stays held by the probe till then). Meanwhile another node's fresh-partner request
+    # wants the free end. Taken, that end is in another probe when the first frees, and the slow
+    # pair waits a rotation for its second result (the network-namespace test's slow path did).
+    cfg = fleet_config(round_seconds=300.0)
+    nodes = names(1, 8)
+    sim = warmed(cfg, nodes)
+    s = sim.scheduler
+    start = T0 + 3 * cfg.round_seconds
+    round_probes = {frozenset((x.node, str(x.peer))) for x in sim.step(start)}
+    a, b = sorted(next(iter(p for p in round_probes if nodes[0] in p)))
+    at = start + 30
+    # Every other probe of the round ends normally, both copies in.
+    for pair in round_probes - {frozenset((a, b))}:
+        x, y = sorted(pair)
+        for me, peer in ((x, y), (y, x)):
+            s.result(
+                me,
+                Probe(kind="tcp_pair", time=at, ok=True, peer=peer, busbw_bytes_per_second=GOOD_BW),
+                placement(me),
+                at,
+            )
+    met = {frozenset((p.assignment.node, str(p.assignment.peer))) for p in sim.planned()}
+    c = next(x for x in nodes if x not in (a, b) and frozenset((a, x)) not in met)
+    rest = [n for n in nodes if n not in (a, b, c)]
+    d = next(x for x in rest if frozenset((c, x)) not in round_probes)
+    for n in nodes:  # all but a, b and c turn busy: a is the only partner c could be given
+        s.observe(n, placement(n), idle=n not in rest, now=at, address=f"{n}:7700")
+        s.assignments_for(n, at)  # their polls
+    # A slow result of c's with d from before a restart (d is busy now, so that pair cannot go
+    # again): c asks for fresh partners.
+    s.result(
+        c,
+        Probe(kind="tcp_pair", time=at, ok=True, peer=d, busbw_bytes_per_second=GOOD_BW / 10),
+        placement(c),
+        at,
+    )
+    s.result(
+        a,
+        Probe(kind="tcp_pair", time=at, ok=True, peer=b, busbw_bytes_per_second=GOOD_BW / 10),
+        placement(a),
+        at,
+    )
+    s.tick(at)
+    assert s.assignments_for(a, at) == [], "a is kept for the pair again"
+    s.result(
+        b,
+        Probe(kind="tcp_pair", time=at, ok=True, peer=a, busbw_bytes_per_second=GOOD_BW / 10),
+        placement(b),
+        at + 1,
+    )
+    s.tick(at + 1)
+    (again,) = s.assignments_for(a, at + 1)
+    assert again.peer == b and s.probe(again.id).reason == "confirm"

@@ -15,7 +15,9 @@ and decomposed robustly (weighted median polish, so one bad node or pair cannot 
   hard: the health machine still wants it to persist);
 - a pair whose results less its ends' effects carry that evidence while both ends are normal
   (each judged on its other partners at the time) is a degraded link: a link finding for
-  ``aggregator.links.LinkHealth``, nothing on either node;
+  ``aggregator.links.LinkHealth``, nothing on either node. A result measured while an end was
+  found slow with everyone is that end's (``_slow_spells``), never the path's, even once the
+  end is repaired;
 - ``switch_min_culprits`` or more culprits (bad nodes, degraded pairs) within one rack, else one
   leaf, point at the switch they share: one ``SwitchAlert``, and on each node involved an
   ``alert`` finding with the same key ``link-switch:<kind>:<name>`` (the node becomes suspect, no
@@ -33,7 +35,7 @@ import logging
 import math
 from collections import defaultdict, deque
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, ClassVar, Final
 
 import numpy as np
@@ -67,6 +69,8 @@ PARTNER_VOTES: Final = 3
 # fewest (a transient, or a partner busy for a moment, is one). bench/detection.py counts a link
 # as visible on as many.
 DECIDING_RESULTS: Final = 2
+# Spans a node was found slow over that are remembered apiece (``LinkLocalizer._slow_spell``).
+MAX_SLOW_SPELLS: Final = 8
 
 
 class LinkConfig(DetectorSettings, frozen=True):
@@ -193,6 +197,12 @@ class LinkLocalizer:
         self._placements: dict[str, Placement] = {}
         self._judged: set[str] = set()  # nodes answered for last run, so a vanished one is cleared
         self._switches: set[tuple[str, str, str]] = set()
+        # Per node, the spans (first result the verdict rested on, last run that gave it) over which
+        # it was found slow with everyone, oldest first, kept while they overlap retained probes.
+        # A result measured then is explained by that node: it is no evidence against a partner or
+        # the path between them, even once the node's other results of that time have aged out
+        # (they are older than the pair's, and go first) and its repaired self is normal.
+        self._slow_spells: dict[str, list[tuple[float, float]]] = {}
 
     # -- input ----------------------------------------------------------------------------------
 
@@ -233,6 +243,7 @@ class LinkLocalizer:
         of silence by default), so only the placement and the judged mark are left to drop."""
         self._placements.pop(node, None)
         self._judged.discard(node)
+        self._slow_spells.pop(node, None)
         for key in [k for k in self._samples if node in k[0]]:
             del self._samples[key]
 
@@ -257,6 +268,12 @@ class LinkLocalizer:
             live = [s for s in dq if s.time <= now]
             if live:
                 by_pool[pa.pool][kind].append(((a, b), live))
+        for node in list(self._slow_spells):
+            spells = [sp for sp in self._slow_spells[node] if sp[1] >= oldest]
+            if spells:
+                self._slow_spells[node] = spells
+            else:
+                del self._slow_spells[node]
         verdict = _Verdict()
         for pool in sorted(by_pool):
             self._run_pool(pool, by_pool[pool], now, verdict)
@@ -313,6 +330,7 @@ class LinkLocalizer:
         slow_line = cfg.slow_line
 
         bad_nodes: dict[str, Finding] = {}
+        spells: list[tuple[str, float]] = []
         for n in nodes:
             if len(partners[n]) < cfg.min_partners:
                 continue
@@ -321,6 +339,10 @@ class LinkLocalizer:
                 bad_nodes[n] = self._node_finding(
                     pool, node=n, test=test, mine=involving[n], noise=noise, now=now
                 )
+                spells.append((n, test.since))
+        # Recorded once every node is judged, so no node's verdict this run depends on the order.
+        for n, since in spells:
+            self._slow_spell(n, since, now)
 
         bad_pairs: dict[Pair, Finding] = {}
         by_pair: dict[Pair, list[int]] = defaultdict(list)
@@ -346,10 +368,12 @@ class LinkLocalizer:
                 # prober (one or two partners per idle window) gives no more; each end still
                 # needs a normal result with someone else.
                 # (When each end was normal is _normal_then's question, below.)
-                ea, eb = (
-                    float(np.median([m for _, m in self._votes(end, pair, involving, math.inf)]))
-                    for end in pair
-                )
+                # An end whose only other results are explained by a partner slow with everyone
+                # has no level to judge by.
+                end_votes = [[m for _, m in self._votes(end, pair, involving, math.inf)] for end in pair]
+                if not all(end_votes):
+                    continue
+                ea, eb = (float(np.median(v)) for v in end_votes)
                 end_eff = (ea, eb)
                 ends = ea + eb
                 own = float(np.dot(wq, y[qs]) / wq.sum())
@@ -359,15 +383,17 @@ class LinkLocalizer:
                 votes = 1
             if min(end_eff) < slow_line:
                 continue
+            mine = [m for m in (self._unexplained(obs[q], pair) for q in qs) if m is not None]
+            if not mine:
+                continue
             results = sorted(
-                (t, math.log(x) - ends) for q in qs for x, t in zip(obs[q].ratios, obs[q].times, strict=True)
+                (t, math.log(x) - ends) for o in mine for x, t in zip(o.ratios, o.times, strict=True)
             )
             # The ends' effects are estimates too: their error adds to the residual's.
             ends_var = 2 * (noise.pair_var + noise.result_var) / max(votes, 1)
             test = self._pair_test([x for _, x in results], noise, ends_var)
             if test is None or test.llr < cfg.threshold_nats:
                 continue
-            mine = [obs[q] for q in qs]
             if not all(
                 self._normal_then(end, pair, mine, involving, need=need, bad=set(bad_nodes)) for end in pair
             ):
@@ -381,6 +407,39 @@ class LinkLocalizer:
         for pair, f in bad_pairs.items():
             if pair not in switched:
                 out.links[pair] = f
+
+    def _slow_spell(self, node: str, since: float, now: float) -> None:
+        """``node`` was found slow with everyone on results from ``since`` up to ``now``."""
+        spells = self._slow_spells.setdefault(node, [])
+        if spells and spells[-1][1] >= since:
+            spells[-1] = (min(spells[-1][0], since), now)
+        else:
+            spells.append((since, now))
+        if len(spells) > MAX_SLOW_SPELLS:
+            # A node found slow on and off: joining its two oldest spells explains a little more
+            # than was seen (the gap between them), which can only spare a link, never blame one.
+            spells[:2] = [(spells[0][0], spells[1][1])]
+
+    def _explained(self, node: str, t: float) -> bool:
+        """Whether a result of ``node``'s measured at ``t`` is explained by the node itself: it was
+        found slow with everyone then."""
+        return any(since <= t <= until for since, until in self._slow_spells.get(node, ()))
+
+    def _unexplained(self, o: _Obs, pair: Pair) -> _Obs | None:
+        """``o`` without the results an end of ``pair`` explains (None: it explains them all)."""
+        a, b = pair
+        if a not in self._slow_spells and b not in self._slow_spells:
+            return o
+        keep = [
+            (x, t)
+            for x, t in zip(o.ratios, o.times, strict=True)
+            if not (self._explained(a, t) or self._explained(b, t))
+        ]
+        if len(keep) == len(o.ratios):
+            return o
+        if not keep:
+            return None
+        return replace(o, ratios=tuple(x for x, _ in keep), times=tuple(t for _, t in keep))
 
     def _normal_then(
         self,
@@ -464,9 +523,9 @@ class LinkLocalizer:
         path's, so a partner 13 % slow (one of eight ports down) does not make ``end`` look slow
         with it. A partner seen with fewer than ``min_partners`` others is taken at 0, the pool's
         level.
-        A slow result with a partner in ``bad`` (found slow with everyone) does not vote: it is
-        slow through no fault of ``end``. A normal one still does (measured before that partner
-        went bad, it says ``end`` was fine)."""
+        A slow result with a partner in ``bad`` (found slow with everyone), or measured while that
+        partner was (``_explained``), does not vote: it is slow through no fault of ``end``. A
+        normal one still does (measured before that partner went bad, it says ``end`` was fine)."""
         slow_line = self.config.slow_line
         latest: dict[str, tuple[float, float]] = {}
         for other, t, lr in _partner_results(end, pair, involving[end]):
@@ -481,9 +540,12 @@ class LinkLocalizer:
             if level is not None and level[1] >= self.config.min_partners:
                 lr -= level[0]
             votes[other] = (t, lr)
-        if bad:
-            votes = {n: v for n, v in votes.items() if n not in bad or v[1] >= slow_line}
-        return list(votes.values())
+        bad = bad or set()
+        return [
+            (t, lr)
+            for n, (t, lr) in votes.items()
+            if lr >= slow_line or not (n in bad or self._explained(n, t))
+        ]
 
     # -- the sequential tests ---------------------------------------------------------------------
 
@@ -549,6 +611,8 @@ class LinkLocalizer:
         for o in involving[node]:
             other = o.pair[1] if o.pair[0] == node else o.pair[0]
             for x, t in zip(o.ratios, o.times, strict=True):
+                if self._explained(other, t):
+                    continue  # measured while the partner was slow with everyone: says nothing of us
                 level = self._partner_level(other, o.pair, involving[other], t)
                 if level is not None:  # a partner seen with nobody else: its result says nothing
                     rows.append((t, other, math.log(x) - level[0], level[1]))

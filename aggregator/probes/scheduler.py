@@ -46,7 +46,8 @@ comes before its pool has an expected bandwidth (``expected_min_results`` ok res
 kind: the first round of a fresh or restarted scheduler) is judged once the pool has one, and
 confirmed then if it was slow. Requests not served within ``confirm_within_rounds`` rounds are
 dropped; a node has at most ``max_pending_confirms`` outstanding, and a pair-again request takes
-the place of an end's oldest fresh-partner request when that end is at its limit. A confirm result
+the place of an end's oldest fresh-partner request when that end is at its limit. While a
+pair-again waits only for its trigger to free its ends, nothing else takes them. A confirm result
 never asks for more confirms, so a bad node cannot start a storm. A probe during which an end
 turned busy ("interrupted": the agent steps aside for the job) says nothing about the hardware and
 is ignored for confirms and for known-good, as is a result whose error starts with the agent's
@@ -297,6 +298,7 @@ class _Confirm:
     exclude: set[str]  # shared by the requests of one trigger: partners already chosen
     start_at: float | None = None  # the pair again: its probe starts no earlier than this
     repeat: _Confirm | None = None  # a fresh partner's: the trigger's pair-again request
+    trigger: str | None = None  # the pair again's: the planned probe whose result asked for it
     done: bool = False  # served or expired
 
 
@@ -325,6 +327,8 @@ class ProbeScheduler:
         self._rotation: list[Pair] = []
         self._locals: list[str] = []
         self._confirms: list[_Confirm] = []
+        # This dispatch's unserved pair-again requests by end (``_reserved``).
+        self._repeats_of: dict[str, list[_Confirm]] = {}
         self._pending: Counter[str] = Counter()  # outstanding confirm requests per node
         self._in_flight: dict[str, _Probe] = {}
         self._deadlines: list[tuple[float, str]] = []
@@ -736,7 +740,13 @@ class ProbeScheduler:
         self._dispatch_preflight(now)
         self._dispatch_confirms(now)
         if len(self._in_flight) < self.config.max_concurrent:
-            self._rotation = [p for p in self._rotation if not self._try_pair(p[0], p[1], "rotation", now)]
+            self._rotation = [
+                p
+                for p in self._rotation
+                if self._reserved(p[0], now)
+                or self._reserved(p[1], now)
+                or not self._try_pair(p[0], p[1], "rotation", now)
+            ]
         kind = self.config.local_kind
         if kind is not None and len(self._in_flight) < self.config.max_concurrent:
             keep: list[str] = []
@@ -745,7 +755,7 @@ class ProbeScheduler:
                 n = self._nodes.get(name)
                 if n is None or n.last_local > due:
                     continue  # gone, or tested since the round began (its preflight)
-                if self._ready(n, now) and self._fits((), False, now):
+                if not self._reserved(name, now) and self._ready(n, now) and self._fits((), False, now):
                     self._launch(kind, "local", (name,), now)
                 else:
                     keep.append(name)
@@ -807,6 +817,16 @@ class ProbeScheduler:
         return True
 
     def _dispatch_confirms(self, now: float) -> None:
+        # A pair-again waiting only for its trigger's other copy to free an end (a second or two)
+        # keeps both ends: taken in the meantime by another node's fresh partner or by the
+        # rotation, its ends are rarely free together again before it expires, and the slow path
+        # goes unconfirmed for a whole rotation (seen on the network-namespace test: a partner of
+        # a bad node, asked as a fresh partner on every one of the bad node's results).
+        self._repeats_of = {}
+        for r in self._confirms:
+            if r.peer is not None and not r.done and now < r.expires:
+                for end in (r.node, r.peer):
+                    self._repeats_of.setdefault(end, []).append(r)
         keep: list[_Confirm] = []
         for req in self._confirms:
             # Served or expired, a request stops counting against its nodes' pending limit.
@@ -826,6 +846,8 @@ class ProbeScheduler:
             return False  # the pair again goes first
         if req.peer is not None:
             return self._try_pair(req.node, req.peer, "confirm", now, start_at=req.start_at)
+        if self._reserved(req.node, now):
+            return False  # its end of another trigger's pair-again goes first
         partner = self._fresh_partner(x, req.exclude, now)
         if partner is None or not self._try_pair(req.node, partner, "confirm", now):
             return False
@@ -838,6 +860,16 @@ class ProbeScheduler:
         ends = [self._nodes.get(name) for name in (rep.node, rep.peer) if name is not None]
         return all(n is not None and self._idle_now(n, now) for n in ends)
 
+    def _reserved(self, name: str, now: float) -> bool:
+        """Whether ``name`` is kept for a pair-again request waiting only for its trigger."""
+        return any(not r.done and self._repeat_waiting(r, now) for r in self._repeats_of.get(name, ()))
+
+    def _repeat_waiting(self, rep: _Confirm, now: float) -> bool:
+        """Whether the pair-again request waits only for its trigger to free its ends: both idle
+        and heard from, each in no probe or still in the one whose result asked for it."""
+        ends = [self._nodes.get(name) for name in (rep.node, rep.peer) if name is not None]
+        return all(n is not None and n.held in (None, rep.trigger) and self._idle_now(n, now) for n in ends)
+
     def _fresh_partner(self, x: _Node, exclude: set[str], now: float) -> str | None:
         """Idle, not excluded, not paired with ``x`` within one full rotation of its group; the
         least recently tested pair first (owed pairs gain), its own group before the pool."""
@@ -849,7 +881,7 @@ class ProbeScheduler:
             best: tuple[float, str] | None = None
             for g in groups:
                 for m in self._groups.get(g, []):
-                    if m == x.name or m in exclude:
+                    if m == x.name or m in exclude or self._reserved(m, now):
                         continue
                     pair = _pair(x.name, m)
                     if self._paired.get(pair, never) >= since:
@@ -1072,7 +1104,16 @@ class ProbeScheduler:
             self._unjudged.setdefault((pool, probe.kind), []).append((ends[0], ends[1], busbw, now))
         self._judge_unjudged(pool, probe.kind, now)
         if confirmable and (not ok or slow):
-            self._confirm(ends[0], ends[1], now, kind=probe.kind, ok=probe.ok, busbw=busbw, expected=expected)
+            self._confirm(
+                ends[0],
+                ends[1],
+                now,
+                kind=probe.kind,
+                ok=probe.ok,
+                busbw=busbw,
+                expected=expected,
+                trigger=None if planned is None else planned.id,
+            )
 
     def _judge_unjudged(self, pool: str, kind: str, now: float) -> None:
         """Confirm the pool's early results that its expected bandwidth, now known, calls slow.
@@ -1107,8 +1148,10 @@ class ProbeScheduler:
         busbw: float | None,
         expected: float | None,
         late_s: float = 0.0,
+        trigger: str | None = None,
     ) -> None:
-        """Plan the confirms of a suspicious pair result (``late_s``: judged that long after it came)."""
+        """Plan the confirms of a suspicious pair result (``late_s``: judged that long after it
+        came; ``trigger``: the planned probe it is the result of)."""
         log.info(
             "suspicious pair probe: confirming",
             extra={
@@ -1121,9 +1164,9 @@ class ProbeScheduler:
                 "judged_late_seconds": round(late_s, 1),
             },
         )
-        self._plan_confirms(a, b, now)
+        self._plan_confirms(a, b, now, trigger)
 
-    def _plan_confirms(self, a: str, b: str, now: float) -> None:
+    def _plan_confirms(self, a: str, b: str, now: float, trigger: str | None = None) -> None:
         cfg = self.config
         expires = now + cfg.confirm_within_rounds * cfg.round_seconds
         exclude = {a, b}
@@ -1151,7 +1194,8 @@ class ProbeScheduler:
             for e in ends:
                 self._pending[e] += 1
             if peer is not None:
-                repeat = _Confirm(x, peer, now, expires, exclude, start_at=now + cfg.pair_again_after_seconds)
+                start = now + cfg.pair_again_after_seconds
+                repeat = _Confirm(x, peer, now, expires, exclude, start_at=start, trigger=trigger)
                 self._confirms.append(repeat)
             else:
                 self._confirms.append(_Confirm(x, None, now, expires, exclude, repeat=repeat))
