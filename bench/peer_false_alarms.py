@@ -5,7 +5,7 @@ Run from the repository root (no network)::
     .venv/bin/python bench/peer_false_alarms.py [--nodes 128] [--hours 20] [--seeds 4]
 
 Every seed writes a healthy pool of ``--nodes`` H100 nodes slot by slot (10 s) for ``--hours`` with
-the noise of ``tests/test_detect_peers.py``'s ``PoolSim`` (per-node and per-GPU persistent offsets,
+the noise of ``sim/pool.py``'s ``PoolSim`` (per-node and per-GPU persistent offsets,
 per-sample noise, NVML clock steps, integer temperatures, stray slowdown bits) and jobs that differ
 the way a busy cluster's do: 10-minute jobs, ~60 % of nodes busy, half the jobs heavy and held at
 the power limit with clocks 1 - 0.03 |t(2)| of the usual (a tail with no variance). The detector
@@ -18,13 +18,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from test_detect_peers import INTERVAL, PoolSim
 
 from aggregator.detect.peers import PeerDetector
+from sim.pool import INTERVAL, PoolSim
 
 
 def main() -> None:
