@@ -3,10 +3,11 @@
 An agent numbers its reports with ``seq``, one up per report, from 0 when its process starts;
 ``run`` (random per process start) says which count a seq belongs to, and ``boot_id`` which boot.
 A *stream* is one ``(boot_id, run)``. Per stream the node keeps a high-water mark of seq and the
-seqs seen in the ``window`` just below it, so a report delivered out of order (a retry racing the
-next report) is still taken once, and one older than the window (a report captured minutes ago
-and sent again) is a duplicate: it changes nothing and is not liveness. The report's ``time``
-plays no part: a node whose clock ran a day ahead cannot make its next boot's reports look old.
+seqs seen in the ``window`` just below it (bits of one number), so a report delivered out of
+order (a retry racing the next report) is still taken once, and one older than the window (a
+report captured minutes ago and sent again) is a duplicate: it changes nothing and is not
+liveness. The report's ``time`` plays no part: a node whose clock ran a day ahead cannot make
+its next boot's reports look old.
 
 Bounded by construction: at most ``streams`` streams a node, each with at most ``window`` seqs;
 the least recently used go first, and the hashes of the last ``RETIRED`` streams left behind are
@@ -23,8 +24,9 @@ belongs to the count before. That is the one place time counts, and only for rep
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Final
+
+import msgspec
 
 from agent.report import Report
 
@@ -37,12 +39,15 @@ RETIRED: Final = 64  # streams left behind that stay closed: weeks of reboots an
 Stream = tuple[str, str]
 
 
-@dataclass
-class _Stream:
+class _Stream(msgspec.Struct, gc=False):
+    """One count's state: numbers only, so neither it nor its seen seqs are objects the cycle
+    collector walks (a set of 64 seqs was 64 references visited per node per full collection)."""
+
     high: int
     latest_time: float
     since: float  # time of the report that began this count (only read without run ids)
-    seen: set[int] = field(default_factory=set)  # seqs in (high - window, high] taken in
+    # Seqs in (high - window, high] taken in, as bits: bit k is seq high - k.
+    seen: int = 0
 
 
 class SeqTracker:
@@ -79,7 +84,7 @@ class SeqTracker:
             return True
         if seq <= st.high - self.window:
             return self._legacy_restart(report, st)
-        return seq not in st.seen
+        return not (st.seen >> (st.high - seq)) & 1
 
     def record(self, report: Report) -> None:
         """Take ``report`` in (call after ``is_new`` said True and it was processed)."""
@@ -90,10 +95,13 @@ class SeqTracker:
             st = self._streams[key] = _Stream(seq, report.time, report.time)
         self._streams.move_to_end(key)
         if seq > st.high:
+            # Shifted up to the new mark; bits past the window fall off. A jump past the whole
+            # window clears it (shifted, a seq a trillion up would make a trillion-bit number).
+            jump = seq - st.high
+            st.seen = (st.seen << jump) & ((1 << self.window) - 1) if jump < self.window else 0
             st.high = seq
-            floor = seq - self.window
-            st.seen = {s for s in st.seen if s > floor}
-        st.seen.add(seq)
+        if st.high - seq < self.window:
+            st.seen |= 1 << (st.high - seq)
         st.latest_time = max(st.latest_time, report.time)
         while len(self._streams) > self.streams:
             old, _ = self._streams.popitem(last=False)
@@ -103,4 +111,5 @@ class SeqTracker:
 
     def size(self) -> int:
         """Seqs and stream keys held (for the memory bound's tests)."""
-        return sum(len(s.seen) for s in self._streams.values()) + len(self._streams) + len(self._retired)
+        seqs = sum(s.seen.bit_count() for s in self._streams.values())
+        return seqs + len(self._streams) + len(self._retired)

@@ -989,7 +989,7 @@ class Pipeline:
             "held": h.held if h else False,
             "tainted": h.tainted if h else False,
             "silent": name in self._silent,
-            "placement": msgspec.to_builtins(rec.placement.__dict__),
+            "placement": msgspec.to_builtins(rec.placement),
             "last_received": rec.last_received,
             "last_report_time": rec.last_report_time,
             "reasons": [msgspec.to_builtins(r) for r in h.reasons] if h else [],

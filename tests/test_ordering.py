@@ -119,3 +119,18 @@ def test_state_per_node_stays_bounded_whatever_one_token_sends(changing: str) ->
         assert not tracker.is_new(_report(10, boot="boot-4990", time_=NOW))
     if changing == "run":
         assert not tracker.is_new(_report(10, run="run-4990", time_=NOW))
+
+
+def test_a_seq_a_trillion_up_neither_grows_the_state_nor_reopens_the_window() -> None:
+    # The seqs seen are bits below the mark: a jump must clear them, not shift them a trillion
+    # places (a number of a trillion bits), and the seqs just under the new mark stay open.
+    tracker = SeqTracker(window=64)
+    for seq in range(10):
+        tracker.record(_report(seq, time_=NOW))
+    far = 10**12
+    tracker.record(_report(far, time_=NOW))
+    assert tracker.size() == 2  # the one seq in the window, and its stream
+    assert not tracker.is_new(_report(far, time_=NOW))
+    assert tracker.is_new(_report(far - 1, time_=NOW)) and tracker.is_new(_report(far - 63, time_=NOW))
+    assert not tracker.is_new(_report(far - 64, time_=NOW))  # past the window: a replay
+    assert not tracker.is_new(_report(5, time_=NOW))

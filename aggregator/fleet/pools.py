@@ -20,9 +20,9 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Final
 
+import msgspec
 from msgspec import UNSET
 
 from agent.report import Report
@@ -42,8 +42,10 @@ _LABEL_VALUE_MAX: Final = 63  # a Kubernetes label value's limit; pools end up i
 _NOT_LABEL_SAFE: Final = re.compile(r"[^a-z0-9]+")
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(msgspec.Struct, frozen=True, gc=False):
+    """Where a node sits: its pool and its failure domains. Strings only, so a struct the cycle
+    collector need not track (one per node, held for as long as the node is known)."""
+
     pool: str
     rack: str | None = None
     leaf: str | None = None
