@@ -94,7 +94,7 @@ def holders(pipeline: Pipeline) -> list[tuple[str, int]]:
     hists = [fleet.history(n) for n in fleet.nodes()]
     parts.append(("history: latest report", [h.latest for h in hists if h is not None]))
     parts.append(("history: previous report", [h._previous for h in hists if h is not None]))
-    parts.append(("history: series and rows", [h.__dict__ for h in hists if h is not None]))
+    parts.append(("history: series and rows", [h for h in hists if h is not None]))
     frames = pipeline.frames
     parts.append(("frames (pool columns)", [frames]))
     parts.append(("node records", [pipeline._nodes]))

@@ -474,7 +474,7 @@ def test_a_nodes_series_are_a_few_objects_for_the_garbage_collector() -> None:
     seen: set[int] = set()
     tracked = visits = 0
     shared = ("_latest", "_previous", "registry")  # the reports, and the fleet's registry
-    stack: list[object] = [v for k, v in vars(history).items() if k not in shared]
+    stack: list[object] = [getattr(history, k) for k in type(history).__slots__ if k not in shared]
     while stack:
         obj = stack.pop()
         if id(obj) in seen or isinstance(obj, (Report, type)):  # a type: shared, not the node's

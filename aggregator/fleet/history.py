@@ -274,6 +274,48 @@ if TYPE_CHECKING:
 class NodeHistory:
     """One node's recent past: the latest two reports in full, series of what was asked for."""
 
+    # Slots: with its 37 attributes an instance would carry a dict of its own, one more object a
+    # node for the cycle collector to track.
+    __slots__ = (
+        "_boot_codes",
+        "_boot_start",
+        "_boots",
+        "_data",
+        "_gauges",
+        "_gpu_counters",
+        "_last_boot",
+        "_last_cum",
+        "_last_kept_time",
+        "_last_raw",
+        "_latest",
+        "_layout",
+        "_link_ids",
+        "_link_prev",
+        "_next_boot_code",
+        "_nic_counters",
+        "_nic_layout",
+        "_nic_seen_at",
+        "_nvlinks",
+        "_pending",
+        "_previous",
+        "_rebooted",
+        "_rows_version",
+        "_seen",
+        "_since",
+        "_span_key",
+        "_span_rows",
+        "_thin_from",
+        "_times",
+        "_width",
+        "coarse_s",
+        "fine_s",
+        "max_nic_keys",
+        "max_samples",
+        "node",
+        "registry",
+        "window_s",
+    )
+
     def __init__(
         self,
         node: str,
