@@ -207,6 +207,11 @@ _LinkIds = tuple[int, ...]
 _LinkValues = tuple[int | None, ...]
 # Boot codes a node keeps before letting go of those nothing refers to (see _boot_code).
 _MAX_BOOT_CODES: Final = 32
+# A column's state in NodeHistory._state: its first row's time, a counter's last raw value,
+# cumulative value and boot code, in that order.
+_SINCE, _RAW, _CUM, _BOOT = range(4)
+_STATE: Final = 4
+_NEW_COLUMN_STATE: Final = array("d", [math.inf, 0.0, 0.0, math.nan])
 
 
 def _links(gpu: Gpu | None) -> tuple[Sequence[NvLink], _LinkIds]:
@@ -283,10 +288,7 @@ class NodeHistory:
         "_data",
         "_gauges",
         "_gpu_counters",
-        "_last_boot",
-        "_last_cum",
         "_last_kept_time",
-        "_last_raw",
         "_latest",
         "_layout",
         "_link_ids",
@@ -301,9 +303,9 @@ class NodeHistory:
         "_rebooted",
         "_rows_version",
         "_seen",
-        "_since",
         "_span_key",
         "_span_rows",
+        "_state",
         "_thin_from",
         "_times",
         "_width",
@@ -369,14 +371,12 @@ class NodeHistory:
         # node holds one object for its numbers instead of one array and one object per series.
         self._data: array[float] = array("d")
         self._width = 0
-        # Per column: the time of its first row (earlier rows are padding, not nulls) and, for a
-        # counter, its last raw value, cumulative value and boot (a code from _boot_code; NaN: no
-        # sample yet). Arrays, not lists: a full collection visits every item of a list (145 per
-        # column list, most of what it walked per node), none of an array's.
-        self._since: array[float] = array("d")
-        self._last_raw: array[float] = array("d")
-        self._last_cum: array[float] = array("d")
-        self._last_boot: array[float] = array("d")
+        # Per column, _STATE numbers at ``col * _STATE``: the time of its first row (earlier rows
+        # are padding, not nulls) and, for a counter, its last raw value, cumulative value and
+        # boot (a code from _boot_code; NaN: no sample yet). One array, not lists: a full
+        # collection visits every item of a list (145 per column list, most of what it walked per
+        # node), none of an array's, and each array is one more object it tracks.
+        self._state: array[float] = array("d")
         self._boot_codes: dict[str, float] = {}
         self._next_boot_code = 0.0
         # Per NVLink column that has counted: the link numbers of its last sample in report
@@ -510,7 +510,7 @@ class NodeHistory:
         self._data.fromlist(row)
 
     def _boot_code(self, boot: str) -> float:
-        """The number that stands for ``boot`` in ``_last_boot``; never reused for another boot.
+        """The number that stands for ``boot`` in the columns' state; never reused for another boot.
 
         Codes of boots that neither a row nor a column's last sample refers to are let go once
         there are ``_MAX_BOOT_CODES``: an agent that changes its boot id every report cannot grow
@@ -518,7 +518,7 @@ class NodeHistory:
         code = self._boot_codes.get(boot)
         if code is None:
             if len(self._boot_codes) >= _MAX_BOOT_CODES:
-                rows, cols = set(self._boots), set(self._last_boot)
+                rows, cols = set(self._boots), set(self._state[_BOOT::_STATE])
                 self._boot_codes = {b: c for b, c in self._boot_codes.items() if b in rows or c in cols}
             self._next_boot_code += 1.0
             code = self._boot_codes[boot] = self._next_boot_code
@@ -528,23 +528,25 @@ class NodeHistory:
         """Counter ``col``'s cumulative reset-safe increase at a new sample (NaN: no value)."""
         if value is None:
             return _NAN
-        last_boot = self._last_boot[col]
-        if value == self._last_raw[col] and boot == last_boot:  # unchanged: the common case
-            return self._last_cum[col]
+        st, i = self._state, col * _STATE
+        last_boot = st[i + _BOOT]
+        if value == st[i + _RAW] and boot == last_boot:  # unchanged: the common case
+            return st[i + _CUM]
         if boot != last_boot:
-            c = self._last_cum[col]  # a new boot starts over: its first sample is the baseline
+            c = st[i + _CUM]  # a new boot starts over: its first sample is the baseline
         else:
-            d = value - self._last_raw[col]
-            c = self._last_cum[col] + (d if d >= 0 else value)  # went down: reset, counts from zero
-        self._last_raw[col] = value
-        self._last_cum[col] = c
-        self._last_boot[col] = boot
+            d = value - st[i + _RAW]
+            c = st[i + _CUM] + (d if d >= 0 else value)  # went down: reset, counts from zero
+        st[i + _RAW] = value
+        st[i + _CUM] = c
+        st[i + _BOOT] = boot
         return c
 
     def _count_links(self, col: int, name: str, links: Sequence[NvLink], ids: _LinkIds, boot: float) -> float:
         """Like ``_count`` for an NVLink counter summed over a GPU's links, each link reset-safe."""
         values: _LinkValues = tuple(map(_LINK_GETTERS[name], links))
-        if boot == self._last_boot[col]:
+        st, i = self._state, col * _STATE
+        if boot == st[i + _BOOT]:
             last_ids, last = self._link_ids.get(col, ()), self._link_prev.get(col, ())
         else:
             last_ids, last = (), ()  # a new boot: every link starts over
@@ -552,7 +554,7 @@ class NodeHistory:
             # Nothing counted since the last sample: by far the common case, at C speed.
             if values.count(None) == len(values):
                 return _NAN
-            return self._last_cum[col]
+            return st[i + _CUM]
         if ids == last_ids:
             prev = last
         else:  # links appeared, vanished or moved: match them by number
@@ -573,9 +575,9 @@ class NodeHistory:
         self._link_ids[col], self._link_prev[col] = ids, tuple(kept)
         if not valid:
             return _NAN
-        c = self._last_cum[col] + delta
-        self._last_cum[col] = c
-        self._last_boot[col] = boot
+        c = st[i + _CUM] + delta
+        st[i + _CUM] = c
+        st[i + _BOOT] = boot
         return c
 
     def _insert_late(self, report: Report, latest: Report) -> None:
@@ -698,10 +700,7 @@ class NodeHistory:
         for r in range(n):
             data[r * wide : r * wide + w] = old[r * w : (r + 1) * w]
         self._data, self._width = data, wide
-        self._since.extend(array("d", [math.inf]) * k)
-        self._last_raw.extend(array("d", [0.0]) * k)
-        self._last_cum.extend(array("d", [0.0]) * k)
-        self._last_boot.extend(array("d", [_NAN]) * k)
+        self._state.extend(_NEW_COLUMN_STATE * k)
         return w
 
     def _drop_columns(self, columns: set[int]) -> None:
@@ -713,10 +712,10 @@ class NodeHistory:
         old = self._data
         self._data = array("d", [old[r * w + c] for r in range(n) for c in keep])
         self._width = len(keep)
-        self._since = array("d", [self._since[c] for c in keep])
-        self._last_raw = array("d", [self._last_raw[c] for c in keep])
-        self._last_cum = array("d", [self._last_cum[c] for c in keep])
-        self._last_boot = array("d", [self._last_boot[c] for c in keep])
+        st, state = self._state, array("d")
+        for c in keep:
+            state.extend(st[c * _STATE : (c + 1) * _STATE])
+        self._state = state
         renumber = {c: i for i, c in enumerate(keep)}
         self._link_ids = {renumber[c]: v for c, v in self._link_ids.items() if c in renumber}
         self._link_prev = {renumber[c]: v for c, v in self._link_prev.items() if c in renumber}
@@ -736,7 +735,7 @@ class NodeHistory:
         for r in seeds:
             self._data[row * w + col] = value(r)
             row += 1
-        self._since[col] = seeds[0].time if seeds else first
+        self._state[col * _STATE + _SINCE] = seeds[0].time if seeds else first
 
     def _new_gpu_counter(self, gpu: int, name: str, first: float, col: int) -> int:
         self._start(
@@ -847,7 +846,7 @@ class NodeHistory:
             lo, hi = self._span_rows
         else:
             lo, hi = self._span(window_s, at.time)
-        if lo > hi or self._since[col] > self._times[lo]:
+        if lo > hi or self._state[col * _STATE + _SINCE] > self._times[lo]:
             # The series was started after the window (this boot's part of it) began: its rate
             # would spread the window's increase over less time than the window. No rate is
             # better than an inflated one; the rule engine asks on a node's first report, so in
@@ -914,7 +913,7 @@ class NodeHistory:
             g = self._new_gauge(gpu, name, at.time, self._add_columns(1))
         times = self._times
         now = at.time
-        lo = bisect_left(times, max(now - window_s, self._since[g]))
+        lo = bisect_left(times, max(now - window_s, self._state[g * _STATE + _SINCE]))
         hi = bisect_right(times, now)
         data, w = self._data, self._width
         values = [data[i * w + g] for i in range(lo, hi)]
