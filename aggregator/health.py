@@ -43,8 +43,7 @@ persistence is measured from when this machine first saw its key.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -70,13 +69,17 @@ class NodeHealth:
     since: float = 0.0  # when the current state began
     groups: dict[str, dict[str, _Tracked]] = field(default_factory=dict)  # source -> key -> finding
     clear_since: float | None = None  # suspect: when the last evidence disappeared
-    quarantines: deque[float] = field(default_factory=deque)
+    # When it was quarantined, within the lemon window. A tuple, rebuilt on the rare change: a
+    # tuple of numbers is not an object the cycle collector tracks, an (empty) deque a node was.
+    quarantines: tuple[float, ...] = ()
     lemon: bool = False
     tainted: bool = False  # remediation has taken (or in dry-run would have taken) the node out
     held: bool = False  # quarantined, but a safety limit kept the taint off
     pending: bool = False  # out, but the gate has not judged it yet (the cluster view not rebuilt)
     restored_until: float | None = None  # the restored findings give way to live ones then
-    reasons: list[Reason] = field(default_factory=list)  # why it is in its current state
+    # Why it is in its current state; always replaced whole, never changed in place, so a
+    # healthy node shares the empty tuple rather than holding an empty list of its own.
+    reasons: Sequence[Reason] = ()
 
     def active(self) -> list[_Tracked]:
         return [t for group in self.groups.values() for t in group.values()]
@@ -234,9 +237,12 @@ class HealthMachine:
         if h.state != "probation":
             # A relapse during probation is the same episode; a lemon keeps coming back from
             # healthy (or suspect) after being released.
-            h.quarantines.append(now)
-        while h.quarantines and now - h.quarantines[0] > cfg.lemon_window_seconds:
-            h.quarantines.popleft()
+            h.quarantines = (*h.quarantines, now)
+        gone = 0
+        while gone < len(h.quarantines) and now - h.quarantines[gone] > cfg.lemon_window_seconds:
+            gone += 1
+        if gone:
+            h.quarantines = h.quarantines[gone:]
         if len(h.quarantines) >= cfg.lemon_count and not h.lemon:
             h.lemon = True
             why = [
@@ -337,7 +343,7 @@ class HealthMachine:
         if h is None or h.state != snap.state or h.state not in ("quarantined", "probation"):
             return False
         h.since = snap.since
-        h.quarantines = deque(snap.quarantines)
+        h.quarantines = tuple(snap.quarantines)
         h.lemon = h.lemon or snap.lemon
         if snap.message is not None:
             h.reasons = _restored_reasons(snap)
@@ -443,7 +449,7 @@ class HealthMachine:
         h.tainted = snap.tainted
         h.held = snap.held
         h.lemon = snap.lemon
-        h.quarantines = deque(snap.quarantines)
+        h.quarantines = tuple(snap.quarantines)
         findings = [finding_of_snapshot(f) for f in snap.findings if f.clears != "reboot"]
         if findings:
             h.groups[RESTORED] = {f.key: _Tracked(f, min(f.since, now)) for f in findings}
@@ -473,7 +479,7 @@ class HealthMachine:
         if h is None or not h.lemon:
             return None
         h.lemon = False
-        h.quarantines.clear()
+        h.quarantines = ()
         return self._evaluate(h, now)
 
 

@@ -61,7 +61,9 @@ class SeqTracker:
         self.window = window
         self.streams = streams
         self._streams: OrderedDict[Stream, _Stream] = OrderedDict()
-        self._retired: OrderedDict[int, None] = OrderedDict()
+        # Made when a first stream is left behind: most nodes never leave one, and an empty
+        # OrderedDict is one more object a node for the cycle collector to track.
+        self._retired: OrderedDict[int, None] | None = None
 
     @staticmethod
     def stream_of(report: Report) -> Stream:
@@ -75,7 +77,7 @@ class SeqTracker:
         key = self.stream_of(report)
         st = self._streams.get(key)
         if st is None:
-            return hash(key) not in self._retired
+            return self._retired is None or hash(key) not in self._retired
         seq = report.seq
         legacy = not isinstance(report.run, str)
         if legacy and report.time < st.since:
@@ -105,6 +107,8 @@ class SeqTracker:
         st.latest_time = max(st.latest_time, report.time)
         while len(self._streams) > self.streams:
             old, _ = self._streams.popitem(last=False)
+            if self._retired is None:
+                self._retired = OrderedDict()
             self._retired[hash(old)] = None
             while len(self._retired) > RETIRED:
                 self._retired.popitem(last=False)
@@ -112,4 +116,4 @@ class SeqTracker:
     def size(self) -> int:
         """Seqs and stream keys held (for the memory bound's tests)."""
         seqs = sum(s.seen.bit_count() for s in self._streams.values())
-        return seqs + len(self._streams) + len(self._retired)
+        return seqs + len(self._streams) + len(self._retired or ())

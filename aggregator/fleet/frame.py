@@ -46,7 +46,7 @@ import logging
 import math
 import types
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -257,7 +257,7 @@ def gpu_block(view: NodeView, gpus: int) -> FloatArray:
     return np.array(rows, dtype=np.float32).reshape(gpus, len(GPU_FIELDS))
 
 
-def nic_block(view: NodeView, keys: list[NicKey]) -> FloatArray:
+def nic_block(view: NodeView, keys: Sequence[NicKey]) -> FloatArray:
     """One node's NIC rows for one slot, in the order of ``keys``: ``(len(keys), len(NIC_FIELDS))``."""
     report = view.report
     prev = view.previous
@@ -369,8 +369,9 @@ class PoolFrame:
         self.head: int | None = None  # newest slot number written
         self._names: list[str] = []
         self._rows: dict[str, int] = {}
-        self._nic_keys: dict[str, list[NicKey]] = {}
-        self._nic_seen: dict[str, set[NicKey]] = {}  # assigned a column or left out
+        # Per node its NICs in column order. Tuples: a tuple of strings and numbers is not an
+        # object the cycle collector tracks, where a list and a set per node and pool were two.
+        self._nic_keys: dict[str, tuple[NicKey, ...]] = {}
 
     def _empty_gpu(self, rows: int, *slots: int) -> FloatArray:
         return np.full((*slots, rows, self.gpus, len(GPU_FIELDS)), np.nan, np.float32)
@@ -448,7 +449,6 @@ class PoolFrame:
         if row is None:
             return False
         self._nic_keys.pop(node, None)
-        self._nic_seen.pop(node, None)
         last = len(self._names) - 1
         for p in range(self.slots):
             self._writable(p)
@@ -468,20 +468,18 @@ class PoolFrame:
             self._resize(max(_INITIAL_ROWS, capacity // 2), self._nic_width)
         return True
 
-    def assign_nics(self, node: str, keys: list[NicKey], max_nics: int) -> list[NicKey]:
+    def assign_nics(self, node: str, keys: Sequence[NicKey], max_nics: int) -> tuple[NicKey, ...]:
         """The node's NIC column order: sorted at first sight, NICs seen later appended.
 
         NICs beyond ``max_nics`` are left out (and said so once per NIC, not per report).
         """
         known = self._nic_keys.get(node)
-        seen = self._nic_seen.get(node)
-        if known is None or seen is None:
-            known = self._nic_keys[node] = []
-            seen = self._nic_seen[node] = set()
-        elif seen.issuperset(keys):
-            return known
-        for key in sorted(set(keys) - seen, key=lambda k: (k[0], -1 if k[1] is None else k[1])):
-            if len(known) >= max_nics:
+        if known is not None and (tuple(keys) == known or set(keys).issubset(known)):
+            return known  # the same NICs as before: every report but a node's first, nearly
+        have = known or ()
+        added = list(have)
+        for key in sorted(set(keys).difference(have), key=lambda k: (k[0], -1 if k[1] is None else k[1])):
+            if len(added) >= max_nics:
                 # Not remembered as seen: a node sending new names in every report must not grow
                 # this set (or the log) without bound.
                 self._ratelog.warning(
@@ -490,8 +488,8 @@ class PoolFrame:
                     extra={"node": node, "nic": nic_name(key), "max_nics": max_nics},
                 )
                 continue
-            seen.add(key)
-            known.append(key)
+            added.append(key)
+        known = self._nic_keys[node] = tuple(added)
         if len(known) > self._nic_width:
             self._resize(self._capacity, max(len(known), 2 * self._nic_width))
         return known
@@ -532,7 +530,7 @@ class PoolFrame:
         k0, k1 = self._slot_range(t0, t1)
         return [k % self.slots for k in range(k0, k1 + 1)]
 
-    def write(self, node: str, t: float, gpu: FloatArray, nics: list[NicKey], nic: FloatArray) -> bool:
+    def write(self, node: str, t: float, gpu: FloatArray, nics: Sequence[NicKey], nic: FloatArray) -> bool:
         """Store one node's values for the slot of ``t``; False when that slot is already gone."""
         k = self.slot_number(t)
         if self.head is None or k > self.head:
