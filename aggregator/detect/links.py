@@ -38,6 +38,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Annotated, ClassVar, Final
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 from msgspec import UNSET, Meta
@@ -159,8 +160,10 @@ class _Test:
     slow: int  # of its results, those under the slow line
 
 
-@dataclass
-class _Sample:
+class _Sample(msgspec.Struct, frozen=True, gc=False):
+    """One result: two floats, in a struct the cycle collector does not track (up to
+    ``max_samples_per_pair`` a pair are kept)."""
+
     time: float  # on the aggregator's clock
     log_bw: float
 

@@ -24,9 +24,9 @@ import logging
 import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Annotated, ClassVar
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 from msgspec import UNSET, Meta
@@ -66,8 +66,10 @@ class LocalProbeConfig(DetectorSettings, frozen=True):
     max_change_points: Annotated[int, Meta(ge=1)] = 16
 
 
-@dataclass(frozen=True)
-class _Sample:
+class _Sample(msgspec.Struct, frozen=True, gc=False):
+    """One result: two floats, in a struct the cycle collector does not track (a dataclass
+    instance, or a named tuple, stays tracked: one object per result kept)."""
+
     time: float  # our clock
     log_bw: float
 
