@@ -326,7 +326,7 @@ class Pipeline:
         rec.own_labels, rec.model_pool = own, model_pool
         rec.last_received = max(rec.last_received, received)
         rec.last_report_time = max(rec.last_report_time, report.time)
-        rec.recent.append(report, received)
+        rec.recent.add(report, received)
         rec.boot_id = report.boot_id
         rec.gpu_uuids = {g.index: g.uuid for g in report.gpus if g.uuid}
         if report.pods is not msgspec.UNSET:

@@ -54,7 +54,7 @@ def test_node_history_shows_every_summary_field_of_the_newest_60_reports() -> No
 def test_kept_summaries_are_not_tracked_by_the_garbage_collector() -> None:
     recent = RecentReports(60)
     for seq in range(1, 61):
-        recent.append(make_report(seq=seq, time_=NOW + 10.0 * seq), NOW + 10.0 * seq)
+        recent.add(make_report(seq=seq, time_=NOW + 10.0 * seq), NOW + 10.0 * seq)
     gc.collect()  # a tuple of plain values is untracked at its first collection
     assert len(recent) == 60
-    assert not any(gc.is_tracked(row) for row in recent._rows)
+    assert not any(gc.is_tracked(row) for row in recent)

@@ -21,10 +21,10 @@ from tests.test_service import NOW, make_report
 
 NODES = 40
 REPORTS = 30
-# Measured: about 15 a node (the node record, history, health and rule state, the seq tracker and
-# its stream map, the recent-report ring, the history's three arrays). The bound leaves room for
-# one or two more, not for a per-node list or set per detector.
-PER_NODE_BOUND = 18
+# Measured: about 12 a node (the node record, history, health and rule state, the seq tracker and
+# its stream map, the recent-report ring, the history's three arrays and its boots, a local probe
+# ring). The bound leaves room for a few more, not for a per-node list or set per detector.
+PER_NODE_BOUND = 16
 
 
 def _healthy(name: str, seq: int, at: float) -> Report:

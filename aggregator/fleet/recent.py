@@ -65,20 +65,19 @@ def as_dict(s: Summary) -> dict[str, Any]:
     return out
 
 
-class RecentReports:
-    """The newest ``keep`` summaries of one node's reports, oldest first."""
+class RecentReports(deque[Summary]):
+    """The newest ``keep`` summaries of one node's reports, oldest first.
 
-    __slots__ = ("_rows",)
+    The ring itself rather than a holder of one: a node keeps one object here for the cycle
+    collector to track, not two."""
+
+    __slots__ = ()
 
     def __init__(self, keep: int) -> None:
-        self._rows: deque[Summary] = deque(maxlen=keep)
+        super().__init__(maxlen=keep)
 
-    def append(self, report: Report, received: float) -> None:
-        rows = self._rows
-        self._rows.append(summary(report, received, rows[-1][_BOOT] if rows else None))
+    def add(self, report: Report, received: float) -> None:
+        self.append(summary(report, received, self[-1][_BOOT] if self else None))
 
     def dicts(self) -> list[dict[str, Any]]:
-        return [as_dict(s) for s in self._rows]
-
-    def __len__(self) -> int:
-        return len(self._rows)
+        return [as_dict(s) for s in self]

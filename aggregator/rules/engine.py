@@ -34,6 +34,7 @@ import math
 import operator
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -89,6 +90,7 @@ _COMPARE: Final[Mapping[str, Callable[[Any, Any], bool]]] = {
 }
 _GPU_FIELD, _NVLINK, _NIC_COUNTER, _NIC_TOTAL = range(4)
 _NO_COUNTERS: Final[Mapping[str, int]] = {}
+_NONE_HELD: Final[AbstractSet[tuple[int, str]]] = frozenset()
 # Matching events kept per (node, repeat rule): bounds memory under an event storm.
 _MAX_HISTORY: Final = 1024
 _UNIT: Final[Mapping[str, str]] = {"second": "/s", "minute": "/min", "hour": "/h"}
@@ -346,7 +348,10 @@ class _NodeState:
         self.boot_seen = now  # the first report of this boot we saw: how far back rates can see
         self.active: dict[str, _Active] = {}
         self.pending: dict[tuple[int, str], float] = {}
-        self.held: set[tuple[int, str]] = set()  # (rate rule, subject) whose threshold was crossed
+        # (rate rule, subject) whose threshold was crossed on the last report; the shared empty
+        # set while none was (most nodes, most reports): an empty set a node is one more object
+        # the cycle collector tracks.
+        self.held: AbstractSet[tuple[int, str]] = _NONE_HELD
         self.last_time: float | None = None  # the report evaluated last
         self.gpus_seen: dict[int, str] = {}  # index -> uuid, this boot
         # rid -> (event time, gpu, code, message) of matching events of a repeat rule
@@ -358,7 +363,7 @@ class _NodeState:
         self.boot_seen = now
         self.active = {k: a for k, a in self.active.items() if not a.latched}
         self.pending = {}
-        self.held = set()
+        self.held = _NONE_HELD
         self.gpus_seen = {}
         self.counts = {}
 
@@ -653,7 +658,7 @@ class RuleEngine:
         if self._errors and report.errors is not UNSET and report.errors:
             self._check_errors(run, report.errors)
         state.pending = run.pending
-        state.held = run.held
+        state.held = run.held or _NONE_HELD
         state.last_time = report.time
         return self._merge(report, state, run.hits)
 
