@@ -813,3 +813,35 @@ def test_a_pair_again_keeps_its_ends_while_its_trigger_frees_them() -> None:
     s.tick(at + 1)
     (again,) = s.assignments_for(a, at + 1)
     assert again.peer == b and s.probe(again.id).reason == "confirm"
+
+
+def test_a_fresh_partners_slow_result_gets_that_pair_again_and_nothing_more() -> None:
+    # gpu-00-00's rotation pair is slow, and so is the path to one of the fresh partners it is
+    # given. That fresh pair is a second suspect (a slow link between two nodes fine elsewhere),
+    # and a link verdict needs two results of it: it is met again at once, not a rotation later.
+    # Its own result, and the pair-again's, ask for nothing more.
+    cfg = fleet_config(round_seconds=300.0)
+    nodes = names(2, 8)
+    sim = warmed(cfg, nodes)
+    s = sim.scheduler
+    start = T0 + 3 * cfg.round_seconds
+    a = next(x for x in sim.step(start) if x.node == "gpu-00-00")
+    bad = (min(a.node, str(a.peer)), max(a.node, str(a.peer)))
+    sim.busbw[bad] = GOOD_BW / 3
+    slow_path: tuple[str, str] | None = None
+    for k in range(1, int(cfg.round_seconds // 10)):  # this round: the next would meet it again
+        for x in sim.step(start + 10 * k):
+            pair = (min(x.node, str(x.peer)), max(x.node, str(x.peer)))
+            is_fresh = s.probe(x.id) is not None and sim.seen[x.id][x.node].reason == "confirm"
+            if slow_path is None and is_fresh and pair != bad and "gpu-00-00" in pair:
+                slow_path = pair  # gpu-00-00's first fresh partner: its path is slow too
+                sim.busbw[pair] = GOOD_BW / 3
+    assert slow_path is not None
+    confirms = [p for p in sim.planned(start) if p.reason == "confirm"]
+    probes_of = {
+        p.assignment.id for p in confirms if {p.assignment.node, p.assignment.peer} == set(slow_path)
+    }
+    assert len(probes_of) == 2, "the slow fresh pair is probed again"
+    # The trigger's five confirms and the one pair-again: the fresh pair's results started no
+    # fresh partners of their own.
+    assert s.assignments_total[("tcp_pair", "confirm")] == 1 + 2 * cfg.fresh_partners + 1

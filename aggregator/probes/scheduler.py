@@ -47,8 +47,9 @@ kind: the first round of a fresh or restarted scheduler) is judged once the pool
 confirmed then if it was slow. Requests not served within ``confirm_within_rounds`` rounds are
 dropped; a node has at most ``max_pending_confirms`` outstanding, and a pair-again request takes
 the place of an end's oldest fresh-partner request when that end is at its limit. While a
-pair-again waits only for its trigger to free its ends, nothing else takes them. A confirm result
-never asks for more confirms, so a bad node cannot start a storm. A probe during which an end
+pair-again waits only for its trigger to free its ends, nothing else takes them. A fresh
+partner's slow result asks for that pair again and nothing more, and a pair-again's result asks
+for nothing, so a bad node cannot start a storm. A probe during which an end
 turned busy ("interrupted": the agent steps aside for the job) says nothing about the hardware and
 is ignored for confirms and for known-good, as is a result whose error starts with the agent's
 ``skipped:`` or ``stepped aside:`` (``BUSY_ERROR_PREFIXES``).
@@ -277,6 +278,7 @@ class _Probe:
     preflight_node: str | None = None
     result_seen: bool = False
     interrupted: bool = False  # an end turned busy while it ran
+    fresh: bool = False  # a confirm's fresh partner: slow, it asks for the pair again, nothing more
     cancelled: bool = False  # an end turned busy before it started
 
     def peer_of(self, node: str) -> str | None:
@@ -710,6 +712,7 @@ class ProbeScheduler:
         preflight_node: str | None = None,
         *,
         start_at: float | None = None,
+        fresh: bool = False,
     ) -> bool:
         na, nb = self._nodes.get(a), self._nodes.get(b)
         if na is None or nb is None:
@@ -724,7 +727,8 @@ class ProbeScheduler:
             return False
         if not self._fits(self._pair_domains(a, b), True, now):
             return False
-        self._launch(self.config.pair_kind, reason, (a, b), now, preflight_node, start_at=start_at)
+        probe = self._launch(self.config.pair_kind, reason, (a, b), now, preflight_node, start_at=start_at)
+        probe.fresh = fresh
         return True
 
     def _idle_now(self, n: _Node, now: float) -> bool:
@@ -849,7 +853,7 @@ class ProbeScheduler:
         if self._reserved(req.node, now):
             return False  # its end of another trigger's pair-again goes first
         partner = self._fresh_partner(x, req.exclude, now)
-        if partner is None or not self._try_pair(req.node, partner, "confirm", now):
+        if partner is None or not self._try_pair(req.node, partner, "confirm", now, fresh=True):
             return False
         req.exclude.add(partner)
         return True
@@ -1100,10 +1104,16 @@ class ProbeScheduler:
             return
         reason = planned.reason if planned is not None else None
         confirmable = len(ends) == 2 and reason in (None, "rotation") and not stood_down
+        # A fresh partner's result may be the first of a slow path between two nodes that are
+        # fine elsewhere (a partner of a bad node, given a fresh partner across a slow link): a
+        # link verdict needs two results of the pair, and otherwise the second comes a rotation
+        # later, if the bad node's confirms leave the pair a turn at all. It asks for the pair
+        # again only; a pair-again's result asks for nothing.
+        again_only = len(ends) == 2 and planned is not None and planned.fresh and not stood_down
         if confirmable and ok and busbw is not None and expected is None:
             self._unjudged.setdefault((pool, probe.kind), []).append((ends[0], ends[1], busbw, now))
         self._judge_unjudged(pool, probe.kind, now)
-        if confirmable and (not ok or slow):
+        if (confirmable or again_only) and (not ok or slow):
             self._confirm(
                 ends[0],
                 ends[1],
@@ -1113,6 +1123,7 @@ class ProbeScheduler:
                 busbw=busbw,
                 expected=expected,
                 trigger=None if planned is None else planned.id,
+                again_only=again_only,
             )
 
     def _judge_unjudged(self, pool: str, kind: str, now: float) -> None:
@@ -1149,6 +1160,7 @@ class ProbeScheduler:
         expected: float | None,
         late_s: float = 0.0,
         trigger: str | None = None,
+        again_only: bool = False,
     ) -> None:
         """Plan the confirms of a suspicious pair result (``late_s``: judged that long after it
         came; ``trigger``: the planned probe it is the result of)."""
@@ -1164,9 +1176,11 @@ class ProbeScheduler:
                 "judged_late_seconds": round(late_s, 1),
             },
         )
-        self._plan_confirms(a, b, now, trigger)
+        self._plan_confirms(a, b, now, trigger, again_only=again_only)
 
-    def _plan_confirms(self, a: str, b: str, now: float, trigger: str | None = None) -> None:
+    def _plan_confirms(
+        self, a: str, b: str, now: float, trigger: str | None = None, *, again_only: bool = False
+    ) -> None:
         cfg = self.config
         expires = now + cfg.confirm_within_rounds * cfg.round_seconds
         exclude = {a, b}
@@ -1177,7 +1191,7 @@ class ProbeScheduler:
         # ends are idle (one end may still be held by the probe that triggered this, until its
         # own copy of the result is in); an end that is busy lets the other end's go on.
         requests: list[tuple[str, str | None]] = [(a, b)]
-        for end in (a, b):
+        for end in () if again_only else (a, b):
             requests += [(end, None)] * cfg.fresh_partners
         repeat: _Confirm | None = None
         for x, peer in requests:
