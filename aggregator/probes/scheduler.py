@@ -727,8 +727,8 @@ class ProbeScheduler:
             return False
         if not self._fits(self._pair_domains(a, b), True, now):
             return False
-        probe = self._launch(self.config.pair_kind, reason, (a, b), now, preflight_node, start_at=start_at)
-        probe.fresh = fresh
+        kind = self.config.pair_kind
+        self._launch(kind, reason, (a, b), now, preflight_node, start_at=start_at, fresh=fresh)
         return True
 
     def _idle_now(self, n: _Node, now: float) -> bool:
@@ -869,10 +869,12 @@ class ProbeScheduler:
         return any(not r.done and self._repeat_waiting(r, now) for r in self._repeats_of.get(name, ()))
 
     def _repeat_waiting(self, rep: _Confirm, now: float) -> bool:
-        """Whether the pair-again request waits only for its trigger to free its ends: both idle
-        and heard from, each in no probe or still in the one whose result asked for it."""
-        ends = [self._nodes.get(name) for name in (rep.node, rep.peer) if name is not None]
-        return all(n is not None and n.held in (None, rep.trigger) and self._idle_now(n, now) for n in ends)
+        """Whether the pair-again request waits only for its trigger to free its ends: it could
+        run soon (``_repeat_possible``), each end in no probe or still in the one whose result
+        asked for it."""
+        if not self._repeat_possible(rep, now):
+            return False
+        return all(self._nodes[name].held in (None, rep.trigger) for name in (rep.node, rep.peer) if name)
 
     def _fresh_partner(self, x: _Node, exclude: set[str], now: float) -> str | None:
         """Idle, not excluded, not paired with ``x`` within one full rotation of its group; the
@@ -943,6 +945,7 @@ class ProbeScheduler:
         preflight_node: str | None = None,
         *,
         start_at: float | None = None,
+        fresh: bool = False,
     ) -> _Probe:
         cfg = self.config
         if self._id_prefix is None:
@@ -1005,6 +1008,7 @@ class ProbeScheduler:
             assignments=assignments,
             open_ends=set(nodes),
             preflight_node=preflight_node,
+            fresh=fresh,
         )
         for n in nodes:
             self._nodes[n].held = pid
