@@ -744,11 +744,11 @@ class ProbeScheduler:
         self._dispatch_preflight(now)
         self._dispatch_confirms(now)
         if len(self._in_flight) < self.config.max_concurrent:
+            kept = bool(self._repeats_of)  # none waiting (most dispatches): nothing to look up
             self._rotation = [
                 p
                 for p in self._rotation
-                if self._reserved(p[0], now)
-                or self._reserved(p[1], now)
+                if (kept and (self._reserved(p[0], now) or self._reserved(p[1], now)))
                 or not self._try_pair(p[0], p[1], "rotation", now)
             ]
         kind = self.config.local_kind
