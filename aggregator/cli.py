@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import socket
@@ -23,6 +22,7 @@ from agent.errors import ConfigError
 from agent.probes.protocol import read_probe_key
 from aggregator.config import Config
 from aggregator.configload import load_config
+from aggregator.heap import freeze_startup_heap, freeze_when_warm
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.rules.model import Rule
 
@@ -146,19 +146,12 @@ async def _serve(
         probe_key=read_probe_key(args.probe_key_file) if args.probe_key_file is not None else None,
     )
     freeze_startup_heap()
+    warm = asyncio.create_task(
+        freeze_when_warm(lambda: len(aggregator.pipeline.fleet), config.fleet.interval_seconds),
+        name="gpuwarden-freeze-when-warm",
+    )
     host, port = address
-    await aggregator.serve(host, port)
-
-
-def freeze_startup_heap() -> None:
-    """Move what exists once the service is built into the collector's permanent generation.
-
-    A full collection walks every object the collector tracks, holding the event loop the while:
-    at 7,500 nodes that was 560-670 ms over about 460,000 objects, a third of them the imported
-    modules (numpy, scikit-learn, aiohttp: 159,000 before the first report), which live as long
-    as the process and can never be garbage. Frozen, they are no longer walked. What is frozen and
-    later becomes cyclic garbage is not freed, so this runs once, after the build, and not in the
-    tests that build aggregators in-process."""
-    gc.collect()
-    gc.freeze()
-    log.info("startup heap frozen", extra={"objects": gc.get_freeze_count()})
+    try:
+        await aggregator.serve(host, port)
+    finally:
+        warm.cancel()

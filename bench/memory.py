@@ -19,7 +19,11 @@ pipeline's fixed state exist by then) and the end:
   visits from them, with the N types that visit most (what to make untracked, or an array, to
   shorten a full collection);
 - with ``--time-rounds M``, M more rounds with the CPU of ``Pipeline.ingest`` timed (the reports of
-  each round built first, then ingested under ``time.process_time``): median per report.
+  each round built first, then ingested under ``time.process_time``): median per report; with
+  ``--split`` also the time inside each part of the per-report path (a ``perf_counter`` around
+  the node history's ``add``, the pool frames' ``record``, the rule engine's ``evaluate`` and the
+  pool lookup from GPU models), median per report over the rounds: the parts' shares move much
+  less with this VM's load than the totals.
 
 The default (100 nodes x 185 rounds: the 1,800-s history window full) runs in about a minute
 on a laptop core.
@@ -45,6 +49,7 @@ from typing import Any
 import msgspec
 from _reports import NodeSim, phase_offset, sending_order
 
+import aggregator.pipeline as pipeline_module
 from agent.report import decode, encode
 from aggregator.app import build_pipeline
 from aggregator.configload import load_config
@@ -119,6 +124,30 @@ def tracked_types() -> tuple[Counter[str], Counter[str]]:
     return count, visits
 
 
+def _time_parts(pipeline: Pipeline) -> dict[str, float]:
+    """Wrap the parts of the per-report path in timers; the seconds each spent, updated as they run."""
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        spent[name] = 0.0
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t
+
+        return run
+
+    pipeline.fleet.add = timed("node history (Fleet.add)", pipeline.fleet.add)  # type: ignore[method-assign]
+    pipeline.frames.record = timed("pool frames (FleetFrames.record)", pipeline.frames.record)  # type: ignore[method-assign]
+    pipeline.engine.evaluate = timed("rule engine (RuleEngine.evaluate)", pipeline.engine.evaluate)  # type: ignore[method-assign]
+    # The pool lookup is called through the pipeline module's namespace.
+    pipeline_module.gpu_model_pool = timed("pool from GPU models", pipeline_module.gpu_model_pool)
+    return spent
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=100)
@@ -133,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="M",
         help="then M more rounds, CPU per Pipeline.ingest timed (median over rounds)",
     )
+    ap.add_argument("--split", action="store_true", help="with --time-rounds: time each part too")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
 
@@ -209,18 +239,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {total:8.1f} KB  total")
     if args.time_rounds:
         per_report: list[float] = []
+        parts: dict[str, list[float]] = {}
+        spent = _time_parts(pipeline) if args.split else {}
         for r in range(args.rounds, args.rounds + args.time_rounds):
             reports = [decode(encode(sims[i].report(START + r * INTERVAL + offsets[i], r))) for i in order]
             gc.collect()
+            for k in spent:
+                spent[k] = 0.0
             started = time.process_time()
             for report in reports:
                 pipeline.ingest(report, report.time)
             per_report.append((time.process_time() - started) / len(reports) * 1e6)
+            for k, v in spent.items():
+                parts.setdefault(k, []).append(v / len(reports) * 1e6)
         out["ingest_us_per_report_median"] = round(statistics.median(per_report))
         print(
             f"Pipeline.ingest: median {statistics.median(per_report):.0f} us/report CPU over "
             f"{args.time_rounds} rounds after {args.rounds}"
         )
+        if parts:
+            out["parts_us_per_report_median"] = {k: round(statistics.median(v), 1) for k, v in parts.items()}
+            for k, v in parts.items():
+                print(f"  {statistics.median(v):7.1f} us/report  {k}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return 0

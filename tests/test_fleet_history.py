@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import math
+import random
 from typing import Any
 
 import msgspec
@@ -21,6 +22,7 @@ from aggregator.fleet.history import (
     Fleet,
     NodeHistory,
 )
+from aggregator.fleet.view import RateAsks
 
 ECC = "ecc_sbe_volatile_total"
 
@@ -491,3 +493,73 @@ def test_a_nodes_series_are_a_few_objects_for_the_garbage_collector() -> None:
     # And what a collection visits from them: every item of a list (a float included), nothing
     # inside an array. Per-series state in lists made this grow with the series (7 x 48 here).
     assert visits < 3 * series, visits
+
+
+def _random_stream(seed: int) -> list[Report]:
+    """Reports with counters that creep, reset and go null, a reboot or two, GPUs and NICs that
+    come and go, late and duplicate deliveries."""
+    rng = random.Random(seed)
+    counts: dict[tuple[object, ...], int] = {}
+
+    def value(key: tuple[object, ...]) -> int | None:
+        if rng.random() < 0.08:
+            return None
+        counts[key] = 0 if rng.random() < 0.03 else counts.get(key, 0) + rng.choice((0, 0, 1, 7))
+        return counts[key]
+
+    out: list[Report] = []
+    t, boot = 0.0, "boot-a"
+    for _ in range(rng.randint(30, 80)):
+        t += rng.choice((10.0, 10.0, 10.0, 25.0))
+        if rng.random() < 0.04:
+            boot = f"boot-{rng.randrange(10**6)}"
+        gpus = [
+            gpu(
+                i,
+                ecc_sbe_volatile_total=value((i, "ecc")),
+                pcie_replay_total=value((i, "pcie")),
+                nvlink=[
+                    NvLink(
+                        link=k, crc_flit_errors_total=value((i, k, "crc")), replay_errors_total=value((i, k))
+                    )
+                    for k in range(rng.choice((0, 2, 2, 3)))
+                ],
+            )
+            for i in range(rng.choice((1, 2, 2)))
+        ]
+        nics = [
+            Nic(
+                device=f"mlx5_{i}",
+                link_layer="InfiniBand",
+                port=1,
+                rx_bytes_total=value(("rx", i)),
+                counters={"symbol_error": c} if (c := value(("se", i))) is not None else {},
+            )
+            for i in range(rng.choice((1, 2, 2)))
+        ]
+        out.append(report(t, boot=boot, gpus=gpus, nics=nics))
+    for k in range(len(out) - 1):  # a few late reports, and a duplicate
+        if rng.random() < 0.08:
+            out[k], out[k + 1] = out[k + 1], out[k]
+    return [*out, out[len(out) // 2]]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_many_rates_at_once_are_each_what_its_single_rate_answers(seed: int) -> None:
+    """The pool frames ask a hundred rates a report in one ``rates`` call; each answer must be what
+    the single-rate method gives (NaN for None), including series not created yet, windows with
+    no value at an end, reboots and late reports."""
+    asks = RateAsks(
+        gpu=tuple((i, f) for i in range(3) for f in (ECC, "pcie_replay_total")),
+        nvlink=tuple((i, f) for i in range(3) for f in ("crc_flit_errors_total", "replay_errors_total")),
+        nic=tuple((f"mlx5_{i}", 1, c) for i in range(3) for c in ("symbol_error", "rx_bytes_total")),
+    )
+    batched, single = Fleet(), Fleet()
+    for r in _random_stream(seed):
+        a, b = batched.add(r), single.add(r)
+        for window in (10.001, 60.0):
+            got = a.rates(asks, window)
+            want = [b.gpu_rate(i, f, window) for i, f in asks.gpu]
+            want += [b.nvlink_rate(i, f, window) for i, f in asks.nvlink]
+            want += [b.nic_rate(d, p, c, window) for d, p, c in asks.nic]
+            assert [None if math.isnan(x) else x for x in got.tolist()] == want, (r.time, window)

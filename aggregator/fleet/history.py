@@ -85,6 +85,8 @@ from collections.abc import Callable, Iterable, Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Final, Literal, TypeVar
 
+import numpy as np
+import numpy.typing as npt
 from msgspec import UnsetType
 
 from agent.errors import ConfigError, ReportError
@@ -103,7 +105,7 @@ from aggregator.config import FleetConfig
 from aggregator.ratelog import RateLimitedLog
 
 if TYPE_CHECKING:
-    from aggregator.fleet.view import NodeView
+    from aggregator.fleet.view import NodeView, RateAsks
 
 log = logging.getLogger(__name__)
 # A sender can trigger these once per report: one line per kind every few seconds, counted.
@@ -266,6 +268,9 @@ class HistoryView:
 
     def nic_rate(self, device: str, port: int | None, counter: str, window_s: float) -> float | None:
         return self._history.nic_rate(device, port, counter, window_s, self.report)
+
+    def rates(self, asks: RateAsks, window_s: float) -> npt.NDArray[np.float64]:
+        return self._history.rates(asks, window_s, self.report)
 
     def gpu_samples(self, gpu: int, field: str, window_s: float) -> list[tuple[float, float | None]]:
         return self._history.gpu_samples(gpu, field, window_s, self.report)
@@ -868,6 +873,70 @@ class NodeHistory:
         if dt <= 0:
             return None
         return (last - first) / dt
+
+    def rates(self, asks: RateAsks, window_s: float, at: Report) -> npt.NDArray[np.float64]:
+        """``_rate`` of many series over one window (``NodeView.rates``), NaN for None.
+
+        The rows at the window's two ends are read once for all the series, and every series
+        whose samples there both hold a value gets its rate in one numpy expression, with the
+        same float64 operations as ``_rate``, so the answers are identical. A series not created
+        yet, or with no value at an end, goes through the single-rate path."""
+        cols = [
+            *map(self._gpu_counters.get, asks.gpu),
+            *map(self._nvlinks.get, asks.nvlink),
+            *map(self._nic_counters.get, asks.nic),
+        ]
+        out = np.full(len(cols), _NAN)
+        # Where each resolved series' answer goes in ``out``.
+        where = np.arange(len(cols), dtype=np.intp)
+        if None in cols:
+            # The single-rate path creates the series (a new column, appended: the numbers of
+            # those already resolved stay valid).
+            for i, col in enumerate(cols):
+                if col is None:
+                    out[i] = self._single(asks, i, window_s, at)
+            where = np.flatnonzero([col is not None for col in cols])
+            cols = [cols[i] for i in where.tolist()]
+        latest = self._latest
+        if not cols or latest is None or (at is not latest and at.boot_id != latest.boot_id):
+            return out
+        key = self._span_key
+        if key is not None and key[0] == window_s and key[1] == at.time and key[2] == self._rows_version:
+            lo, hi = self._span_rows
+        else:
+            lo, hi = self._span(window_s, at.time)
+        if lo > hi:
+            return out
+        w, times = self._width, self._times
+        c = np.array(cols, dtype=np.intp)
+        # Copies of two rows and of the columns' start times: numpy views of the arrays themselves
+        # would lock them against the next append while any view lived.
+        first = np.frombuffer(self._data[lo * w : (lo + 1) * w])[c]
+        last = np.frombuffer(self._data[hi * w : (hi + 1) * w])[c]
+        started = np.frombuffer(self._state[_SINCE::_STATE])[c] <= times[lo]
+        both = started & ~np.isnan(first) & ~np.isnan(last)
+        dt = times[hi] - times[lo]
+        if hi > lo and dt > 0:
+            out[where] = np.where(both, (last - first) / dt, _NAN)
+        for j in np.flatnonzero(started & ~both).tolist():
+            # No value at an end of the window: _rate looks inward for the nearest samples.
+            r = self._rate(int(c[j]), window_s, at)
+            out[where[j]] = _NAN if r is None else r
+        return out
+
+    def _single(self, asks: RateAsks, i: int, window_s: float, at: Report) -> float:
+        """Ask ``i`` of ``asks`` through its single-rate method, NaN for None."""
+        gpus, nvlinks = len(asks.gpu), len(asks.nvlink)
+        if i < gpus:
+            gpu, name = asks.gpu[i]
+            r = self.gpu_rate(gpu, name, window_s, at)
+        elif i < gpus + nvlinks:
+            gpu, name = asks.nvlink[i - gpus]
+            r = self.nvlink_rate(gpu, name, window_s, at)
+        else:
+            device, port, counter = asks.nic[i - gpus - nvlinks]
+            r = self.nic_rate(device, port, counter, window_s, at)
+        return _NAN if r is None else r
 
     def gpu_rate(self, gpu: int, name: str, window_s: float, at: Report) -> float | None:
         c = self._gpu_counters.get((gpu, name))

@@ -17,6 +17,7 @@ groups silent nodes by these, so one rack losing power is one event, not forty n
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from collections.abc import Mapping
@@ -64,7 +65,15 @@ def gpu_model_pool(report: Report) -> str | None:
     A tie (a node half of one model, half another, which should not exist) goes to the name that
     sorts first, so the answer does not depend on the order of the GPUs in the report.
     """
-    counts = Counter(label_safe(g.model) for g in report.gpus if g.model)
+    return _model_pool(tuple(g.model for g in report.gpus))
+
+
+# Every report of a node names the same models: what they make is worked out once per set of
+# names (a Counter and a regex a GPU cost more than the rest of placing a node). Bounded, as the
+# names are what agents send.
+@functools.lru_cache(maxsize=256)
+def _model_pool(models: tuple[str | None, ...]) -> str | None:
+    counts = Counter(label_safe(m) for m in models if m)
     counts.pop("", None)
     if not counts:
         return None

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from agent.report import Report
+
+
+class RateAsks(NamedTuple):
+    """Many counter rates asked at once (``NodeView.rates``), by series key, answered in this
+    order: every ``gpu`` ask, then every ``nvlink`` ask, then every ``nic`` ask."""
+
+    gpu: tuple[tuple[int, str], ...] = ()  # (GPU index, GPU counter field)
+    nvlink: tuple[tuple[int, str], ...] = ()  # (GPU index, NVLink counter field)
+    nic: tuple[tuple[str, int | None, str], ...] = ()  # (device, port, NIC counter)
 
 
 class NodeView(Protocol):
@@ -48,6 +60,11 @@ class NodeView(Protocol):
 
     def nic_rate(self, device: str, port: int | None, counter: str, window_s: float) -> float | None:
         """Rate of a NIC counter: a key of ``Nic.counters`` or ``rx_bytes_total`` and friends."""
+        ...
+
+    def rates(self, asks: RateAsks, window_s: float) -> npt.NDArray[np.float64]:
+        """The rates of ``asks`` over one window, each what its single-rate method answers, NaN
+        for None: what a caller needing a hundred rates a report asks instead (the pool frames)."""
         ...
 
     def gpu_samples(self, gpu: int, field: str, window_s: float) -> list[tuple[float, float | None]]:
