@@ -245,11 +245,9 @@ def _gpu_rate_plan(indices: tuple[int, ...]) -> tuple[RateAsks, npt.NDArray[np.i
             asks, owner = (gpu_asks, gpu_owner) if kind == "gpu" else (link_asks, link_owner)
             asks.extend((gi, f) for f in fields)
             owner.extend([cell] * len(fields))
-    return (
-        RateAsks(gpu=tuple(gpu_asks), nvlink=tuple(link_asks)),
-        np.array(gpu_owner + link_owner, dtype=np.intp),
-        np.array(cells, dtype=np.intp),
-    )
+    owners, positions = np.array(gpu_owner + link_owner, dtype=np.intp), np.array(cells, dtype=np.intp)
+    owners.flags.writeable = positions.flags.writeable = False  # shared by every caller
+    return RateAsks(gpu=tuple(gpu_asks), nvlink=tuple(link_asks)), owners, positions
 
 
 def gpu_block(view: NodeView, gpus: int) -> FloatArray:
@@ -271,9 +269,9 @@ def gpu_block(view: NodeView, gpus: int) -> FloatArray:
         asks, owner, cells = _gpu_rate_plan(tuple(indices))
         rates = view.rates(asks, report.time - prev.time + _WINDOW_SLACK_S)
         # A cell sums its fields' rates (the NVLink CRC column: flit and data errors), those
-        # known; NaN when none is.
-        known = ~np.isnan(rates)
+        # known; NaN when none is. Two at most, so adding them in turn rounds as fsum did.
         # (bincount gives integers when nothing is known.)
+        known = ~np.isnan(rates)
         sums = np.bincount(owner[known], weights=rates[known], minlength=len(cells)).astype(np.float64)
         sums[np.bincount(owner[known], minlength=len(cells)) == 0] = _NAN
         block.reshape(-1)[cells] = sums
