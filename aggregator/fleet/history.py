@@ -842,15 +842,22 @@ class NodeHistory:
         self._span_rows = (lo, hi)
         return lo, hi
 
-    def _rate(self, col: int, window_s: float, at: Report) -> float | None:
+    def _rows_for(self, window_s: float, at: Report) -> tuple[int, int] | None:
+        """``_span`` of the window ending at ``at`` (kept while the window and rows stay the
+        same); None when ``at`` is not of the latest's boot, which no rate can reach back to."""
         latest = self._latest
         if latest is None or (at is not latest and at.boot_id != latest.boot_id):
             return None
         key = self._span_key
         if key is not None and key[0] == window_s and key[1] == at.time and key[2] == self._rows_version:
-            lo, hi = self._span_rows
-        else:
-            lo, hi = self._span(window_s, at.time)
+            return self._span_rows
+        return self._span(window_s, at.time)
+
+    def _rate(self, col: int, window_s: float, at: Report) -> float | None:
+        rows = self._rows_for(window_s, at)
+        if rows is None:
+            return None
+        lo, hi = rows
         if lo > hi or self._state[col * _STATE + _SINCE] > self._times[lo]:
             # The series was started after the window (this boot's part of it) began: its rate
             # would spread the window's increase over less time than the window. No rate is
@@ -897,16 +904,10 @@ class NodeHistory:
                     out[i] = self._single(asks, i, window_s, at)
             where = np.flatnonzero([col is not None for col in cols])
             cols = [cols[i] for i in where.tolist()]
-        latest = self._latest
-        if not cols or latest is None or (at is not latest and at.boot_id != latest.boot_id):
+        rows = self._rows_for(window_s, at) if cols else None
+        if rows is None or rows[0] > rows[1]:
             return out
-        key = self._span_key
-        if key is not None and key[0] == window_s and key[1] == at.time and key[2] == self._rows_version:
-            lo, hi = self._span_rows
-        else:
-            lo, hi = self._span(window_s, at.time)
-        if lo > hi:
-            return out
+        lo, hi = rows
         w, times = self._width, self._times
         c = np.array(cols, dtype=np.intp)
         # Copies of two rows and of the columns' start times: numpy views of the arrays themselves
