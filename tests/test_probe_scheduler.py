@@ -758,16 +758,26 @@ def test_what_the_link_localizer_counts_as_slow_is_confirmed() -> None:
     assert ProbesConfig().suspicious_ratio >= math.exp(LinkConfig().slow_line)
 
 
+def warmed_with_slow_rounds(leaves: int) -> tuple[ProbesConfig, FleetSim, float]:
+    """A warmed fleet of ``leaves`` leaves of 8 with 300-s rounds (room for confirms within one),
+    and the start of its next round."""
+    cfg = fleet_config(round_seconds=300.0)
+    return cfg, warmed(cfg, names(leaves, 8)), T0 + 3 * cfg.round_seconds
+
+
+def pair_result(s: ProbeScheduler, node: str, peer: str, busbw: float, at: float, *, received: float) -> None:
+    """``node``'s agent reports its pair probe with ``peer``, measured at ``at``."""
+    probe = Probe(kind="tcp_pair", time=at, ok=True, peer=peer, busbw_bytes_per_second=busbw)
+    s.result(node, probe, placement(node), received)
+
+
 def test_a_pair_again_keeps_its_ends_while_its_trigger_frees_them() -> None:
     # A slow rotation result is in from one end while the other end's copy is still on its way
     # (that end stays held by the probe till then). Meanwhile another node's fresh-partner request
     # wants the free end. Taken, that end is in another probe when the first frees, and the slow
     # pair waits a rotation for its second result (the network-namespace test's slow path did).
-    cfg = fleet_config(round_seconds=300.0)
-    nodes = names(1, 8)
-    sim = warmed(cfg, nodes)
-    s = sim.scheduler
-    start = T0 + 3 * cfg.round_seconds
+    _, sim, start = warmed_with_slow_rounds(leaves=1)
+    s, nodes = sim.scheduler, sim.nodes
     round_probes = {frozenset((x.node, str(x.peer))) for x in sim.step(start)}
     a, b = sorted(next(iter(p for p in round_probes if nodes[0] in p)))
     at = start + 30
@@ -775,12 +785,7 @@ def test_a_pair_again_keeps_its_ends_while_its_trigger_frees_them() -> None:
     for pair in round_probes - {frozenset((a, b))}:
         x, y = sorted(pair)
         for me, peer in ((x, y), (y, x)):
-            s.result(
-                me,
-                Probe(kind="tcp_pair", time=at, ok=True, peer=peer, busbw_bytes_per_second=GOOD_BW),
-                placement(me),
-                at,
-            )
+            pair_result(s, me, peer, GOOD_BW, at, received=at)
     met = {frozenset((p.assignment.node, str(p.assignment.peer))) for p in sim.planned()}
     c = next(x for x in nodes if x not in (a, b) and frozenset((a, x)) not in met)
     rest = [n for n in nodes if n not in (a, b, c)]
@@ -790,26 +795,11 @@ def test_a_pair_again_keeps_its_ends_while_its_trigger_frees_them() -> None:
         s.assignments_for(n, at)  # their polls
     # A slow result of c's with d from before a restart (d is busy now, so that pair cannot go
     # again): c asks for fresh partners.
-    s.result(
-        c,
-        Probe(kind="tcp_pair", time=at, ok=True, peer=d, busbw_bytes_per_second=GOOD_BW / 10),
-        placement(c),
-        at,
-    )
-    s.result(
-        a,
-        Probe(kind="tcp_pair", time=at, ok=True, peer=b, busbw_bytes_per_second=GOOD_BW / 10),
-        placement(a),
-        at,
-    )
+    pair_result(s, c, d, GOOD_BW / 10, at, received=at)
+    pair_result(s, a, b, GOOD_BW / 10, at, received=at)
     s.tick(at)
     assert s.assignments_for(a, at) == [], "a is kept for the pair again"
-    s.result(
-        b,
-        Probe(kind="tcp_pair", time=at, ok=True, peer=a, busbw_bytes_per_second=GOOD_BW / 10),
-        placement(b),
-        at + 1,
-    )
+    pair_result(s, b, a, GOOD_BW / 10, at, received=at + 1)
     s.tick(at + 1)
     (again,) = s.assignments_for(a, at + 1)
     assert again.peer == b and s.probe(again.id).reason == "confirm"
@@ -820,11 +810,8 @@ def test_a_fresh_partners_slow_result_gets_that_pair_again_and_nothing_more() ->
     # given. That fresh pair is a second suspect (a slow link between two nodes fine elsewhere),
     # and a link verdict needs two results of it: it is met again at once, not a rotation later.
     # Its own result, and the pair-again's, ask for nothing more.
-    cfg = fleet_config(round_seconds=300.0)
-    nodes = names(2, 8)
-    sim = warmed(cfg, nodes)
+    cfg, sim, start = warmed_with_slow_rounds(leaves=2)
     s = sim.scheduler
-    start = T0 + 3 * cfg.round_seconds
     a = next(x for x in sim.step(start) if x.node == "gpu-00-00")
     bad = (min(a.node, str(a.peer)), max(a.node, str(a.peer)))
     sim.busbw[bad] = GOOD_BW / 3
