@@ -22,7 +22,7 @@ from agent.errors import ConfigError
 from agent.probes.protocol import read_probe_key
 from aggregator.config import Config
 from aggregator.configload import load_config
-from aggregator.heap import freeze_startup_heap, freeze_when_warm
+from aggregator.heap import freeze_startup_heap, freeze_when_warm, malloc_trim, trim_periodically
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.rules.model import Rule
 
@@ -150,8 +150,12 @@ async def _serve(
         freeze_when_warm(lambda: len(aggregator.pipeline.fleet), config.fleet.interval_seconds),
         name="gpuwarden-freeze-when-warm",
     )
+    trim = asyncio.create_task(
+        trim_periodically(aggregator.metrics, trim=malloc_trim()), name="gpuwarden-heap-trim"
+    )
     host, port = address
     try:
         await aggregator.serve(host, port)
     finally:
         warm.cancel()
+        trim.cancel()

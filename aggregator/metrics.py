@@ -317,6 +317,18 @@ class Metrics:
             f"The largest event-loop lag sampled in the last {LOOP_LAG_WINDOW_SECONDS:.0f} s.",
             registry=registry,
         )
+        self._heap_trim = Histogram(
+            "gpuwarden_aggregator_heap_trim_seconds",
+            "Time of one hand-back of the heap's free memory to the system (malloc_trim, in a worker "
+            "thread; aggregator/heap.py).",
+            buckets=_CYCLE_BUCKETS,
+            registry=registry,
+        )
+        self._heap_released = Counter(
+            "gpuwarden_aggregator_heap_trim_released_bytes_total",
+            "Resident memory the heap trims gave back to the system.",
+            registry=registry,
+        )
         self._cycle_failures = Counter(
             "gpuwarden_aggregator_detection_cycle_failures_total",
             "Periodic detection cycles that raised (logged; the next cycle runs anyway).",
@@ -375,6 +387,10 @@ class Metrics:
     def loop_lag(self, seconds: float, *, worst_recent: float) -> None:
         self._loop_lag.observe(seconds)
         self._loop_lag_max.set(worst_recent)
+
+    def heap_trim(self, seconds: float, released_bytes: int) -> None:
+        self._heap_trim.observe(seconds)
+        self._heap_released.inc(released_bytes)
 
     def token_review(self, result: str) -> None:
         self._token_reviews.labels(result=result).inc()

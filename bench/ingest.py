@@ -10,8 +10,10 @@ What it does:
 1. Builds ``--nodes`` realistic node reports per round (``bench/_reports.py``: 8 H100 GPUs with
    18 NVLinks each, 8 NDR InfiniBand ports with 52 counters each; about 39 KB of JSON, 3.8 KB
    gzipped), for one warm-up round, ``--rounds`` measured rounds and a few paced rounds, each
-   node's time and seq advancing by one 10 s interval per round, and gzips them as the agent does
-   (``agent.shipper.encode_body``). Nothing is a duplicate: the pipeline does its full work.
+   node's time and seq advancing by one 10 s interval per round, and encodes them as an agent
+   does (``agent.shipper.encode_body``): gzip'd JSON, as agents sent before, or with ``--wire
+   compact`` the compact msgpack they send now. ``--pool-nodes`` splits the fleet into pools of
+   that many nodes (default: one pool). Nothing is a duplicate: the pipeline does its full work.
 2. In this process, on the core the server will use: the decode-only ceiling (the same bodies
    gunzipped with the server's bounded inflater and decoded into ``Report``, in a tight loop),
    the same plus the server's plausibility check, and the pipeline alone (``Pipeline.ingest`` on
@@ -67,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from _common import cpu_model, free_port, interpolated_percentile, proc_cpu_seconds
+from _common import cpu_model, free_port, interpolated_percentile, proc_cpu_seconds, thread_cpu_seconds
 from _reports import (
     GPUS,
     IB_COUNTERS,
@@ -85,6 +87,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.clock import SystemClock
 from agent.report import Report, decode
 from agent.shipper import encode_body
+from agent.wire import COMPACT_MEDIA_TYPE, decode_compact
 from aggregator.app import build_pipeline
 from aggregator.auth import StaticTokens
 from aggregator.config import Config
@@ -113,25 +116,49 @@ class BenchError(RuntimeError):
 # ---- the workload -------------------------------------------------------------------------------
 
 
+WIRES = ("json", "compact")
+_WIRE_NAMES = {"json": "gzip'd JSON, what agents sent before", "compact": "compact msgpack, what agents send"}
+
+
 @dataclass
 class Workload:
     nodes: int
-    warmup: list[tuple[int, bytes]]  # (node index, gzip body), in sending order
+    warmup: list[tuple[int, bytes]]  # (node index, body as the agent sends it), in sending order
     measured: list[tuple[int, bytes]]
     paced: list[tuple[int, bytes]]
     json_bytes: int  # mean uncompressed size
+    wire: str = "json"
 
     @property
     def gzip_bytes(self) -> float:
+        """Mean body size on the wire (gzip'd JSON, or compact msgpack without gzip)."""
         return statistics.fmean(len(b) for _, b in self.measured)
 
+    @property
+    def headers(self) -> dict[str, str]:
+        if self.wire == "compact":
+            return {"Content-Type": COMPACT_MEDIA_TYPE}
+        return {"Content-Type": "application/json", "Content-Encoding": "gzip"}
 
-def _encode_nodes(args: tuple[int, int, int, float, int]) -> list[tuple[list[bytes], int]]:
+
+def decode_body(body: bytes, limit: int) -> Report:
+    """What the server does with a body before the pipeline: gunzip (bounded) and decode."""
+    if body[:2] == b"\x1f\x8b":
+        body = gunzip_bounded(body, limit)
+    return decode(body) if body[:1] == b"{" else decode_compact(body)
+
+
+def pool_of(index: int, pool_nodes: int) -> str:
+    """Node ``index``'s pool: one pool for the fleet (``pool_nodes`` 0), else pools of that many."""
+    return "h100-a" if pool_nodes <= 0 else f"h100-{index // pool_nodes:03d}"
+
+
+def _encode_nodes(args: tuple[int, int, int, float, int, str, int]) -> list[tuple[list[bytes], int]]:
     """Every round's body of nodes ``first..last-1`` (a worker process's share)."""
-    first, last, rounds, start, seed = args
+    first, last, rounds, start, seed, wire, pool_nodes = args
     out = []
     for i in range(first, last):
-        sim = NodeSim(i, seed=seed, interval=INTERVAL_S)
+        sim = NodeSim(i, seed=seed, interval=INTERVAL_S, pool=pool_of(i, pool_nodes))
         offset = phase_offset(i, seed=seed)
         bodies = []
         json_bytes = 0
@@ -141,19 +168,27 @@ def _encode_nodes(args: tuple[int, int, int, float, int]) -> list[tuple[list[byt
                 from agent.report import encode  # noqa: PLC0415 (only for the size figure)
 
                 json_bytes = len(encode(report))
-            bodies.append(encode_body(report))
+            bodies.append(encode_body(report, compact=wire == "compact"))
         out.append((bodies, json_bytes))
     return out
 
 
 def build_workload(
-    nodes: int, warmup: int, measured: int, paced: int, *, seed: int, workers: int
+    nodes: int,
+    warmup: int,
+    measured: int,
+    paced: int,
+    *,
+    seed: int,
+    workers: int,
+    wire: str = "json",
+    pool_nodes: int = 0,
 ) -> Workload:
     rounds = warmup + measured + paced
     # The newest round is about now: the server refuses reports more than a day off its clock.
     start = time.time() - rounds * INTERVAL_S
     step = math.ceil(nodes / workers)
-    chunks = [(a, min(a + step, nodes), rounds, start, seed) for a in range(0, nodes, step)]
+    chunks = [(a, min(a + step, nodes), rounds, start, seed, wire, pool_nodes) for a in range(0, nodes, step)]
     with multiprocessing.get_context("fork").Pool(workers) as pool:
         parts = pool.map(_encode_nodes, chunks)
     per_node = [bodies for part in parts for bodies, _ in part]
@@ -171,6 +206,7 @@ def build_workload(
         measured=flat(sending[warmup : warmup + measured]),
         paced=flat(sending[warmup + measured :]),
         json_bytes=round(json_bytes),
+        wire=wire,
     )
 
 
@@ -236,19 +272,20 @@ def measure_in_process(work: Workload, tmp: Path, profile: bool) -> list[InProce
 
     def decode_all() -> None:
         for b in bodies:
-            decode(gunzip_bounded(b, limit))
+            decode_body(b, limit)
 
     def decode_check_all() -> None:
         for b in bodies:
-            if plausibility_errors(decode(gunzip_bounded(b, limit)), now=now):
+            if plausibility_errors(decode_body(b, limit), now=now):
                 raise BenchError("a generated report is implausible")
 
+    what = "gunzip + decode" if work.wire == "json" else "compact decode"
     out = [
-        _cpu_loop("decode only (gunzip + decode)", len(bodies), decode_all),
+        _cpu_loop(f"decode only ({what})", len(bodies), decode_all),
         _cpu_loop("decode + plausibility check", len(bodies), decode_check_all),
     ]
-    warm = [decode(gunzip_bounded(b, limit)) for _, b in work.warmup]
-    reports = [decode(gunzip_bounded(b, limit)) for b in bodies]
+    warm = [decode_body(b, limit) for _, b in work.warmup]
+    reports = [decode_body(b, limit) for b in bodies]
     decisions = DecisionLog(tmp / "pipeline-decisions.jsonl")
     try:
         pipeline = build_pipeline(config, rules, decisions)
@@ -291,6 +328,7 @@ class PhaseResult:
     refused: dict[str, int] = field(default_factory=dict)  # "HTTP 422", "duplicate", "ClientOSError"
     wall_s: float = 0.0
     server_cpu_s: float = 0.0
+    server_loop_cpu_s: float = 0.0  # its main thread's: the event loop, where every request runs
     client_cpu_s: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
     truncated: bool = False  # the deadline stopped it before every report was sent
@@ -332,6 +370,7 @@ async def _phase(
     refused: Counter[str] = Counter()
     it = iter(enumerate(items))
     cpu0, wall0, client0 = proc_cpu_seconds(server_pid), time.perf_counter(), time.process_time()
+    loop0 = thread_cpu_seconds(server_pid, server_pid)
 
     async def sender() -> None:
         for k, (node, body) in it:
@@ -354,6 +393,7 @@ async def _phase(
     await asyncio.gather(*(sender() for _ in range(concurrency)))
     res.wall_s = time.perf_counter() - wall0
     res.server_cpu_s = proc_cpu_seconds(server_pid) - cpu0
+    res.server_loop_cpu_s = thread_cpu_seconds(server_pid, server_pid) - loop0
     res.client_cpu_s = time.process_time() - client0
     res.refused = dict(refused)
     return res
@@ -392,14 +432,7 @@ async def _load_main(
     port: int, work: Workload, *, concurrency: int, server_pid: int, deadline: float, paced_rate: float
 ) -> dict[str, PhaseResult]:
     url = f"http://127.0.0.1:{port}{REPORTS_PATH}"
-    headers = {
-        i: {
-            "Authorization": f"Bearer {token_of(i)}",
-            "Content-Type": "application/json",
-            "Content-Encoding": "gzip",
-        }
-        for i in range(work.nodes)
-    }
+    headers = {i: {"Authorization": f"Bearer {token_of(i)}", **work.headers} for i in range(work.nodes)}
     connector = aiohttp.TCPConnector(limit=concurrency, limit_per_host=concurrency)
     timeout = aiohttp.ClientTimeout(total=30.0)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -502,10 +535,17 @@ class HttpRun:
     paced_server_cpu_share: float | None
     paced_lag_p99_ms: float | None  # the server's event-loop lag during the paced phase (bucket bound)
     paced_lag_worst_ms: float | None  # its worst lag in the last 60 s, read just after the phase
-    server_rss_mb: float | None
+    server_rss_mb: float | None  # its peak (VmHWM)
     nodes_known: int
     decisions: int
     refused: dict[str, int]
+    # Its resident memory when ready (before the first report) and at the end (VmRSS).
+    server_rss_ready_mb: float | None = None
+    server_rss_end_mb: float | None = None
+    # The measured phase's server CPU split: its event-loop thread's per report, and its other
+    # threads' (the detectors' pool computes, the decision log's fsyncs) per second of wall time.
+    server_loop_cpu_us_per_report: float | None = None
+    server_threads_cpu_share: float | None = None
 
     @property
     def per_core(self) -> float:
@@ -612,6 +652,7 @@ def http_run(
         if not shutil.which("taskset"):
             os.sched_setaffinity(proc.pid, {server_core})
         _wait_ready(proc, port, logfile)
+        rss_ready = proc_status_kb(proc.pid, "VmRSS")
         parent_end, child_end = ctx.Pipe(duplex=False)
         loader = ctx.Process(
             target=_load_process,
@@ -628,6 +669,7 @@ def http_run(
             raise BenchError(f"the load process failed: {raw['error']}")
         phases = {k: PhaseResult(**v) for k, v in raw.items()}
         rss = proc_status_kb(proc.pid, "VmHWM")
+        rss_end = proc_status_kb(proc.pid, "VmRSS")
         status, nodes_body = _get(port, "/api/v1/nodes", timeout=30.0)
         nodes_known = len(json.loads(nodes_body)["nodes"]) if status == 200 else -1
         if proc.poll() is not None:
@@ -668,6 +710,10 @@ def http_run(
         nodes_known=nodes_known,
         decisions=decided,
         refused=dict(refused),
+        server_loop_cpu_us_per_report=m.server_loop_cpu_s / m.sent * 1e6,
+        server_threads_cpu_share=(m.server_cpu_s - m.server_loop_cpu_s) / m.wall_s,
+        server_rss_ready_mb=rss_ready / 1024.0 if rss_ready is not None else None,
+        server_rss_end_mb=rss_end / 1024.0 if rss_end is not None else None,
     )
 
 
@@ -700,7 +746,8 @@ def render(
         f"Machine: {machine['cpu']}, {machine['nproc']} cores ({machine['python']}); server pinned to "
         f"core {params['server_core']}, load to core {params['load_core']}. Reports: {GPUS} GPUs x "
         f"{NVLINKS} NVLinks, {NICS} IB ports x {len(IB_COUNTERS)} counters, {params['json_bytes']} B JSON, "
-        f"{params['gzip_bytes']:.0f} B gzip. {params['nodes']} nodes, {params['measured_reports']} measured "
+        f"{params['gzip_bytes']:.0f} B on the wire ({_WIRE_NAMES[params['wire']]}). "
+        f"{params['nodes']} nodes, {params['measured_reports']} measured "
         f"reports per run after a warm-up round, {params['concurrency']} keep-alive connections.",
         "",
         "| measurement | CPU per report | reports/s per core |",
@@ -772,6 +819,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--paced-seconds", type=float, default=4.0, help="length of the paced phase (0: none)")
     p.add_argument("--max-seconds", type=float, default=40.0, help="bound on one run's load")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--wire", choices=WIRES, default="json", help="gzip'd JSON, or the compact msgpack agents send now"
+    )
+    p.add_argument("--pool-nodes", type=int, default=0, help="nodes a pool (0: the whole fleet in one)")
     p.add_argument("--json", type=Path, help="write the results here too")
     p.add_argument("--profile", action="store_true", help="one run, server and pipeline under cProfile")
     args = p.parse_args(argv)
@@ -788,9 +839,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     t0 = time.perf_counter()
-    work = build_workload(args.nodes, 1, args.rounds, paced_rounds, seed=args.seed, workers=len(cores))
+    work = build_workload(
+        args.nodes,
+        1,
+        args.rounds,
+        paced_rounds,
+        seed=args.seed,
+        workers=len(cores),
+        wire=args.wire,
+        pool_nodes=args.pool_nodes,
+    )
     log.info(
-        "built %d reports in %.1f s (%d B JSON, %.0f B gzip each)",
+        "built %d reports in %.1f s (%d B JSON, %.0f B on the wire each)",
         len(work.warmup) + len(work.measured) + len(work.paced),
         time.perf_counter() - t0,
         work.json_bytes,
@@ -813,6 +873,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_core": load_core,
         "json_bytes": work.json_bytes,
         "gzip_bytes": work.gzip_bytes,
+        "wire": work.wire,
     }
     with tempfile.TemporaryDirectory(prefix="gpuwarden-bench-ingest-") as tmpname:
         tmp = Path(tmpname)

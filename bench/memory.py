@@ -9,7 +9,9 @@ shares them with the simulator.
 Reported, per node, between a baseline taken before the first report (the simulators and the
 pipeline's fixed state exist by then) and the end:
 
-- RSS growth (/proc/self/status VmRSS), the figure docs/performance.md quotes;
+- RSS growth (/proc/self/status VmRSS), the figure docs/performance.md quotes, and the same once
+  glibc's ``malloc_trim`` has handed the heap's free memory back, as the service does every
+  minute (aggregator/heap.py);
 - growth of ``gc.get_objects()`` (objects the cyclic collector tracks: what a full collection
   walks, so what GC pauses scale with);
 - with ``--holders``, the memory each part of the pipeline holds at the end (a walk of its object
@@ -53,6 +55,7 @@ import aggregator.pipeline as pipeline_module
 from agent.report import decode, encode
 from aggregator.app import build_pipeline
 from aggregator.configload import load_config
+from aggregator.heap import malloc_trim
 from aggregator.pipeline import Pipeline
 from aggregator.rules import default_rules_dir, load_rules
 
@@ -190,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             checkpoints[r + 1] = (rss_bytes() - rss0, len(gc.get_objects()) - objs0)
     elapsed = time.perf_counter() - t0
+    # What the service hands back to the system every minute (aggregator/heap.py): freed memory
+    # that malloc keeps in the middle of its heap.
+    trim = malloc_trim()
+    trimmed = None
+    if trim is not None:
+        trim()
+        trimmed = rss_bytes() - rss0
     n = args.nodes
     out: dict[str, Any] = {
         "nodes": n,
@@ -200,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             str(k): {"rss_kb_per_node": round(v[0] / n / 1024, 1), "gc_objects_per_node": round(v[1] / n)}
             for k, v in checkpoints.items()
         },
+        "rss_kb_per_node_trimmed": round(trimmed / n / 1024, 1) if trimmed is not None else None,
     }
     print(f"{n} nodes x {args.rounds} rounds in {elapsed:.1f} s (growth from before the first report)")
     for k, (rss, objs) in checkpoints.items():
@@ -207,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             f"  after {k:4d} reports/node: RSS {rss / n / 1024:8.1f} KB/node"
             f"   gc objects {objs / n:8.0f}/node"
         )
+    if trimmed is not None:
+        print(f"  then malloc_trim (the service's, every minute): RSS {trimmed / n / 1024:8.1f} KB/node")
     if args.tracemalloc:
         snap = tracemalloc.take_snapshot()
         tracemalloc.stop()

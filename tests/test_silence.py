@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 from aggregator.config import SilenceConfig
 from aggregator.fleet.pools import Placement
-from aggregator.silence import SilenceDetector
+from aggregator.silence import _WIDTH, SilenceDetector, _holders, _within_wider
 
 CFG = SilenceConfig(silent_after_seconds=60, domain_min_nodes=3, pool_share=0.2)
 
@@ -74,3 +76,53 @@ def test_silence_spread_over_the_pool_is_one_pool_event() -> None:
             last[f"n{r}-{i}"] = 900.0
     _, events = SilenceDetector(CFG).check(last, placements, 1000.0)
     assert [(e.domain_kind, e.domain, len(e.silent_nodes)) for e in events] == [("pool", "h100", 12)]
+
+
+def _brute_within_wider(
+    key: tuple[str, str], down: frozenset[str], candidates: dict[tuple[str, str], frozenset[str]]
+) -> bool:
+    """The rule as first written: a look at every other candidate."""
+    return any(other != key and down < wider for other, wider in candidates.items()) or any(
+        _WIDTH[other[0]] > _WIDTH[key[0]] and down == wider for other, wider in candidates.items()
+    )
+
+
+def test_a_domain_within_a_wider_one_is_found_as_by_looking_at_every_pair() -> None:
+    rng = random.Random(7)
+    for _ in range(300):
+        nodes = [f"n{i}" for i in range(rng.randint(4, 40))]
+        # Racks, leaves and zones drawn independently: nested or not, as real labels may be.
+        kinds = {
+            k: [f"{k}{rng.randint(0, rng.randint(1, 6))}" for _ in nodes] for k in ("rack", "leaf", "zone")
+        }
+        members: dict[tuple[str, str], set[str]] = {}
+        for kind, names in kinds.items():
+            for node, name in zip(nodes, names, strict=True):
+                members.setdefault((kind, name), set()).add(node)
+        silent = {n for n in nodes if rng.random() < 0.6}
+        candidates = {
+            key: frozenset(m & silent)
+            for key, m in members.items()
+            if len(m & silent) >= 2 and rng.random() < 0.9
+        }
+        holders = _holders(candidates)
+        for key, down in candidates.items():
+            assert _within_wider(key, down, candidates, holders) == _brute_within_wider(key, down, candidates)
+
+
+def test_a_mass_outage_is_one_event_per_dead_leaf() -> None:
+    # 8,000 nodes, 4 to a rack and 32 to a leaf; every node of 60 leaves silent (1,920 nodes, 480
+    # racks): one event per leaf, none for the racks inside them.
+    placements = {
+        f"n{i}": Placement(pool="h100", rack=f"r{i // 4}", leaf=f"leaf{i // 32}", zone=None)
+        for i in range(8000)
+    }
+    last = dict.fromkeys(placements, 1000.0)
+    for i in range(60 * 32):
+        last[f"n{i}"] = 900.0
+    findings, events = SilenceDetector(CFG).check(last, placements, 1000.0)
+    assert sorted((e.domain_kind, e.domain) for e in events) == sorted(
+        ("leaf", f"leaf{k}") for k in range(60)
+    )
+    assert all(len(e.silent_nodes) == 32 for e in events)
+    assert len(findings) == 1920 and findings["n0"][0].evidence["systemic"] == "leaf leaf0"
