@@ -22,9 +22,9 @@ def interpolated_percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-def proc_cpu_seconds(pid: int) -> float:
-    """utime + stime of a whole process (all threads, dead ones included), from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
+def _stat_cpu_seconds(path: str) -> float:
+    """utime + stime from a proc(5) ``stat`` file."""
+    with open(path, "rb") as f:
         stat = f.read()
     # The command may hold spaces and parentheses: fields are counted from its last ")". After it,
     # state is field 3, utime 14 and stime 15 (proc(5)).
@@ -32,16 +32,18 @@ def proc_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def proc_cpu_seconds(pid: int) -> float:
+    """utime + stime of a whole process (all threads, dead ones included), from /proc/PID/stat."""
+    return _stat_cpu_seconds(f"/proc/{pid}/stat")
+
+
 def thread_cpu_seconds(pid: int, tid: int) -> float:
     """utime + stime of one thread of a process (``tid == pid``: its main thread), from
     /proc/PID/task/TID/stat; 0.0 once the thread is gone."""
     try:
-        with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-            stat = f.read()
+        return _stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
     except FileNotFoundError:
         return 0.0
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def free_port() -> int:

@@ -213,6 +213,15 @@ def build_workload(
 # ---- small helpers ------------------------------------------------------------------------------
 
 
+def server_and_load_cores() -> tuple[int, int]:
+    """The core the server is pinned to and the one the load process is (the same on one core)."""
+    cores = sorted(os.sched_getaffinity(0))
+    server_core, load_core = cores[0], cores[1] if len(cores) > 1 else cores[0]
+    if load_core == server_core:
+        log.warning("one core only: the server and the load share it, reports/s (wall) is meaningless")
+    return server_core, load_core
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     return interpolated_percentile(values, q) if values else math.nan
 
@@ -828,11 +837,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
 
+    server_core, load_core = server_and_load_cores()
     cores = sorted(os.sched_getaffinity(0))
-    server_core = cores[0]
-    load_core = cores[1] if len(cores) > 1 else cores[0]
-    if load_core == server_core:
-        log.warning("one core only: the server and the load share it, reports/s (wall) is meaningless")
     runs = 1 if args.profile else args.runs
     paced_rounds = (
         math.ceil(args.paced_rate * args.paced_seconds / args.nodes) if args.paced_seconds > 0 else 0

@@ -71,6 +71,7 @@ from ingest import (
     load_server_setup,
     pinned,
     pool_of,
+    server_and_load_cores,
 )
 
 from agent.shipper import encode_body
@@ -83,6 +84,7 @@ DEFAULT_SIZES = (1000, 7500, 25000, 100000)
 FIRST_GUESS_KB_PER_NODE = 300.0
 SERVER_BASE_MB = 300.0
 HEADROOM = 0.85  # of MemAvailable that a size may plan to use
+BODY_KB = 5.0  # a compact H100 report on the wire: 4.9 KB (docs/performance.md, "Wire format")
 
 
 @dataclass
@@ -154,7 +156,7 @@ def run_size(
     paced_rounds = math.ceil(paced_rate * args.paced_seconds / nodes) if args.paced_seconds > 0 else 0
     rounds = args.warmup_rounds + measured_rounds + paced_rounds
     # The bodies live in this process and in the load process (forked: shared until touched).
-    need_mb = SERVER_BASE_MB + nodes * kb_per_node / 1024.0 + 2 * nodes * rounds * 5.0 / 1024.0
+    need_mb = SERVER_BASE_MB + nodes * kb_per_node / 1024.0 + 2 * nodes * rounds * BODY_KB / 1024.0
     have_mb = mem_available_mb()
     if need_mb > HEADROOM * have_mb:
         res.skipped = (
@@ -272,10 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
-    cores = sorted(os.sched_getaffinity(0))
-    server_core, load_core = cores[0], cores[1] if len(cores) > 1 else cores[0]
-    if server_core == load_core:
-        log.warning("one core only: the server and the load share it")
+    server_core, load_core = server_and_load_cores()
     with open("/proc/meminfo", encoding="ascii") as f:
         mem_total_gb = int(f.readline().split()[1]) / 2**20
     machine = {
