@@ -401,6 +401,63 @@ async def test_graceful_shutdown_releases_so_the_follower_takes_over_at_once(clu
     assert spec["holderIdentity"] == "b" and spec["leaseTransitions"] == 1
 
 
+async def cancel_and_run_out(cluster: Cluster, replica: Replica) -> None:
+    """Cancel the replica's election loop and advance the clocks while it releases (its
+    back-off sleeps on its own clock), until the loop has ended."""
+    assert replica.task is not None
+    replica.task.cancel()
+    for _ in range(round(30 / STEP)):
+        await cluster.advance(STEP)
+        if replica.task.done():
+            break
+    with pytest.raises(asyncio.CancelledError):
+        await replica.task
+
+
+@pytest.mark.parametrize("status", [429, 503])
+async def test_a_release_refused_for_now_is_retried_so_the_follower_still_takes_over_at_once(
+    cluster: Cluster, status: int
+) -> None:
+    # API Priority and Fairness sheds the shutdown's release (429, Retry-After: 1), or the API
+    # server is restarting (503): tried once, as client-go does, the lease would stay ours for a
+    # lease duration with nobody leading.
+    a = await cluster.add("a")
+    b = await cluster.add("b", rng=NoJitter())
+    await cluster.start(a)
+    await cluster.start(b)
+    await cluster.advance(6)
+    assert cluster.leaders() == ["a"]
+    cluster.double.fail_next("PUT", LEASE_PATH, status, count=2)
+
+    await cancel_and_run_out(cluster, a)
+    assert a.stopped == 1 and a.holder_when_stopped == "a"
+    spec = lease_spec(cluster.double)
+    assert spec.get("holderIdentity") in (None, "b")  # released (b may have taken it already)
+    await cluster.advance(2 * CONFIG.retry_period_seconds, until=lambda: b.elector.is_leader)
+    assert b.elector.is_leader
+    assert lease_spec(cluster.double)["holderIdentity"] == "b"
+
+
+async def test_a_release_the_api_never_answers_gives_up_and_the_lease_expires(cluster: Cluster) -> None:
+    a = await cluster.add("a")
+    b = await cluster.add("b", rng=NoJitter())
+    await cluster.start(a)
+    await cluster.start(b)
+    await cluster.advance(6)
+    cluster.double.fail_next("PUT", LEASE_PATH, 503, count=1000)
+    cluster.double.fail_next("GET", LEASE_PATH, 503, count=1000)
+
+    await cancel_and_run_out(cluster, a)  # shutdown ends: the retries are bounded
+    gave_up = cluster.elapsed
+    assert lease_spec(cluster.double)["holderIdentity"] == "a"
+    await end_outage(cluster)
+    await cluster.advance(30, until=lambda: b.elector.is_leader)
+    # b honours a's lease for a full duration from when it first sees its last renewal (at the
+    # latest just after the outage), then takes it on its next try.
+    assert b.elector.is_leader
+    assert cluster.elapsed - gave_up <= CONFIG.lease_duration_seconds + CONFIG.retry_period_seconds + STEP
+
+
 async def test_annotations_written_by_a_follower_survive_the_leaders_renewals(cluster: Cluster) -> None:
     a = await cluster.add("a")
     b = await cluster.add("b")

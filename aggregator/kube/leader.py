@@ -31,6 +31,9 @@ as client-go has them:
   After stepping down a replica competes for the lease again like any other.
 - **Release** on cancellation (client-go's ``ReleaseOnCancel``): a PUT with no holder and a lease
   duration of 1 s, so a follower takes over on its next try instead of waiting for expiry.
+  Unlike client-go, which tries once, a release the API server refuses for now (429, 5xx) is
+  retried a second later within the renew deadline: a lost release costs a lease duration with
+  no leader.
   ``on_stopped`` is called before the release, so our writes have stopped when others may start.
 - Candidates retry every retry period jittered as ``wait.JitterUntil`` does (up to
   ``JITTER_FACTOR`` times the period on top), so replicas started together spread out.
@@ -56,13 +59,14 @@ from agent.clock import Clock
 from agent.errors import ConfigError
 from aggregator.config import LeaderConfig
 from aggregator.kube.api import KubeApi
-from aggregator.kube.objects import KubeConflict, KubeError, KubeNotFound, Lease
+from aggregator.kube.objects import KubeConflict, KubeError, KubeNotFound, KubeUnavailable, Lease
 
 log = logging.getLogger(__name__)
 
 JITTER_FACTOR = 1.2  # client-go's leaderelection.JitterFactor
 ANNOTATION_ATTEMPTS = 5  # conflicts come from renewals every retry period: a few re-reads suffice
-RELEASE_ATTEMPTS = 3
+RELEASE_ATTEMPTS = 5  # conflicts and refusals together; 3 % of requests 429d leaves 2e-8 unreleased
+RELEASE_BACKOFF_S = 1.0  # APF answers 429 with Retry-After: 1
 
 
 def format_micro_time(unix_seconds: float) -> str:
@@ -294,31 +298,47 @@ class LeaderElector:
         return True
 
     async def _release(self) -> None:
-        for _ in range(RELEASE_ATTEMPTS):
-            lease = self._lease
-            if lease is None or lease.holder != self._identity:
-                return
-            now = format_micro_time(self._clock.time())
-            released = replace(lease, holder=None, lease_duration_seconds=1, acquire_time=now, renew_time=now)
-            try:
-                # Shutdown must not hang on an unreachable API: the lease then simply expires.
-                async with asyncio.timeout(self._config.renew_deadline_seconds):
-                    async with self._lock:
-                        try:
-                            written = await self._api.replace_lease(released)
-                        except KubeConflict:
-                            # Someone wrote since (annotations?): re-read and see if it is still ours.
-                            self._observe(
-                                await self._api.get_lease(self._config.namespace, self._config.lease_name)
-                            )
-                            continue
-            except (KubeError, TimeoutError) as exc:
-                log.warning("could not release the lease", extra=self._extra(error=str(exc)))
-                return
-            self._observe(written)
-            log.info("released the lease", extra=self._extra())
+        """Hand the lease back (holder cleared, duration 1 s) if we hold it as last seen.
+
+        client-go tries once; a release that fails leaves the lease to expire, and then no
+        replica leads for up to a lease duration. So, within the renew deadline: a conflict
+        re-reads (someone wrote annotations since), and a 429, 5xx or no answer waits
+        ``RELEASE_BACKOFF_S`` (what APF's ``Retry-After: 1`` asks) and tries again.
+        """
+        try:
+            # Shutdown must not hang on an unreachable API: the lease then simply expires.
+            async with asyncio.timeout(self._config.renew_deadline_seconds):
+                for _ in range(RELEASE_ATTEMPTS):
+                    lease = self._lease
+                    if lease is None or lease.holder != self._identity:
+                        return
+                    now = format_micro_time(self._clock.time())
+                    released = replace(
+                        lease, holder=None, lease_duration_seconds=1, acquire_time=now, renew_time=now
+                    )
+                    try:
+                        async with self._lock:
+                            try:
+                                written = await self._api.replace_lease(released)
+                            except KubeConflict:
+                                self._observe(
+                                    await self._api.get_lease(self._config.namespace, self._config.lease_name)
+                                )
+                                continue
+                    except KubeUnavailable as exc:
+                        log.warning(
+                            "lease release refused for now, retrying",
+                            extra=self._extra(error=str(exc), status=exc.status),
+                        )
+                        await self._sleep(RELEASE_BACKOFF_S)
+                        continue
+                    self._observe(written)
+                    log.info("released the lease", extra=self._extra())
+                    return
+        except (KubeError, TimeoutError) as exc:
+            log.warning("could not release the lease", extra=self._extra(error=str(exc)))
             return
-        log.warning("could not release the lease: it kept changing", extra=self._extra())
+        log.warning("could not release the lease: it kept failing", extra=self._extra())
 
     # -- annotations: a small store shared by all replicas ------------------------------------------
 
