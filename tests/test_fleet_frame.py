@@ -394,3 +394,114 @@ def test_unknown_pool_snapshot_is_empty() -> None:
     assert names == [] and values.shape == (0, 0, FleetConfig().max_gpus, len(GPU_FIELDS))
     names, values = frames.nic_snapshot("nope", 0, 100)
     assert names == [] and values.shape[0] == 0
+
+
+class _ModelFrame:
+    """What a pool frame should hold, kept the plain way: per slot number and node, the GPU block
+    and the NIC columns written, and the ring's newest slot number."""
+
+    def __init__(self, interval_s: float, slots: int) -> None:
+        self.interval_s, self.slots = interval_s, slots
+        self.head: int | None = None
+        self.gpu: dict[tuple[int, str], np.ndarray] = {}
+        self.nic: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+
+    def write(self, node: str, t: float, gpu: np.ndarray, nic: np.ndarray) -> bool:
+        k = int(np.floor(t / self.interval_s))
+        if self.head is not None and k <= self.head - self.slots:
+            return False
+        if self.head is None or k > self.head:
+            self.head = k
+        self.gpu[(k, node)] = gpu.copy()
+        cols = self.nic.setdefault((k, node), {})
+        for i in range(nic.shape[0]):
+            cols[i] = nic[i].copy()
+        return True
+
+    def release(self, node: str) -> None:
+        for store in (self.gpu, self.nic):
+            for key in [key for key in store if key[1] == node]:
+                del store[key]
+
+    def expected(self, nodes: list[str], t0: float, t1: float, gpus: int, width: int) -> tuple[Any, Any]:
+        if self.head is None:
+            return np.empty((0, len(nodes), gpus, len(GPU_FIELDS))), np.empty((0, len(nodes), width, 0))
+        k0 = max(int(np.floor(t0 / self.interval_s)), self.head - self.slots + 1)
+        k1 = min(int(np.floor(t1 / self.interval_s)), self.head)
+        ks = list(range(k0, k1 + 1))
+        g = np.full((len(ks), len(nodes), gpus, len(GPU_FIELDS)), np.nan, np.float32)
+        n = np.full((len(ks), len(nodes), width, len(NIC_FIELDS)), np.nan, np.float32)
+        for i, k in enumerate(ks):
+            for j, node in enumerate(nodes):
+                if (k, node) in self.gpu:
+                    g[i, j] = self.gpu[(k, node)]
+                for c, row in self.nic.get((k, node), {}).items():
+                    if c < width:
+                        n[i, j, c] = row
+        return g, n
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_frame_growing_shrinking_and_held_by_windows_reads_as_the_plain_model(seed: int) -> None:
+    # Rows grow by a quarter (and shrink) many times from 8, NIC columns widen, nodes leave and
+    # come back, slots are skipped and the ring is lapped, late reports land in older slots, and
+    # windows are held across all of it: every read must equal the plain model, and a window
+    # must still read what the frame held when it was taken.
+    from aggregator.fleet.frame import PoolFrame
+
+    rng = np.random.default_rng(seed)
+    interval, slots, gpus, max_nics = 10.0, 6, 2, 5
+    frame = PoolFrame("p", interval_s=interval, slots=slots, gpus=gpus, initial_rows=8, initial_nics=2)
+    model = _ModelFrame(interval, slots)
+    names = [f"n{i:02d}" for i in range(60)]
+    live: set[str] = set()
+    nic_names = [(f"mlx5_{i}", 1) for i in range(7)]
+    held: list[tuple[Any, Any, Any]] = []
+    t = 1_000.0
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.05:
+            t += interval * float(rng.integers(slots, 2 * slots))  # lapped: the ring starts over
+        elif op < 0.35:
+            t += interval * float(rng.random() * 1.5)
+        if op > 0.9 and live:
+            node = str(rng.choice(sorted(live)))
+            frame.release(node)
+            model.release(node)
+            live.discard(node)
+            continue
+        # Mostly nodes joining, as after a restart; a few late writes into an older slot.
+        node = str(rng.choice(names[: int(rng.integers(10, 61))]))
+        at = t - interval * float(rng.integers(0, slots + 2)) if rng.random() < 0.1 else t
+        keys = frame.assign_nics(
+            node, [nic_names[int(i)] for i in rng.choice(7, int(rng.integers(1, 5)), replace=False)], max_nics
+        )
+        gpu = rng.random((gpus, len(GPU_FIELDS))).astype(np.float32)
+        nic = rng.random((len(keys), len(NIC_FIELDS))).astype(np.float32)
+        written = frame.write(node, at, gpu, keys, nic)
+        assert written == model.write(node, at, gpu, nic)
+        if written:
+            live.add(node)
+        if rng.random() < 0.15:
+            t0, t1 = t - interval * slots, t
+            window = frame.window(t0, t1, nic=True)
+            held.append((window, *model.expected(list(window.nodes), t0, t1, gpus, window.nic_width)))
+            if len(held) > 3:
+                held.pop(int(rng.integers(0, len(held))))
+        if rng.random() < 0.2:
+            t0, t1 = t - interval * slots, t
+            nodes, got = frame.snapshot(t0, t1)
+            _, got_nic = frame.nic_snapshot(t0, t1)
+            want, want_nic = model.expected(nodes, t0, t1, gpus, got_nic.shape[2])
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(got_nic, want_nic)
+            assert sorted(nodes) == sorted(live)
+    for window, want, want_nic in held:
+        np.testing.assert_array_equal(window.gpu, want)
+        np.testing.assert_array_equal(window.nic, want_nic)
+    # Every position lives on the frame's current arrays a lap of writes after the last growth.
+    for _ in range(slots):
+        node = sorted(live)[0] if live else names[0]
+        frame.write(node, t, np.zeros((gpus, len(GPU_FIELDS)), np.float32), (), np.zeros((0, 0), np.float32))
+        live.add(node)
+    assert all(g.shape[0] == frame.gpu.shape[1] for g in frame._gpu)

@@ -7,7 +7,9 @@ wide: slot number ``k = floor(t / interval)`` lives at position ``k % slots``. W
 number moves forward, the positions of every slot number it passes are cleared first, so a position
 never shows data of an older time, and a slot no report landed in reads NaN. Nodes are rows; the row
 capacity grows by a quarter when full (``_GROWTH``), and a forgotten node's row is filled with the
-last row (swap-remove), so rows ``[0, n)`` are always the live nodes. Each slot has arrays of its
+last row (swap-remove), so rows ``[0, n)`` are always the live nodes. After a growth each position
+moves to the larger arrays when it next changes, and one more moves at every write, so no single
+write copies the whole frame (see ``PoolFrame._resize``). Each slot has arrays of its
 own, so that a reader on another thread can hold a slot instead of copying it (``FrameWindow``: the
 frame copies a slot on write while a window holds it).
 
@@ -349,7 +351,18 @@ class FrameWindow:
 
 
 def _stack(slots: tuple[FloatArray, ...], shape: tuple[int, int, int]) -> FloatArray:
-    out: FloatArray = np.stack(slots) if slots else np.empty((0, *shape), np.float32)
+    """The slots as one read-only array of ``(len(slots), *shape)``. A position that has not moved
+    to the frame's grown arrays yet (``PoolFrame._resize``) has fewer rows or NIC columns than
+    ``shape``: what it lacks was never written there, and reads NaN."""
+    if not slots:
+        out: FloatArray = np.empty((0, *shape), np.float32)
+    elif all(s.shape == shape for s in slots):
+        out = np.stack(slots)
+    else:
+        out = np.full((len(slots), *shape), np.nan, np.float32)
+        for i, s in enumerate(slots):
+            r, w = min(s.shape[0], shape[0]), min(s.shape[1], shape[1])
+            out[i, :r, :w] = s[:r, :w]
     out.flags.writeable = False
     return out
 
@@ -393,6 +406,10 @@ class PoolFrame:
         # holds is given an array of its own when it next changes (``_writable``, ``_clear``).
         self._gpu: list[FloatArray] = list(self._empty_gpu(initial_rows, slots))
         self._nic: list[FloatArray] = list(self._empty_nic(initial_rows, initial_nics, slots))
+        # Per position, the arrays it moves to at its next change after the rows or NIC columns
+        # grew (views of one new block, not yet written: see ``_resize``); None once it has moved.
+        self._moves: list[tuple[FloatArray, FloatArray] | None] = [None] * slots
+        self._unmoved: list[int] = []  # positions with a move pending, next to move last
         # Per position: the windows holding its arrays (copy on write while one of them lives).
         self._readers: list[list[weakref.ref[FrameWindow]]] = [[] for _ in range(slots)]
         self.head: int | None = None  # newest slot number written
@@ -411,13 +428,13 @@ class PoolFrame:
     @property
     def gpu(self) -> FloatArray:
         """Every position's GPU values, ``(slots, rows, gpus, GPU_FIELDS)`` in position order: a
-        copy, for inspection (``snapshot`` and ``window`` give slot order)."""
-        return np.stack(self._gpu)
+        read-only copy, for inspection (``snapshot`` and ``window`` give slot order)."""
+        return _stack(tuple(self._gpu), (self._capacity, self.gpus, len(GPU_FIELDS)))
 
     @property
     def nic(self) -> FloatArray:
         """Every position's NIC values, ``(slots, rows, nics, NIC_FIELDS)``: a copy, like ``gpu``."""
-        return np.stack(self._nic)
+        return _stack(tuple(self._nic), (self._capacity, self._nic_width, len(NIC_FIELDS)))
 
     # -- rows --------------------------------------------------------------------------------
 
@@ -445,22 +462,57 @@ class PoolFrame:
 
     def _writable(self, p: int) -> None:
         """Before changing position ``p`` in place: a window holding its arrays keeps them."""
-        if self._held(p):
+        if self._moves[p] is not None:
+            self._move(p)  # new arrays: the windows keep the old ones
+        elif self._held(p):
             self._gpu[p] = self._gpu[p].copy()
             self._nic[p] = self._nic[p].copy()
             self._readers[p].clear()
 
     def _resize(self, capacity: int, width: int) -> None:
-        """New arrays for every position (the windows keep the old), rows ``[0, n)`` copied."""
-        n = len(self._names)
-        w = min(width, self._nic_width)
-        gpus, nics = self._empty_gpu(capacity, self.slots), self._empty_nic(capacity, width, self.slots)
-        for p in range(self.slots):
-            gpus[p, :n] = self._gpu[p][:n]
-            nics[p, :n, :w] = self._nic[p][:n, :w]
-            self._readers[p].clear()
-        self._gpu, self._nic = list(gpus), list(nics)
+        """Give every position new arrays of ``capacity`` rows and ``width`` NIC columns, each
+        when it next changes, and one more at every write after (``_move``).
+
+        Copying every position at once held the event loop for the whole frame: 0.2-0.35 s at
+        2,000 nodes each time a big pool grew by a quarter, a dozen times as its nodes joined
+        after a restart (``bench/frame_growth.py``). The new block is allocated here but not
+        written (``np.empty``: the system maps its pages when they are first written), so this
+        costs no copy; a position's rows are copied when it moves, and until then it keeps its
+        old, smaller arrays, which readers pad with NaN (``_stack``).
+        """
+        gpus = np.empty((self.slots, capacity, self.gpus, len(GPU_FIELDS)), np.float32)
+        nics = np.empty((self.slots, capacity, width, len(NIC_FIELDS)), np.float32)
+        self._moves = [(gpus[p], nics[p]) for p in range(self.slots)]
+        self._unmoved = list(range(self.slots))  # any order: a position written moves first anyway
         self._capacity, self._nic_width = capacity, width
+
+    def _move(self, p: int) -> None:
+        """Position ``p`` onto its new arrays: its live rows copied, the rest NaN."""
+        target = self._moves[p]
+        if target is None:
+            return
+        gpu, nic = target
+        old_gpu, old_nic = self._gpu[p], self._nic[p]
+        n = min(len(self._names), old_gpu.shape[0], gpu.shape[0])
+        w = min(old_nic.shape[1], nic.shape[1])
+        gpu[:n] = old_gpu[:n]
+        gpu[n:] = np.nan
+        nic[:n, :w] = old_nic[:n, :w]
+        nic[:n, w:] = np.nan
+        nic[n:] = np.nan
+        self._gpu[p], self._nic[p] = gpu, nic
+        self._moves[p] = None
+        self._readers[p].clear()  # they hold the old arrays, which the frame no longer writes
+
+    def _move_one(self) -> None:
+        """Move one more position with a move pending: a frame that grew is all on its new block
+        ``slots`` writes later, and the old block is freed, without one write copying it all."""
+        unmoved = self._unmoved
+        while unmoved:
+            p = unmoved.pop()
+            if self._moves[p] is not None:
+                self._move(p)
+                return
 
     def _row(self, node: str) -> int:
         row = self._rows.get(node)
@@ -529,7 +581,14 @@ class PoolFrame:
         return math.floor(t / self.interval_s)
 
     def _clear(self, p: int) -> None:
-        if self._held(p):  # the windows keep the old arrays; the position starts on new ones
+        target = self._moves[p]
+        if target is not None:  # its new arrays, with nothing to copy into them
+            self._gpu[p], self._nic[p] = target
+            self._moves[p] = None
+            self._readers[p].clear()
+            self._gpu[p].fill(np.nan)
+            self._nic[p].fill(np.nan)
+        elif self._held(p):  # the windows keep the old arrays; the position starts on new ones
             self._gpu[p] = self._empty_gpu(self._capacity)
             self._nic[p] = self._empty_nic(self._capacity, self._nic_width)
             self._readers[p].clear()
@@ -572,6 +631,8 @@ class PoolFrame:
         self._gpu[p][row] = gpu
         if nics:
             self._nic[p][row, : len(nics)] = nic
+        if self._unmoved:
+            self._move_one()
         return True
 
     # -- reading -----------------------------------------------------------------------------
