@@ -28,6 +28,7 @@ from aggregator.config import PreflightConfig, RemediationConfig
 from aggregator.kube.client import KubeClient
 from aggregator.kube.objects import (
     KubeConflict,
+    KubeUnavailable,
     TaintEffect,
 )
 from aggregator.remediate.actuator import Actuator, ActuatorMetrics
@@ -1048,3 +1049,213 @@ async def test_a_held_verdict_never_removes_our_taint(world: World) -> None:
     cond = condition(api, "n1")
     assert cond is not None and (cond["status"], cond["reason"]) == ("False", "Quarantined")
     assert sample(world.registry, "gpuwarden_remediation_writes_total", kind="untaint", result="ok") == 0
+
+
+# -- fail-over and the hour's eviction budget -------------------------------------------------------
+
+
+def standby(world: World, intents: Intents, leading: list[bool], **config: Any) -> Actuator:
+    """A second replica's actuator on the same cluster, leading while ``leading[0]``."""
+    config.setdefault("mode", "enforce")
+    return Actuator(
+        world.kube,
+        RemediationConfig(**config),
+        intents,
+        clock=world.clock,
+        is_leader=lambda: leading[0],
+        metrics=ActuatorMetrics(CollectorRegistry()),
+        sleep=world.timers,
+    )
+
+
+async def test_our_no_execute_taint_carries_its_time_added(world: World) -> None:
+    # The taint eviction controller and the budget after a restart read timeAdded; the API
+    # server does not fill it in, the writer does (as kubectl taint and the node controller do).
+    world.api.add_node("a")
+    act = world.actuator(allow_no_execute=True, max_no_execute_per_hour=1)
+    world.intents.by_node["a"] = intent("a", effect="NoExecute")
+    await act.reconcile("a")
+    (taint,) = ours(world.api, "a")
+    assert taint["effect"] == "NoExecute" and taint["timeAdded"] == rfc3339(T0)
+    world.clock.advance(30)
+    world.intents.by_node["a"] = intent("a", effect="NoExecute", reason_code="dbe")
+    await act.reconcile("a")
+    (taint,) = ours(world.api, "a")
+    assert taint["value"] == "dbe" and taint["timeAdded"] == rfc3339(T0)  # no new eviction
+
+
+async def test_a_standby_counts_the_leaders_evictions_so_a_fail_over_keeps_the_hours_budget(
+    world: World,
+) -> None:
+    for n in ("a", "b"):
+        world.api.add_node(n)
+    budget = {"allow_no_execute": True, "max_no_execute_per_hour": 1}
+    leader = world.actuator(**budget)
+    theirs = Intents()
+    theirs.by_node["b"] = intent("b", effect="NoExecute")
+    leading = [False]
+    replica = standby(world, theirs, leading, **budget)
+    async with world.running(replica):
+        # The leader evicts a, after the standby's first list: the standby sees it only by watch.
+        world.intents.by_node["a"] = intent("a", effect="NoExecute")
+        await leader.reconcile("a")
+        await until(lambda: bool((n := replica.cached("a")) and n.taints), "the standby sees a's taint")
+        world.clock.advance(600)
+        leading[0] = True  # the leader is gone; ten minutes into the same hour
+        await replica.reconcile("b")
+    assert ours(world.api, "a")[0]["effect"] == "NoExecute"
+    assert ours(world.api, "b")[0]["effect"] == "NoSchedule"  # the hour's one eviction was a's
+
+
+class LostAnswers(Recording):
+    """Node patches are applied, but the first ``lose`` answers never arrive (a timeout, a reset
+    connection after the commit)."""
+
+    lose = 0
+
+    async def patch_node(self, name: str, **kw: Any) -> Any:
+        written = await super().patch_node(name, **kw)
+        if self.lose:
+            self.lose -= 1
+            raise KubeUnavailable(f"patch of {name}: answer lost", status=0)
+        return written
+
+
+async def test_an_eviction_whose_answer_was_lost_still_spends_the_budget(tmp_path: Path) -> None:
+    async with KubeApiDouble() as api:
+        client = await KubeClient.from_kubeconfig(api.write_kubeconfig(tmp_path / "kubeconfig"))
+        try:
+            clock = FakeClock(start=T0)
+            world = World(api, LostAnswers(client, clock), clock)
+            for n in ("a", "b"):
+                api.add_node(n)
+            act = world.actuator(allow_no_execute=True, max_no_execute_per_hour=1)
+            world.intents.by_node["a"] = intent("a", effect="NoExecute")
+            world.intents.by_node["b"] = intent("b", effect="NoExecute")
+            assert isinstance(world.kube, LostAnswers)
+            world.kube.lose = 1
+            with pytest.raises(KubeUnavailable):
+                await act.reconcile("a")  # applied, answer lost
+            await act.reconcile("a")  # the retry finds the taint on the node
+            await act.reconcile("b")
+        finally:
+            await client.close()
+    assert ours(api, "a")[0]["effect"] == "NoExecute"
+    assert ours(api, "b")[0]["effect"] == "NoSchedule"
+
+
+async def test_leadership_gained_restores_what_the_old_leader_took_out_before_reconciling(
+    world: World,
+) -> None:
+    # The standby restarted after the leader had quarantined q; its own detectors lack the
+    # history behind that verdict and say healthy. When it takes over, the cluster's record of
+    # the quarantine goes back to its pipeline first, so the fail-over does not untaint q.
+    for n in ("q", "h"):
+        world.api.add_node(n)
+    leader = world.actuator()
+    mine = Intents()
+    mine.by_node.update(q=healthy("q"), h=healthy("h"))
+    leading = [False]
+    replica = standby(world, mine, leading)
+
+    def restore(node: str, snapshot: HealthSnapshot | None, taint_value: str | None) -> None:
+        assert snapshot is not None and taint_value == "xid-79"
+        mine.by_node[node] = world.intents.by_node[node]  # the pipeline takes the record back
+
+    mine.on_restore = restore
+    async with world.running(replica):
+        assert mine.restored == []  # nothing of ours on the nodes at the first list
+        world.intents.by_node["q"] = intent("q")
+        await leader.reconcile("q")
+        await until(lambda: bool((n := replica.cached("q")) and n.taints), "the standby sees q's taint")
+        leading[0] = True
+        mark = len(mine.calls)
+        replica.leadership_changed()
+        assert [r[0] for r in mine.restored] == ["q"]  # only the node our taint keeps out
+        assert mine.calls[mark] == ("restore", "q")  # before anything is reconciled
+        before = len(mine.asked)
+        await until(lambda: len(mine.asked) >= before + 2, "the resync reconciles both")
+        await asyncio.sleep(0.05)
+    assert ours(world.api, "q") and not ours(world.api, "h")
+
+
+class WatchRefused(Recording):
+    """Every watch is answered 503 (an API server whose watch cache lags, say), every LIST works."""
+
+    async def watch_nodes(self, **kw: Any) -> Any:  # type: ignore[override]
+        self.before("watch")
+        raise KubeUnavailable("watch nodes: HTTP 503", status=503)
+        yield  # pragma: no cover
+
+
+class WatchEndsAtOnce(Recording):
+    """Every watch is answered 200 and ends at once with nothing in it (a server shutting down,
+    a proxy closing the stream)."""
+
+    async def watch_nodes(self, **kw: Any) -> Any:  # type: ignore[override]
+        self.before("watch")
+        await asyncio.sleep(0.001)
+        return
+        yield  # pragma: no cover
+
+
+@pytest.mark.parametrize(("kube", "ops", "what"), [(WatchRefused, "list", 8), (WatchEndsAtOnce, "watch", 8)])
+async def test_a_failing_watch_backs_off_instead_of_listing_every_node_every_second(
+    tmp_path: Path, kube: type[Recording], ops: str, what: int
+) -> None:
+    # A working LIST is no sign the watch will work: the backoff grows until a watch delivers.
+    async with KubeApiDouble() as api:
+        client = await KubeClient.from_kubeconfig(api.write_kubeconfig(tmp_path / "kubeconfig"))
+        try:
+            clock = FakeClock(start=T0)
+            world = World(api, kube(client, clock), clock)
+            api.add_node("n0")
+            t0 = clock.monotonic()
+            assert isinstance(world.kube, Recording)
+            async with world.running(world.actuator()):
+                await until(lambda: world.kube.informer.count(ops) >= what, f"{what} {ops}s")
+            elapsed = clock.monotonic() - t0
+        finally:
+            await client.close()
+    # 1 + 2 + 4 + 8 + 16 + 30 s between the first seven: a full LIST a second would be 7 s.
+    assert elapsed >= 61.0
+    if ops == "watch":
+        assert world.kube.informer.count("list") == 1  # a watch that ends is resumed, not relisted
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("POST", r"/events$", 429),  # APF sheds the event itself
+        ("POST", r"/events$", 503),
+        ("PATCH", r"^/api/v1/nodes/n1/status$", 429),  # the condition write, after the taint patch
+    ],
+)
+async def test_one_refusal_loses_no_event(world: World, method: str, path: str, status: int) -> None:
+    # The snapshot annotation the taint patch wrote already records the change, so a retried
+    # reconcile plans no event again: a refused event must be sent now or never.
+    api = world.api
+    api.add_node("n1")
+    act = world.actuator()
+    world.intents.by_node["n1"] = intent("n1")
+    api.fail_next(method, path, status)
+    try:
+        await act.reconcile("n1")
+    except KubeUnavailable:
+        assert method == "PATCH"  # the condition write fails the reconcile: it is retried
+        await act.reconcile("n1")
+    await act.reconcile("n1")
+    assert [e[:2] for e in events(api, "n1")] == [("Warning", "GpuwardenQuarantined")]
+    cond = condition(api, "n1")
+    assert cond is not None and cond["reason"] == "Quarantined"
+
+
+async def test_an_event_the_api_keeps_refusing_is_given_up_after_three_tries(world: World) -> None:
+    api = world.api
+    api.add_node("n1")
+    act = world.actuator()
+    world.intents.by_node["n1"] = intent("n1")
+    api.fail_next("POST", r"/events$", 503, count=10)
+    await act.reconcile("n1")  # the reconcile itself succeeds: the node is out, the event lost
+    assert ours(api, "n1") and events(api, "n1") == []
+    assert sum(1 for r in api.requests if r[0] == "POST" and r[1].endswith("/events")) == 3

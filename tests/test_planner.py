@@ -488,7 +488,8 @@ ROWS: dict[str, Row] = {
         bare(),
         NOEX,
         Expect(
-            taints=(Taint(OURS, "NoExecute", "xid-79"),),
+            # With its timeAdded, as the taint eviction controller and the budget read it.
+            taints=(Taint(OURS, "NoExecute", "xid-79", time_added=rfc3339(T0)),),
             kind="taint",
             annotations=wrote(NOEX, taint="xid-79:NoExecute"),
             condition=("False", "Quarantined"),
@@ -516,7 +517,7 @@ ROWS: dict[str, Row] = {
         after(bare(), NOEX),
         NOEX,
         Expect(
-            taints=(Taint(OURS, "NoExecute", "xid-79"),),
+            taints=(Taint(OURS, "NoExecute", "xid-79", time_added=rfc3339(T0 + 3601)),),
             kind="taint",
             annotations={TAINT: "xid-79:NoExecute"},
             new_no_execute=True,

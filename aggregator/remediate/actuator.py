@@ -28,11 +28,21 @@ Safety properties operators depend on (the planner's rules are listed in its doc
 - Every API call of a reconcile, reads included, passes one token bucket (``qps``/``burst``)
   shared by all workers, so a fleet-wide decision cannot flood the API server.
 - The state the planner reads but cannot keep lives here: when we added NoExecute taints (the
-  hour's eviction budget, rebuilt from our taints' ``timeAdded`` on restart) and when each
-  node's preflight taint was first seen.
+  hour's eviction budget) and when each node's preflight taint was first seen. The budget counts
+  the ``timeAdded`` of every NoExecute taint of ours on any Node as this replica sees it (listed,
+  watched, read, or written), once per node and time: so it survives a restart, a standby counts
+  what the leader evicted before a fail-over, and a patch that was applied but whose answer was
+  lost is counted when the retry reads the node.
+- On gaining leadership, every node the cluster shows under our taint is handed to
+  ``IntentSource.restore`` again, as at the first list: a quarantine the previous leader decided
+  (from history this replica lacks, say after its own restart) is never undone by the fail-over;
+  it goes through probation like any other.
 
-Events are best effort (as the kubelet's are): a failed ``create_event`` is logged and counted,
-never retried, because the snapshot annotation already records the change it would announce.
+Events are best effort, as the kubelet's are, but not lost to one refusal: the snapshot
+annotation already records the change an event announces, so a retried reconcile plans no event
+again. A ``create_event`` refused for now (429, 5xx) is tried again a second later, three times
+in all; when the condition write fails after the node was patched, the events go before the
+error is raised; anything else is logged and counted.
 """
 
 from __future__ import annotations
@@ -87,13 +97,21 @@ WRITE_RESULTS: Final[tuple[WriteResult, ...]] = ("ok", "conflict", "error", "dry
 # times, then leave it to the queue's slower per-node backoff.
 CONFLICT_ATTEMPTS: Final = 5
 CONFLICT_BACKOFF_S: Final = 0.05
-# Informer: a failed list or watch is retried after this, doubling.
+# Informer: a failed list or watch is retried after this, doubling; back to the start only once
+# a watch has delivered an event or run a while, never merely because a LIST worked (a watch that
+# fails with a 5xx after every LIST would otherwise list 7,500 Nodes every second).
 INFORMER_BACKOFF_S: Final = 1.0
 INFORMER_BACKOFF_MAX_S: Final = 30.0
+# A watch the server ends this soon with nothing in it counts as failed (client-go's "very short
+# watch"): an API server shutting down, or a proxy closing the stream, would get a request loop.
+INFORMER_SHORT_WATCH_S: Final = 1.0
 # A watch refused with these (no answer: the connection was refused; 429: API Priority and Fairness
 # shed it) is resumed from its resourceVersion; any other failure lists again.
 WATCH_RETRY_STATUSES: Final = frozenset({0, 429})
 EVENT_MESSAGE_MAX: Final = 1024  # the API server rejects longer Event messages
+# An event refused for now (429, 5xx, no answer) is tried this many times in all, a second apart.
+EVENT_ATTEMPTS: Final = 3
+EVENT_RETRY_S: Final = 1.0
 
 
 def _taints_text(taints: Sequence[Taint]) -> list[str]:
@@ -192,7 +210,9 @@ class Actuator:
         # resourceVersions our own last writes produced, per node: their watch echoes need no
         # reconcile (a patch and a condition write make two in a row).
         self._written_rv: dict[str, deque[str]] = {}
-        self._no_execute_at: deque[float] = deque()  # when we added NoExecute taints (unix), sorted
+        # Our NoExecute taints seen in the last hour, as (node, timeAdded as unix): a set, so that
+        # the same taint seen by list, watch, read and write counts once.
+        self._no_execute: set[tuple[str, float]] = set()
         self._preflight_seen: dict[str, float] = {}  # node -> monotonic time we first saw its taint
         self._preflight_warned: set[str] = set()
         self._dry_run_logged: dict[str, tuple[object, ...]] = {}
@@ -226,6 +246,28 @@ class Actuator:
             self._pool_sizes[k8s_pool(old.labels)] -= 1
         self._cache[node.name] = node
         self._pool_sizes[k8s_pool(node.labels)] += 1
+        self._note_no_execute(node)
+
+    def _note_no_execute(self, node: Node) -> bool:
+        """Count our NoExecute taints on ``node`` added within the hour; True if it has one with
+        its time. (Cheap for the many nodes without: the snapshot is decoded only for a node
+        that has a NoExecute taint with our key.)"""
+        key = self._config.taint_key
+        if not any(t.key == key and t.effect == "NoExecute" and t.time_added for t in node.taints):
+            return False
+        now = self._clock.time()
+        found = False
+        for t in recorded(node, self._config).taints:
+            if t.effect != "NoExecute" or t.time_added is None:
+                continue
+            try:
+                added = parse_rfc3339(t.time_added)
+            except ValueError:
+                continue
+            found = True
+            if now - added < NO_EXECUTE_WINDOW_S:
+                self._no_execute.add((node.name, added))
+        return found
 
     def _cache_pop(self, name: str) -> None:
         old = self._cache.pop(name, None)
@@ -252,6 +294,7 @@ class Actuator:
         self._was_leader = leader
         if gained:
             log.info("leadership gained: full remediation resync", extra={"nodes": len(self._cache)})
+            self._restore(list(self._cache.values()), tainted_only=True)
             self.resync()
         return gained
 
@@ -319,16 +362,27 @@ class Actuator:
             try:
                 listed = await self._api.list_nodes()
                 self._on_list(listed.items)
-                backoff = INFORMER_BACKOFF_S
                 rv = listed.resource_version
                 while True:
+                    opened = self._clock.monotonic()
+                    delivered = False
                     try:
                         # aclosing: a cancelled run() closes the watch's HTTP stream at once.
                         async with aclosing(self._api.watch_nodes(resource_version=rv)) as events:
                             async for event in events:
                                 self._on_event(event)
                                 rv = event.node.resource_version
+                                delivered = True
                                 backoff = INFORMER_BACKOFF_S
+                        if delivered or self._clock.monotonic() - opened >= INFORMER_SHORT_WATCH_S:
+                            backoff = INFORMER_BACKOFF_S
+                            continue
+                        log.info(
+                            "node watch ended at once, resuming it",
+                            extra={"resource_version": rv, "retry_in_s": backoff},
+                        )
+                        await self._sleep(backoff)
+                        backoff = min(backoff * 2, INFORMER_BACKOFF_MAX_S)
                     except KubeUnavailable as e:
                         if e.status not in WATCH_RETRY_STATUSES:
                             raise
@@ -366,6 +420,7 @@ class Actuator:
         self._pool_sizes = Tally(k8s_pool(n.labels) for n in listed.values())
         for n in nodes:
             self._note_preflight(n)
+            self._note_no_execute(n)
         if not self._synced.is_set():
             self._was_leader = self._is_leader()  # this list's resync covers a leadership we hold
             self._restore(nodes)
@@ -373,13 +428,16 @@ class Actuator:
             log.info("remediation informer synced", extra={"nodes": len(nodes)})
         self.resync()
 
-    def _restore(self, nodes: Sequence[Node]) -> None:
+    def _restore(self, nodes: Sequence[Node], *, tainted_only: bool = False) -> None:
+        """Hand the nodes carrying our taint or snapshot to ``IntentSource.restore``; with
+        ``tainted_only`` (on gaining leadership), only those our taint keeps out: a snapshot
+        alone says nothing the replica's own decisions do not say better by now."""
         now = self._clock.time()
         for n in nodes:
             # Only a taint we recorded applying is ours to restore from; a human's taint with our
             # key on a node we never wrote is theirs, and the node is left to them.
             mine = recorded(n, self._config)
-            if not mine.taints and mine.snapshot_text is None:
+            if not mine.taints and (tainted_only or mine.snapshot_text is None):
                 continue
             if mine.snapshot_text is not None and mine.snapshot is None:
                 log.warning(
@@ -387,17 +445,6 @@ class Actuator:
                 )
             value = mine.taints[0].value if mine.taints else None
             self._intents.restore(n.name, mine.snapshot, value, now)
-            # The NoExecute budget is about evictions in the last hour, whoever of us caused them:
-            # the API server's timeAdded on our taints carries it across restarts.
-            for t in mine.taints:
-                if t.effect == "NoExecute" and t.time_added is not None:
-                    try:
-                        added = parse_rfc3339(t.time_added)
-                    except ValueError:
-                        continue
-                    if now - added < NO_EXECUTE_WINDOW_S:
-                        self._no_execute_at.append(added)
-        self._no_execute_at = deque(sorted(self._no_execute_at))
 
     def _on_event(self, event: NodeEvent) -> None:
         n = event.node
@@ -534,8 +581,9 @@ class Actuator:
                     "annotations": plan.annotations,
                 },
             )
-            if plan.new_no_execute:
-                self._no_execute_at.append(self._clock.time())
+            if plan.new_no_execute and not self._note_no_execute(written):
+                # A server that kept no timeAdded: counted by our clock, once.
+                self._no_execute.add((node.name, self._clock.time()))
             if plan.override_recorded:
                 self._metrics.overrides.inc()
 
@@ -547,13 +595,20 @@ class Actuator:
                 written = await self._api.patch_node_condition(node.name, plan.condition)
             except KubeError:
                 self._metrics.write("condition", "error")
+                if plan.needs_patch:
+                    # The patch recorded the change these events announce, so the retry will
+                    # plan none: they go now, or never.
+                    await self._emit_all(node, plan.events)
                 raise
             self._metrics.write("condition", "ok")
             self._wrote(written)
 
         if plan.preflight_timeout:
             self._preflight_warned.add(node.name)
-        for ev in plan.events:
+        await self._emit_all(node, plan.events)
+
+    async def _emit_all(self, node: Node, events: Sequence[PlanEvent]) -> None:
+        for ev in events:
             if not self._is_leader():
                 return
             await self._emit(node, ev)
@@ -571,16 +626,32 @@ class Actuator:
             reason=ev.reason,
             message=ev.message[:EVENT_MESSAGE_MAX],
         )
-        try:
-            await self._api.create_event(self._config.events_namespace, record)
-        except KubeError as e:
-            self._metrics.write("event", "error")
-            log.warning(
-                "event not recorded",
-                extra={"node": node.name, "event_reason": ev.reason, "error": str(e), "status": e.status},
-            )
+        for attempt in range(EVENT_ATTEMPTS):
+            try:
+                await self._api.create_event(self._config.events_namespace, record)
+            except KubeUnavailable as e:
+                # Shed (429) or the API server restarting: nothing else will announce this
+                # change, so it is tried again a second later (APF's Retry-After), a few times.
+                self._metrics.write("event", "error")
+                if attempt == EVENT_ATTEMPTS - 1 or not self._is_leader():
+                    self._event_lost(node, ev, e)
+                    return
+                await self._sleep(EVENT_RETRY_S)
+                await self._bucket.acquire()
+                continue
+            except KubeError as e:
+                self._metrics.write("event", "error")
+                self._event_lost(node, ev, e)
+                return
+            self._metrics.write("event", "ok")
             return
-        self._metrics.write("event", "ok")
+
+    @staticmethod
+    def _event_lost(node: Node, ev: PlanEvent, e: KubeError) -> None:
+        log.warning(
+            "event not recorded",
+            extra={"node": node.name, "event_reason": ev.reason, "error": str(e), "status": e.status},
+        )
 
     def _log_dry_run(self, plan: Plan) -> None:
         name = plan.node
@@ -627,15 +698,16 @@ class Actuator:
         """The planner's answer for ``node`` given the state kept here; logs what it warns of and
         arms the preflight deadline it asks to be woken at."""
         now = self._clock.time()
-        while self._no_execute_at and now - self._no_execute_at[0] >= NO_EXECUTE_WINDOW_S:
-            self._no_execute_at.popleft()  # only the last hour counts: keep the deque that short
+        if any(now - added >= NO_EXECUTE_WINDOW_S for _, added in self._no_execute):
+            # Only the last hour counts: the set stays as short as the budget.
+            self._no_execute = {(n, a) for n, a in self._no_execute if now - a < NO_EXECUTE_WINDOW_S}
         p = planner.plan(
             node,
             intent,
             self._config,
             now=now,
             monotonic=self._clock.monotonic(),
-            no_execute_added=self._no_execute_at,
+            no_execute_added=sorted(added for _, added in self._no_execute),
             preflight_since=self._preflight_seen.get(node.name),
             preflight_warned=node.name in self._preflight_warned,
         )

@@ -316,7 +316,7 @@ def plan(
                 )
             )
 
-    new_taints, want = _taints(node.taints, ours, want, value, config, drop_preflight=drop_preflight)
+    new_taints, want = _taints(node.taints, ours, want, value, config, now=now, drop_preflight=drop_preflight)
 
     # Not tainted when we hold back (a respected override): a restarted pipeline must not
     # believe the node is out. Otherwise the pipeline's own reading stands, so a suspect
@@ -483,18 +483,32 @@ def _taints(
     value: str,
     config: RemediationConfig,
     *,
+    now: float,
     drop_preflight: bool,
 ) -> tuple[tuple[Taint, ...], TaintEffect | None]:
     """The whole wanted ``spec.taints``: every taint that is not ours as read and where it was,
     ours replaced in place (or added last), the preflight taint dropped when it goes. Also the
-    effect that ends up ours: None when a human's taint with our key and that effect is there."""
+    effect that ends up ours: None when a human's taint with our key and that effect is there.
+
+    A NoExecute taint carries ``timeAdded``, as the node lifecycle controller and ``kubectl
+    taint`` write it (the API server does not fill it in): the taint eviction controller reads
+    it, and so does the hour's eviction budget after a restart or a fail-over (``Actuator``). A
+    NoExecute taint that only changes its value keeps its time: it evicts nothing new."""
+
+    def ours_as(effect: TaintEffect, before: Taint | None) -> Taint:
+        added = None
+        if effect == "NoExecute":
+            kept = before is not None and before.effect == "NoExecute" and before.time_added is not None
+            added = before.time_added if kept and before is not None else rfc3339(now)
+        return Taint(key=config.taint_key, effect=effect, value=value, time_added=added)
+
     taints: list[Taint] = []
     placed = False
     for t in current:
         if t in ours:
             if want is not None and not placed:
                 same = t.effect == want and t.value == value
-                taints.append(t if same else Taint(key=config.taint_key, effect=want, value=value))
+                taints.append(t if same else ours_as(want, t))
                 placed = True
             # else: ours and no longer wanted (or a duplicate of ours): removed
         elif drop_preflight and t.key == config.preflight.taint_key:
@@ -506,7 +520,7 @@ def _taints(
             # A human's taint with our key and this effect already keeps the node out; taints
             # are unique by key and effect, so ours cannot be added, and theirs stays theirs.
             return tuple(taints), None
-        taints.append(Taint(key=config.taint_key, effect=want, value=value))
+        taints.append(ours_as(want, None))
     return tuple(taints), want
 
 
