@@ -26,7 +26,9 @@ Two implementations:
   audience, belong to the agent's service account, and carry the node it was issued on
   (``authentication.kubernetes.io/node-name``, set on pod-bound tokens since Kubernetes 1.30).
   Positive answers are cached briefly, so 7,500 nodes reporting every 10 s cost the API server
-  about 125 reviews a second at most, not 750.
+  about 125 reviews a second at most, not 750. A review the API server answers with no verdict
+  (429, 5xx, none) holds new reviews back for a second, doubling to ``REVIEW_BACKOFF_MAX_S``
+  while it lasts: uncached agents are told to retry (503) meanwhile, cached ones are unaffected.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import base64
 import binascii
 import hashlib
 import logging
+import math
 import os
 import re
 import time
@@ -70,6 +73,8 @@ __all__ = [
 ]
 
 NODE_NAME_EXTRA: Final = "authentication.kubernetes.io/node-name"
+REVIEW_BACKOFF_S: Final = 1.0  # APF answers a shed request with Retry-After: 1
+REVIEW_BACKOFF_MAX_S: Final = 8.0
 
 # The report schema's node name pattern: a token file naming anything else could never match.
 _NODE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -319,6 +324,11 @@ class TokenReviewAuthenticator:
         # sha256(token) -> (identity, monotonic expiry). Insertion order is expiry order (one TTL
         # for all), so eviction pops from the front.
         self._cache: dict[bytes, tuple[Identity, float]] = {}
+        # After a review the API server did not answer with a verdict (429, 5xx, none): no new
+        # review until this monotonic time, the wait doubling while it lasts (see authenticate).
+        self._hold_until = -math.inf
+        self._hold_s = REVIEW_BACKOFF_S
+        self._held_because = ""
 
     @classmethod
     def in_cluster(
@@ -400,14 +410,25 @@ class TokenReviewAuthenticator:
             if cached is not None:
                 self._count("cached")
                 return cached
+            if self._clock.monotonic() < self._hold_until:
+                # The API server is shedding or failing reviews: each report of an uncached agent
+                # would be one more (thousands a second once the cache has emptied), in the same
+                # priority-and-fairness flow as our Lease renewals. The agent retries on 503.
+                self._count("error")
+                raise AuthUnavailable(f"TokenReview backing off after: {self._held_because}")
             try:
                 status = await self._review(token)
+            except AuthUnavailable as exc:
+                self._count("error")
+                self._hold_until = self._clock.monotonic() + self._hold_s
+                self._hold_s = min(self._hold_s * 2, REVIEW_BACKOFF_MAX_S)
+                self._held_because = str(exc)
+                raise
+            self._hold_s = REVIEW_BACKOFF_S  # a verdict: the API server answers again
+            try:
                 identity = self._judge(status)
             except AuthError:
                 self._count("denied")
-                raise
-            except AuthUnavailable:
-                self._count("error")
                 raise
         self._count("authenticated")
         self._remember(digest, identity)

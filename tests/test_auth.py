@@ -299,17 +299,42 @@ async def test_cache_is_bounded(kube_client: KubeClient, kube: KubeApiDouble, cl
 
 
 async def test_api_server_trouble_is_unavailable_not_unauthorized(
-    reviewer: TokenReviewAuthenticator, kube: KubeApiDouble, registry: CollectorRegistry
+    reviewer: TokenReviewAuthenticator, kube: KubeApiDouble, registry: CollectorRegistry, clock: FakeClock
 ) -> None:
     token = agent_token(kube, "gpu-0001")
     kube.fail_next("POST", "tokenreviews", 403)  # our own service account lacks system:auth-delegator
     with pytest.raises(AuthUnavailable, match="403"):
         await reviewer.authenticate(token)
+    clock.advance(1.0)
     kube.fail_next("POST", "tokenreviews", 500)
     with pytest.raises(AuthUnavailable, match="500"):
         await reviewer.authenticate(token)
     assert reviews(registry, "error") == 2
+    clock.advance(2.0)
     assert (await reviewer.authenticate(token)).node == "gpu-0001"
+
+
+async def test_a_shedding_api_server_gets_no_review_per_report_while_it_sheds(
+    reviewer: TokenReviewAuthenticator, kube: KubeApiDouble, registry: CollectorRegistry, clock: FakeClock
+) -> None:
+    # API Priority and Fairness sheds TokenReviews (429). With the cache emptied, every report of
+    # every agent would be one more review in the flow our Lease renewals share: instead new
+    # reviews wait a second, doubling while the shedding lasts, and agents are told to retry.
+    tokens = [agent_token(kube, f"gpu-{i:04d}") for i in range(50)]
+    kube.throttle(share=1.0, verbs=("create",), path_regex="tokenreviews")
+    for _ in range(20):  # 20 s of every agent reporting once a second
+        for token in tokens:
+            with pytest.raises(AuthUnavailable):
+                await reviewer.authenticate(token)
+        clock.advance(1.0)
+    posts = sum(1 for r in kube.requests if r[0] == "POST" and "tokenreviews" in r[1])
+    assert posts <= 6  # at 0, 1, 3, 7, 15 s (the wait capped at 8 s), not 1,000
+    assert reviews(registry, "error") == 50 * 20
+    kube.throttle()
+    clock.advance(8.0)
+    assert (await reviewer.authenticate(tokens[0])).node == "gpu-0000"  # back at the first answer
+    clock.advance(0.5)
+    assert (await reviewer.authenticate(tokens[1])).node == "gpu-0001"
 
 
 async def test_unreachable_api_server_is_unavailable(tmp_path: Path, clock: FakeClock) -> None:
