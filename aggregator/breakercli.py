@@ -5,7 +5,9 @@
 
 The reset is audited (the aggregator's audit log records who and why) and closes the breaker on
 every replica (it is stored in the leader Lease). Held quarantines that fit the limits are then
-applied; the rest stay held and the breaker opens again.
+applied; the rest stay held and the breaker opens again. When the Lease write is refused for now,
+the reset holds on the replica that took it and is retried there; the command says so and exits
+3, since the other replica (or that one after a restart) still reads the open breaker.
 
 Both routes exist only on an aggregator with remediation on: a 404 from one of them, from a
 server that answers its health check, means remediation is off there, and is said so.
@@ -24,6 +26,7 @@ from agent.errors import ConfigError
 
 STATUS_PATH = "/api/v1/remediation"
 RESET_PATH = "/api/v1/breaker/reset"
+NOT_STORED_EXIT = 3  # reset here, not yet in the Lease that every replica reads
 # Served by every aggregator, remediation on or off (aggregator/service.py).
 HEALTH_PATH = "/readyz"
 
@@ -110,4 +113,12 @@ def _run(args: argparse.Namespace, base: str) -> int:
         out = _call(req, args.timeout)
     json.dump(out, sys.stdout, indent=2, sort_keys=True)
     sys.stdout.write("\n")
+    if args.action == "reset" and out.get("stored") is False:
+        sys.stderr.write(
+            "gpuwarden breaker: the reset is applied on this replica but not yet stored in the "
+            "Lease (the API server refused the write for now; it is retried every retry period). "
+            "Until it is, the other replica, or this one after a restart, keeps the breaker open: "
+            "check with `gpuwarden breaker status`.\n"
+        )
+        return NOT_STORED_EXIT
     return 0

@@ -112,3 +112,34 @@ def test_a_server_that_is_no_aggregator_keeps_its_404() -> None:
         server.server_close()
     assert out.returncode == 2
     assert out.stderr.strip() == f"gpuwarden breaker: error: {url}/api/v1/remediation: HTTP 404: not here"
+
+
+def test_a_reset_not_yet_stored_in_the_lease_says_so_and_exits_3(tmp_path: Path) -> None:
+    # The replica reset its breaker, but the Lease write was refused (429): the other replica
+    # still reads the open breaker there, so the operator must not be told it is done.
+    class NotStored(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'{"breaker": {"open": false, "reset_by": "alice"}, "reset": {}, "stored": false}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    (tmp_path / "token").write_text("admin-token-0123456789\n")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotStored)
+    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        out = _breaker("reset", "--aggregator", url, "--token-file", str(tmp_path / "token"), "--by", "alice")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert out.returncode == 3
+    assert '"stored": false' in out.stdout
+    assert "not yet stored in the Lease" in out.stderr

@@ -617,6 +617,7 @@ async def test_safety_limits_hold_then_release_after_a_reset(tmp_path: Path) -> 
                 assert resp.status == 200
                 body = await resp.json()
             assert body["breaker"].get("open", False) is False and body["breaker"]["reset_by"] == "alice"
+            assert body["stored"] is True  # in the Lease already: every replica reads it
             assert [a.by for a in follower.audit.recent if a.action == "breaker_reset"] == ["alice"]
 
             await wait(lambda: bool(ours(double, second)), "the held node's taint")

@@ -312,7 +312,11 @@ class Remediation:
                 )
             )
             await self.sync_breaker()
-            return web.json_response({**self.status(), "reset": msgspec.to_builtins(state)})
+            # Whether the Lease holds it yet: until it does, another replica (or this one after a
+            # restart) still reads the open breaker there. The write is retried every retry
+            # period; the answer says so rather than claim a reset that may not last.
+            stored = self._written == self.pipeline.limits.state
+            return web.json_response({**self.status(), "reset": msgspec.to_builtins(state), "stored": stored})
 
         return [web.get(REMEDIATION_PATH, get_status), web.post(BREAKER_RESET_PATH, reset)]
 
