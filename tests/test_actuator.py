@@ -1259,3 +1259,29 @@ async def test_an_event_the_api_keeps_refusing_is_given_up_after_three_tries(wor
     await act.reconcile("n1")  # the reconcile itself succeeds: the node is out, the event lost
     assert ours(api, "n1") and events(api, "n1") == []
     assert sum(1 for r in api.requests if r[0] == "POST" and r[1].endswith("/events")) == 3
+
+
+async def test_a_write_is_abandoned_when_leadership_may_end_before_its_answer(world: World) -> None:
+    # The API server holds our patch in its queues (2 s) while our leadership has 0.3 s left
+    # unless a renewal succeeds: waiting would let the rest of the reconcile (the condition, the
+    # events) land when another replica may already lead.
+    api = world.api
+    api.add_node("n1")
+    world.intents.by_node["n1"] = intent("n1")
+    act = Actuator(
+        world.kube,
+        RemediationConfig(mode="enforce"),
+        world.intents,
+        clock=world.clock,
+        is_leader=lambda: True,
+        leadership_left=lambda: 0.3,
+        metrics=ActuatorMetrics(CollectorRegistry()),
+        sleep=world.timers,
+    )
+    api.set_latency("patch", 2.0, path_regex=r"^/api/v1/nodes/n1$")
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(KubeUnavailable, match="leadership may end"):
+        await act.reconcile("n1")
+    assert loop.time() - started < 1.5
+    assert condition(api, "n1") is None and events(api, "n1") == []  # nothing after it was sent

@@ -587,3 +587,16 @@ def test_timings_client_go_refuses_are_refused(lease: float, renew: float, retry
     )
     with pytest.raises(ConfigError, match="must be greater than"):
         LeaderElector(object(), config, identity="a", clock=FakeClock())  # type: ignore[arg-type]
+
+
+async def test_time_left_is_what_remains_of_the_renew_deadline_and_zero_off_it(cluster: Cluster) -> None:
+    a = await cluster.add("a", rng=NoJitter())
+    b = await cluster.add("b", rng=NoJitter())
+    await cluster.start(a)
+    await cluster.start(b)
+    await cluster.advance(4)
+    assert cluster.leaders() == ["a"]
+    since = cluster.elapsed - last_renewal(cluster, a)
+    assert a.elector.time_left() == pytest.approx(CONFIG.renew_deadline_seconds - since)
+    assert 0 < a.elector.time_left() <= CONFIG.renew_deadline_seconds
+    assert b.elector.time_left() == 0.0

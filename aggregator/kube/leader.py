@@ -165,6 +165,13 @@ class LeaderElector:
             and self._clock.monotonic() < self._deadline()
         )
 
+    def time_left(self) -> float:
+        """Seconds until we stop leading unless a renewal succeeds first (0 when not leading):
+        what a write may take, so that it cannot land after another replica may lead."""
+        if not self.is_leader:
+            return 0.0
+        return max(0.0, self._deadline() - self._clock.monotonic())
+
     @property
     def leader(self) -> str | None:
         return self._observed.holder if self._observed is not None else None

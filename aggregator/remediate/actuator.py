@@ -51,9 +51,9 @@ import asyncio
 import logging
 from collections import Counter as Tally
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from contextlib import aclosing
-from typing import Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.registry import CollectorRegistry
@@ -87,6 +87,8 @@ from aggregator.remediate.planner import (
 from aggregator.remediate.workqueue import DelayedAdds, ItemBackoff, TokenBucket, WorkQueue
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 __all__ = ["Actuator", "ActuatorMetrics"]
 
@@ -181,12 +183,17 @@ class Actuator:
         metrics: ActuatorMetrics | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         ready: Callable[[], Awaitable[object]] | None = None,
+        leadership_left: Callable[[], float] | None = None,
     ) -> None:
         """``ready``: awaited after the first list, before any worker reconciles (the runtime's
         "the rest of the view is rebuilt too": the breaker from the Lease, queued decisions
-        judged); None: the first list is enough."""
+        judged); None: the first list is enough. ``leadership_left``: seconds until leadership
+        ends unless renewed (``LeaderElector.time_left``); each write is abandoned when it runs
+        out, so a write held in the API server's queues cannot land after another replica may
+        lead. None: writes are bounded by the client's request timeout only."""
         self._api = api
         self._ready = ready
+        self._leadership_left = leadership_left
         self._config = config
         self._intents = intents
         self._clock = clock
@@ -557,11 +564,13 @@ class Actuator:
             if not self._is_leader():
                 return  # every write re-checks: leadership can end while we wait for a token
             try:
-                written = await self._api.patch_node(
-                    node.name,
-                    resource_version=node.resource_version,
-                    taints=plan.taints if plan.taints_changed else None,
-                    annotations=plan.annotations or None,
+                written = await self._while_leading(
+                    self._api.patch_node(
+                        node.name,
+                        resource_version=node.resource_version,
+                        taints=plan.taints if plan.taints_changed else None,
+                        annotations=plan.annotations or None,
+                    )
                 )
             except KubeConflict:
                 self._metrics.write(plan.patch_kind, "conflict")
@@ -592,7 +601,7 @@ class Actuator:
             if not self._is_leader():
                 return
             try:
-                written = await self._api.patch_node_condition(node.name, plan.condition)
+                written = await self._while_leading(self._api.patch_node_condition(node.name, plan.condition))
             except KubeError:
                 self._metrics.write("condition", "error")
                 if plan.needs_patch:
@@ -613,6 +622,20 @@ class Actuator:
                 return
             await self._emit(node, ev)
 
+    async def _while_leading(self, call: Coroutine[Any, Any, T]) -> T:
+        """``call``, abandoned (as ``KubeUnavailable``: retried like a lost answer) when our
+        leadership may end first."""
+        if self._leadership_left is None:
+            return await call
+        left = self._leadership_left()
+        try:
+            async with asyncio.timeout(left):
+                return await call
+        except TimeoutError:
+            raise KubeUnavailable(
+                f"write abandoned: leadership may end within {left:.1f} s", status=0
+            ) from None
+
     def _wrote(self, node: Node) -> None:
         self._written_rv.setdefault(node.name, deque(maxlen=4)).append(node.resource_version)
         self._cache_put(node)
@@ -628,7 +651,7 @@ class Actuator:
         )
         for attempt in range(EVENT_ATTEMPTS):
             try:
-                await self._api.create_event(self._config.events_namespace, record)
+                await self._while_leading(self._api.create_event(self._config.events_namespace, record))
             except KubeUnavailable as e:
                 # Shed (429) or the API server restarting: nothing else will announce this
                 # change, so it is tried again a second later (APF's Retry-After), a few times.

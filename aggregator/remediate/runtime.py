@@ -125,6 +125,7 @@ class Remediation:
             intents if intents is not None else pipeline,
             clock=clock,
             is_leader=lambda: self.elector.is_leader,
+            leadership_left=self.elector.time_left,
             metrics=ActuatorMetrics(registry),
             ready=self._ready.wait,
         )
