@@ -376,12 +376,18 @@ async def test_never_two_leaders_under_pauses_and_api_faults(cluster: Cluster) -
         assert replica.started - replica.stopped == (1 if replica.name == leader else 0)
 
 
-async def test_graceful_shutdown_releases_so_the_follower_takes_over_at_once(cluster: Cluster) -> None:
+async def leader_and_follower(cluster: Cluster) -> tuple[Replica, Replica]:
+    """``a`` leading for a few renewals, ``b`` (no jitter: it polls every retry period) following."""
     a = await cluster.add("a")
     b = await cluster.add("b", rng=NoJitter())
     await cluster.start(a)
     await cluster.start(b)
     await cluster.advance(6)
+    return a, b
+
+
+async def test_graceful_shutdown_releases_so_the_follower_takes_over_at_once(cluster: Cluster) -> None:
+    a, b = await leader_and_follower(cluster)
 
     assert a.task is not None
     a.task.cancel()
@@ -421,11 +427,7 @@ async def test_a_release_refused_for_now_is_retried_so_the_follower_still_takes_
     # API Priority and Fairness sheds the shutdown's release (429, Retry-After: 1), or the API
     # server is restarting (503): tried once, as client-go does, the lease would stay ours for a
     # lease duration with nobody leading.
-    a = await cluster.add("a")
-    b = await cluster.add("b", rng=NoJitter())
-    await cluster.start(a)
-    await cluster.start(b)
-    await cluster.advance(6)
+    a, b = await leader_and_follower(cluster)
     assert cluster.leaders() == ["a"]
     cluster.double.fail_next("PUT", LEASE_PATH, status, count=2)
 
@@ -439,11 +441,7 @@ async def test_a_release_refused_for_now_is_retried_so_the_follower_still_takes_
 
 
 async def test_a_release_the_api_never_answers_gives_up_and_the_lease_expires(cluster: Cluster) -> None:
-    a = await cluster.add("a")
-    b = await cluster.add("b", rng=NoJitter())
-    await cluster.start(a)
-    await cluster.start(b)
-    await cluster.advance(6)
+    a, b = await leader_and_follower(cluster)
     cluster.double.fail_next("PUT", LEASE_PATH, 503, count=1000)
     cluster.double.fail_next("GET", LEASE_PATH, 503, count=1000)
 
