@@ -420,7 +420,10 @@ class TokenReviewAuthenticator:
                 status = await self._review(token)
             except AuthUnavailable as exc:
                 self._count("error")
-                self._hold_until = self._clock.monotonic() + self._hold_s
+                # As long as the API server asked, if it asked longer (its Retry-After).
+                cause = exc.__cause__
+                hold = cause.wait_s(self._hold_s) if isinstance(cause, KubeError) else self._hold_s
+                self._hold_until = self._clock.monotonic() + hold
                 self._hold_s = min(self._hold_s * 2, REVIEW_BACKOFF_MAX_S)
                 self._held_because = str(exc)
                 raise

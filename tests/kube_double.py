@@ -46,7 +46,11 @@ named next to it:
   compaction point gets one ERROR event carrying a 410 Status, reason Expired, "too old resource
   version" (watch_cache.go ``NewResourceExpired``), then the stream ends; ``timeoutSeconds`` ends the
   stream; with ``allowWatchBookmarks`` a BOOKMARK (an object with only the resourceVersion) is sent
-  before a timeout ends the stream (the server sends bookmarks at its discretion; this is one).
+  before a timeout ends the stream, and every ``bookmark_every`` seconds if set (the server sends
+  bookmarks at its discretion; the cacher about a minute apart). A bookmark names the server's
+  current resourceVersion once every Node change before it was sent: writes to other objects
+  (Leases, Events) move it past the last Node change, as etcd's progress notifications move the
+  cacher's, so a watch resumed from a bookmark is not 410 after a compaction.
 * Events (core v1): an Event about a Node must live in namespace "default" (or ""), else 422
   (pkg/apis/core/validation/events.go); ``generateName`` gets a random suffix.
 * Bearer token authentication: a request without the token is 401 Unauthorized.
@@ -125,10 +129,10 @@ from aggregator.kube.objects import (
     EventRecord,
     Lease,
     Node,
-    NodeEvent,
     NodeList,
     Taint,
     TokenReviewStatus,
+    WatchEvent,
 )
 
 log = logging.getLogger(__name__)
@@ -552,6 +556,7 @@ class KubeApiDouble:
         self._throttle: _Throttle | None = None
         self._rng = random.Random(seed)
         self._watch_epoch = 0
+        self._bookmark_every: float | None = None
         self.throttled = 0  # requests answered 429 by ``throttle``
         self._wakeups: set[asyncio.Event] = set()
         self._closing = False
@@ -746,6 +751,11 @@ class KubeApiDouble:
             if share > 0 or burst > 0
             else None
         )
+
+    def bookmark_every(self, seconds: float | None) -> None:
+        """Send watches that asked for bookmarks one every ``seconds`` too, not only as they end
+        (the real cacher sends one about a minute apart); None: only as they end."""
+        self._bookmark_every = seconds if seconds else None
 
     def restart_watches(self, *, expire: bool = True) -> int:
         """End every open watch stream now (and, with ``expire``, compact: resuming from before
@@ -1038,8 +1048,23 @@ class KubeApiDouble:
                 await send("ERROR", expired.status())
                 await response.write_eof()
                 return
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        every = self._bookmark_every if bookmarks else None
+        next_bookmark = loop.time() + every if every else float("inf")
         epoch = self._watch_epoch
+
+        def bookmark_version() -> int:
+            # Every Node change up to the server's resourceVersion has been sent once nothing is
+            # left after the cursor: the bookmark may then name that (the cacher's progress),
+            # which other objects' writes have moved past the last Node change.
+            caught_up = not self._history or self._history[-1].resource_version <= cursor
+            return max(cursor, self._rv) if caught_up else cursor
+
+        async def bookmark() -> None:
+            meta = {"resourceVersion": str(bookmark_version())}
+            await send("BOOKMARK", {"kind": "Node", "apiVersion": "v1", "metadata": meta})
+
         while not self._closing:
             if self._watch_epoch != epoch:
                 await response.write_eof()  # ended by restart_watches: no bookmark, just the end
@@ -1053,17 +1078,18 @@ class KubeApiDouble:
                 event = _watch_event(change, requirements)
                 if event is not None:
                     await send(*event)
-            remaining = deadline - asyncio.get_running_loop().time()
-            if remaining <= 0:
+            now = loop.time()
+            if now >= deadline:
                 break
+            if every and now >= next_bookmark:
+                await bookmark()
+                next_bookmark = now + every
             try:
-                await asyncio.wait_for(wakeup.wait(), remaining)
+                await asyncio.wait_for(wakeup.wait(), min(deadline, next_bookmark) - now)
             except TimeoutError:
                 continue
         if bookmarks and not self._closing:
-            await send(
-                "BOOKMARK", {"kind": "Node", "apiVersion": "v1", "metadata": {"resourceVersion": str(cursor)}}
-            )
+            await bookmark()
         await response.write_eof()
 
     # -- events -----------------------------------------------------------------------------------
@@ -1317,7 +1343,7 @@ class Intercepted:
 
     async def watch_nodes(
         self, *, resource_version: str, timeout_seconds: int = 300, label_selector: str | None = None
-    ) -> AsyncGenerator[NodeEvent, None]:
+    ) -> AsyncGenerator[WatchEvent, None]:
         self.before("watch")
         if self.watch_from is not None:
             resource_version, self.watch_from = self.watch_from, None

@@ -29,6 +29,7 @@ from aggregator.kube.client import KubeClient
 from aggregator.kube.objects import (
     KubeConflict,
     KubeUnavailable,
+    Lease,
     TaintEffect,
 )
 from aggregator.remediate.actuator import Actuator, ActuatorMetrics
@@ -960,6 +961,67 @@ async def test_a_throttled_watch_is_resumed_without_listing_again(world: World) 
     assert world.kube.informer[0] == "list"
     assert world.kube.informer.count("list") == 1
     assert world.kube.informer.count("watch") >= 4
+
+
+async def test_a_quiet_watch_resumes_from_its_bookmark_after_a_compaction(world: World) -> None:
+    # No Node changed for a while, Leases did, and the API server's history was compacted (an
+    # API server restart, etcd compaction): resuming from the last Node change would be 410 and
+    # a LIST of every Node; the bookmark's resourceVersion is still in the history.
+    api = world.api
+    api.add_node("n1")
+    api.bookmark_every(0.02)
+    async with world.running(world.actuator()):
+        lease = Lease(
+            name="other",
+            namespace="gpuwarden",
+            resource_version="",
+            holder="someone",
+            lease_duration_seconds=15,
+            acquire_time="2025-01-01T00:00:00.000000Z",
+            renew_time="2025-01-01T00:00:00.000000Z",
+        )
+        await world.kube.inner.create_lease(lease)
+        watched = world.kube.informer.count("watch")
+        await until(lambda: world.kube.informer.count("watch") >= watched + 3, "bookmarks after the lease")
+        api.restart_watches(expire=True)
+        api.add_node("n2")
+        world.intents.by_node["n2"] = intent("n2")
+        await until(lambda: bool(ours(api, "n2")), "n2 tainted from a watch event")
+    assert world.kube.informer.count("list") == 1
+
+
+async def test_a_reconcile_shed_with_retry_after_waits_as_asked_and_goes_on(world: World) -> None:
+    # APF sheds the patch twice: the worker waits the Retry-After each time and the same
+    # reconcile finishes, instead of failing the node and moving on at full rate.
+    api = world.api
+    api.add_node("n1")
+    world.intents.by_node["n1"] = intent("n1")
+    api.throttle(burst=2, retry_after=3, verbs=["patch"])
+    act = world.actuator()
+    start = world.clock.monotonic()
+    await act.reconcile("n1")
+    assert api.throttled == 2
+    assert ours(api, "n1")
+    assert world.clock.monotonic() - start >= 6.0
+
+
+async def test_a_reconcile_kept_shed_goes_to_the_backoff_no_sooner_than_asked(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    api = world.api
+    api.add_node("n1")
+    world.intents.by_node["n1"] = intent("n1")
+    api.throttle(share=1.0, retry_after=5, verbs=["get"])
+    with caplog.at_level(logging.WARNING, logger="aggregator.remediate.actuator"):
+        async with world.running(world.actuator()):
+            await until(lambda: api.throttled >= 3, "three reads shed")
+            await until(
+                lambda: any(r.getMessage() == "reconcile failed, retrying later" for r in caplog.records),
+                "the node sent to the backoff",
+            )
+    failed = next(r for r in caplog.records if r.getMessage() == "reconcile failed, retrying later")
+    assert failed.__dict__["status"] == 429
+    assert failed.__dict__["retry_in_s"] == 5.0  # the server's wait, not the backoff's first 1 s
 
 
 async def test_a_bug_for_one_node_does_not_stop_the_others(world: World) -> None:

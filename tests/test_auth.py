@@ -337,6 +337,21 @@ async def test_a_shedding_api_server_gets_no_review_per_report_while_it_sheds(
     assert (await reviewer.authenticate(tokens[1])).node == "gpu-0001"
 
 
+async def test_reviews_wait_as_long_as_the_api_server_asks(
+    reviewer: TokenReviewAuthenticator, kube: KubeApiDouble, clock: FakeClock
+) -> None:
+    token = agent_token(kube, "gpu-0001")
+    kube.throttle(burst=1, retry_after=5, verbs=("create",), path_regex="tokenreviews")
+    with pytest.raises(AuthUnavailable):
+        await reviewer.authenticate(token)
+    clock.advance(4.5)  # past our own first wait (1 s), short of the server's Retry-After
+    with pytest.raises(AuthUnavailable, match="backing off"):
+        await reviewer.authenticate(token)
+    assert sum(1 for r in kube.requests if r[0] == "POST" and "tokenreviews" in r[1]) == 1
+    clock.advance(0.5)
+    assert (await reviewer.authenticate(token)).node == "gpu-0001"
+
+
 async def test_unreachable_api_server_is_unavailable(tmp_path: Path, clock: FakeClock) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,13 +12,14 @@ import asyncio
 import json
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from agent.errors import ConfigError
 from aggregator.kube.client import KubeClient, _error
@@ -34,6 +35,7 @@ from aggregator.kube.objects import (
     Lease,
     NodeEvent,
     Taint,
+    WatchBookmark,
 )
 from tests.kube_double import JSON_PATCH, MERGE, STRATEGIC, KubeApiDouble
 
@@ -320,13 +322,120 @@ async def test_watch_with_selector_sees_objects_leave_and_enter(
     assert seen == [("DELETED", "gpu-1"), ("ADDED", "gpu-1")]
 
 
-async def test_watch_ends_at_its_timeout_and_consumes_the_bookmark(
+async def test_watch_ends_at_its_timeout_with_a_bookmark_of_where_it_got(
     kube: KubeApiDouble, client: KubeClient
 ) -> None:
     kube.add_node("gpu-1")
     start = (await client.list_nodes()).resource_version
     events = [e async for e in client.watch_nodes(resource_version=start, timeout_seconds=1)]
-    assert events == []
+    assert events == [WatchBookmark(resource_version=start)]
+
+
+async def a_lease(client: KubeClient, holder: str) -> None:
+    """A write to an object other than a Node: it moves the server's resourceVersion on."""
+    await client.create_lease(
+        Lease(
+            name=f"lease-{holder}",
+            namespace="gpuwarden",
+            resource_version="",
+            holder=holder,
+            lease_duration_seconds=15,
+            acquire_time="2025-01-01T00:00:00.000000Z",
+            renew_time="2025-01-01T00:00:00.000000Z",
+        )
+    )
+
+
+async def test_a_bookmark_lets_a_quiet_watch_resume_after_a_compaction(
+    kube: KubeApiDouble, client: KubeClient
+) -> None:
+    # No Node changed, other objects did, the history was compacted: resuming from the LIST's
+    # resourceVersion is 410 (a LIST of every Node again), from the bookmark's it is not.
+    kube.add_node("gpu-1")
+    start = (await client.list_nodes()).resource_version
+    kube.bookmark_every(0.05)
+    async with aclosing(client.watch_nodes(resource_version=start, timeout_seconds=10)) as events:
+        await a_lease(client, "a")
+        await a_lease(client, "b")
+        while True:
+            event = await anext(events)
+            assert isinstance(event, WatchBookmark)  # no Node changed: bookmarks only
+            if int(event.resource_version) > int(start):
+                break
+    kube.compact()
+    with pytest.raises(KubeGone):
+        async for _ in client.watch_nodes(resource_version=start, timeout_seconds=5):
+            pass
+    kube.update_node("gpu-1", _label("x", "1"))
+    async with aclosing(client.watch_nodes(resource_version=event.resource_version, timeout_seconds=5)) as w:
+        changed = await anext(w)
+    assert isinstance(changed, NodeEvent) and changed.node.labels["x"] == "1"
+
+
+async def test_a_bookmark_never_skips_a_change_not_yet_sent(kube: KubeApiDouble, client: KubeClient) -> None:
+    kube.add_node("gpu-1")
+    start = (await client.list_nodes()).resource_version
+    kube.bookmark_every(0.01)
+    seen: list[str] = []
+    last_bookmark = int(start)
+    async with aclosing(client.watch_nodes(resource_version=start, timeout_seconds=10)) as events:
+        for i in range(20):
+            kube.update_node("gpu-1", _label("x", str(i)))
+            await a_lease(client, f"h{i}")
+        async for event in events:
+            if isinstance(event, WatchBookmark):
+                last_bookmark = int(event.resource_version)
+                continue
+            # Every change after a bookmark is newer than the bookmark.
+            assert int(event.node.resource_version) > last_bookmark
+            seen.append(event.node.labels["x"])
+            if len(seen) == 20:
+                break
+    assert seen == [str(i) for i in range(20)]
+
+
+@asynccontextmanager
+async def served(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]], tmp_path: Path
+) -> AsyncIterator[KubeClient]:
+    """The real client against one hand-written answer to every request: for answers the
+    double never gives (malformed ones)."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "x", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "users": [{"name": "x", "user": {"token": "t"}}],
+        "contexts": [{"name": "x", "context": {"cluster": "x", "user": "x"}}],
+        "current-context": "x",
+    }
+    (tmp_path / "hand.kubeconfig").write_text(json.dumps(config))
+    client = await KubeClient.from_kubeconfig(tmp_path / "hand.kubeconfig")
+    try:
+        yield client
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_a_bookmark_without_a_resource_version_is_an_error(tmp_path: Path) -> None:
+    async def bad_watch(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        await response.write(b'{"type": "BOOKMARK", "object": {"kind": "Node", "metadata": {}}}\n')
+        await response.write_eof()
+        return response
+
+    async with served(bad_watch, tmp_path) as client:
+        with pytest.raises(KubeError, match="BOOKMARK without a resourceVersion"):
+            async for _ in client.watch_nodes(resource_version="5", timeout_seconds=5):
+                pass
 
 
 async def test_compacted_resource_version_is_gone(kube: KubeApiDouble, client: KubeClient) -> None:
@@ -442,6 +551,41 @@ async def test_throttle_burst_is_429_with_retry_after_as_priority_and_fairness(
     assert caught.value.status == 429
     assert "a" not in kube.node("gpu-1")["metadata"].get("annotations", {})  # shed before any work
     assert kube.throttled == 3
+    assert caught.value.retry_after == 1.0  # the wait the server asked for travels with the error
+
+
+@pytest.mark.parametrize(
+    ("headers", "details", "wanted"),
+    [
+        ({"Retry-After": "3"}, {}, 3.0),
+        ({}, {"retryAfterSeconds": 2}, 2.0),  # the Status alone says it
+        ({"Retry-After": "3"}, {"retryAfterSeconds": 9}, 3.0),  # the header first
+        ({"Retry-After": "3600"}, {}, 30.0),  # capped: a proxy's hour must not park a quarantine
+        ({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}, {}, None),  # a date: not what APF sends
+        ({"Retry-After": "-1"}, {}, None),
+        ({}, {}, None),
+    ],
+)
+async def test_retry_after_is_read_from_the_header_or_the_status(
+    tmp_path: Path, headers: dict[str, str], details: dict[str, Any], wanted: float | None
+) -> None:
+    async def shed(request: web.Request) -> web.StreamResponse:
+        body = {"kind": "Status", "status": "Failure", "reason": "TooManyRequests", "code": 429}
+        if details:
+            body["details"] = details
+        return web.json_response(body, status=429, headers=headers)
+
+    async with served(shed, tmp_path) as client:
+        for call in (client.get_node("gpu-1"), client.list_nodes()):
+            with pytest.raises(KubeUnavailable) as caught:
+                await call
+            assert caught.value.status == 429
+            assert caught.value.retry_after == wanted
+            assert caught.value.wait_s(1.0) == max(1.0, wanted or 0.0)
+        with pytest.raises(KubeUnavailable) as caught:
+            async for _ in client.watch_nodes(resource_version="5", timeout_seconds=5):
+                pass
+        assert caught.value.retry_after == wanted
 
 
 async def test_throttle_sheds_a_seeded_share_of_its_verbs_only(

@@ -13,10 +13,10 @@ from aggregator.kube.objects import (
     EventRecord,
     Lease,
     Node,
-    NodeEvent,
     NodeList,
     Taint,
     TokenReviewStatus,
+    WatchEvent,
 )
 
 
@@ -27,9 +27,10 @@ class KubeApi(Protocol):
 
     def watch_nodes(
         self, *, resource_version: str, timeout_seconds: int = 300, label_selector: str | None = None
-    ) -> AsyncGenerator[NodeEvent, None]:
-        """Events after ``resource_version`` until the server ends the watch; ``KubeGone`` when the
-        version is too old (the caller lists again)."""
+    ) -> AsyncGenerator[WatchEvent, None]:
+        """Events after ``resource_version`` until the server ends the watch, bookmarks included
+        (the caller resumes from the last of either); ``KubeGone`` when the version is too old (the
+        caller lists again)."""
         ...
 
     async def patch_node(

@@ -14,8 +14,9 @@ Design:
 * Watches are read as a raw stream rather than with ``kubernetes_asyncio.watch.Watch``: ``Watch``
   retries a 410 ERROR event once behind the caller's back when no ``timeout_seconds`` is given,
   never checks the HTTP status of the watch request itself, and builds its own ApiClient. Here an
-  ERROR event becomes the matching ``KubeError`` (410 -> ``KubeGone``: the caller lists again),
-  BOOKMARK events are consumed, and a non-2xx answer is mapped like any other call.
+  ERROR event becomes the matching ``KubeError`` (410 -> ``KubeGone``: the caller lists again), a
+  BOOKMARK becomes a ``WatchBookmark`` (the caller resumes from it), and a non-2xx answer is
+  mapped like any other call.
 * Writes to Nodes are strategic merge patches of our own fields only, with ``metadata
   .resourceVersion`` as a precondition, so a taint another controller added since our read is never
   overwritten: the server answers 409 and the caller re-reads.
@@ -24,10 +25,10 @@ Design:
   server-side ``timeout_seconds`` plus the request timeout, so a silent, half-dead connection
   still ends.
 * A 429 (API Priority and Fairness shedding load, with ``Retry-After``) is ``KubeUnavailable``
-  like a 5xx, and is not retried here: every caller backs off at least a second before its next
-  try, which is what APF's ``Retry-After: 1`` asks. A watch stream the server ends is simply
-  over (the caller watches again from its last resourceVersion); a 410 on that resume is
-  ``KubeGone`` (the caller lists again).
+  like a 5xx, carrying the wait the server asked for (``KubeError.retry_after``), and is not
+  retried here: every caller waits at least a second, or that long if longer, before its next
+  try. A watch stream the server ends is simply over (the caller watches again from its last
+  resourceVersion); a 410 on that resume is ``KubeGone`` (the caller lists again).
 
 * In a pod, the service-account token is re-read whenever the file changes (the kubelet rotates
   it), checked on every request: a rotated token is used from the next call on.
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import ssl
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
@@ -81,6 +83,8 @@ from aggregator.kube.objects import (
     TaintEffect,
     TokenReviewStatus,
     UserInfo,
+    WatchBookmark,
+    WatchEvent,
 )
 
 log = logging.getLogger(__name__)
@@ -216,7 +220,7 @@ class KubeClient:
 
     async def watch_nodes(
         self, *, resource_version: str, timeout_seconds: int = 300, label_selector: str | None = None
-    ) -> AsyncGenerator[NodeEvent, None]:
+    ) -> AsyncGenerator[WatchEvent, None]:
         # An async generator (a subtype of the Protocol's AsyncIterator): callers that stop early
         # should ``aclose`` it (``contextlib.aclosing``) so the stream's connection is closed at once.
         what = f"watch nodes from resourceVersion {resource_version}"
@@ -233,7 +237,7 @@ class KubeClient:
         )
         try:
             if not 200 <= response.status < 300:
-                raise _error(what, response.status, await response.read())
+                raise _error(what, response.status, await response.read(), response.headers)
             while True:
                 try:
                     line = await response.content.readline()
@@ -250,6 +254,11 @@ class KubeClient:
                 if kind == "ERROR":
                     raise _error(what, int(obj.get("code") or 0), obj)
                 if kind == "BOOKMARK":
+                    meta = obj.get("metadata")
+                    version = meta.get("resourceVersion") if isinstance(meta, dict) else None
+                    if not version:
+                        raise KubeError(f"{what}: BOOKMARK without a resourceVersion: {line[:200]!r}")
+                    yield WatchBookmark(resource_version=str(version))
                     continue
                 if kind not in _WATCH_TYPES:
                     raise KubeError(f"{what}: unknown watch event type {kind!r}")
@@ -344,7 +353,7 @@ class KubeClient:
         try:
             return await call(*args, _preload_content=False, **kwargs)
         except ApiException as exc:
-            raise _error(what, int(exc.status or 0), exc.body) from exc
+            raise _error(what, int(exc.status or 0), exc.body, exc.headers) from exc
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise KubeUnavailable(f"{what}: no answer from the API server: {exc!r}") from exc
 
@@ -357,7 +366,7 @@ class KubeClient:
         finally:
             response.release()
         if not 200 <= response.status < 300:
-            raise _error(what, response.status, body)
+            raise _error(what, response.status, body, response.headers)
         return _json_object(what, body)
 
 
@@ -439,8 +448,23 @@ def _json_object(what: str, raw: bytes | str) -> Json:
     return value
 
 
-def _error(what: str, status: int, body: Any) -> KubeError:
-    """The ``KubeError`` for an HTTP status and its ``Status`` body (bytes, str or parsed)."""
+def _retry_after(headers: Mapping[str, str] | None, details: Mapping[str, Any]) -> float | None:
+    """The wait a 429 or 5xx asks for: the ``Retry-After`` header in seconds (what the API server
+    sends; an HTTP-date is not), else the Status's ``details.retryAfterSeconds``; None if neither."""
+    raw: Any = headers.get("Retry-After") if headers is not None else None
+    if raw is None:
+        inner = details.get("details")
+        raw = inner.get("retryAfterSeconds") if isinstance(inner, dict) else None
+    try:
+        seconds = float(raw) if raw is not None else None
+    except (TypeError, ValueError):
+        return None
+    return seconds if seconds is not None and math.isfinite(seconds) and seconds >= 0 else None
+
+
+def _error(what: str, status: int, body: Any, headers: Mapping[str, str] | None = None) -> KubeError:
+    """The ``KubeError`` for an HTTP status, its ``Status`` body (bytes, str or parsed) and the
+    answer's headers (for ``Retry-After``)."""
     details: Any = body
     if isinstance(body, bytes | str):
         try:
@@ -464,7 +488,7 @@ def _error(what: str, status: int, body: Any) -> KubeError:
     if status in (401, 403):
         return KubeForbidden(message, status=status)
     if status in (0, 429) or status >= 500:
-        return KubeUnavailable(message, status=status)
+        return KubeUnavailable(message, status=status, retry_after=_retry_after(headers, details))
     return KubeError(message, status=status)
 
 

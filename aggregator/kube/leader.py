@@ -337,7 +337,7 @@ class LeaderElector:
                             "lease release refused for now, retrying",
                             extra=self._extra(error=str(exc), status=exc.status),
                         )
-                        await self._sleep(RELEASE_BACKOFF_S)
+                        await self._sleep(exc.wait_s(RELEASE_BACKOFF_S))
                         continue
                     self._observe(written)
                     log.info("released the lease", extra=self._extra())

@@ -56,10 +56,22 @@ class NodeList:
 
 @dataclass(frozen=True, slots=True)
 class NodeEvent:
-    """One watch event: ADDED, MODIFIED, DELETED (BOOKMARK events are consumed by the client)."""
+    """One watch event: ADDED, MODIFIED, DELETED."""
 
     type: Literal["ADDED", "MODIFIED", "DELETED"]
     node: Node
+
+
+@dataclass(frozen=True, slots=True)
+class WatchBookmark:
+    """A watch's BOOKMARK: every change up to ``resource_version`` has been sent. A watch resumed
+    from it needs no LIST even when no Node changed for longer than the API server keeps history
+    (other objects move the resourceVersion on; a resume from an old one is 410 Gone)."""
+
+    resource_version: str
+
+
+WatchEvent = NodeEvent | WatchBookmark
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,12 +125,24 @@ class TokenReviewStatus:
 # -- errors: every API failure surfaces as one of these -------------------------------------------
 
 
-class KubeError(GpuwardenError):
-    """A Kubernetes API call failed; ``status`` is the HTTP status (0: no answer)."""
+# A Retry-After beyond this is taken as this: a misconfigured proxy's "come back in an hour" must
+# not park a quarantine for an hour (APF itself asks 1 s; client-go caps its wait the same way).
+RETRY_AFTER_MAX_S = 30.0
 
-    def __init__(self, message: str, *, status: int = 0) -> None:
+
+class KubeError(GpuwardenError):
+    """A Kubernetes API call failed; ``status`` is the HTTP status (0: no answer). ``retry_after``:
+    the seconds the server asked us to wait (429 or 5xx with ``Retry-After`` or the Status's
+    ``details.retryAfterSeconds``), capped at ``RETRY_AFTER_MAX_S``; None when it named none."""
+
+    def __init__(self, message: str, *, status: int = 0, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = None if retry_after is None else min(max(retry_after, 0.0), RETRY_AFTER_MAX_S)
+
+    def wait_s(self, default: float) -> float:
+        """How long to wait before the next try: ``default``, or longer when the server asked."""
+        return default if self.retry_after is None else max(default, self.retry_after)
 
 
 class KubeConflict(KubeError):

@@ -3,10 +3,11 @@
 What a node should look like is decided by ``planner.plan``, a pure function; this module only
 feeds it and applies its plans. Shape (client-go's controller pattern, in asyncio):
 
-- an informer lists the Nodes, then watches from the list's resourceVersion (``KubeGone``: list
-  again), keeping a cache and enqueuing a node when something we care about changed on it (its
-  taints, our annotations, the managed label, our condition). A periodic full resync and every
-  gain of leadership enqueue every node, so a missed event costs at most ``resync_seconds``;
+- an informer lists the Nodes, then watches from the list's resourceVersion, resuming from the
+  last event's or bookmark's (``KubeGone``: list again), keeping a cache and enqueuing a node when
+  something we care about changed on it (its taints, our annotations, the managed label, our
+  condition). A periodic full resync and every gain of leadership enqueue every node, so a missed
+  event costs at most ``resync_seconds``;
 - a work queue (``workqueue``): one entry per node however often it is submitted, never the same
   node in two workers at once, bounded (overflow is counted, the resync catches up), and a
   per-node exponential retry delay (1 s doubling to 5 min) after failures;
@@ -26,7 +27,9 @@ Safety properties operators depend on (the planner's rules are listed in its doc
   precondition: a concurrent writer makes the patch fail with a conflict, and we re-read and
   retry instead of overwriting its change.
 - Every API call of a reconcile, reads included, passes one token bucket (``qps``/``burst``)
-  shared by all workers, so a fleet-wide decision cannot flood the API server.
+  shared by all workers, so a fleet-wide decision cannot flood the API server. A reconcile shed
+  with a ``Retry-After`` (APF's 429) waits as asked and tries again in place, as client-go's REST
+  client does: under throttling the workers slow to about one request each per Retry-After.
 - The state the planner reads but cannot keep lives here: when we added NoExecute taints (the
   hour's eviction budget) and when each node's preflight taint was first seen. The budget counts
   the ``timeAdded`` of every NoExecute taint of ours on any Node as this replica sees it (listed,
@@ -72,6 +75,7 @@ from aggregator.kube.objects import (
     Node,
     NodeEvent,
     Taint,
+    WatchBookmark,
 )
 from aggregator.remediate import planner
 from aggregator.remediate.model import IntentSource, NodeIntent
@@ -99,6 +103,10 @@ WRITE_RESULTS: Final[tuple[WriteResult, ...]] = ("ok", "conflict", "error", "dry
 # times, then leave it to the queue's slower per-node backoff.
 CONFLICT_ATTEMPTS: Final = 5
 CONFLICT_BACKOFF_S: Final = 0.05
+# A reconcile shed with a Retry-After is tried this many times in all, in place, each after the
+# wait the server asked (at least RETRY_AFTER_MIN_S), before it goes to the per-node backoff.
+SHED_ATTEMPTS: Final = 3
+RETRY_AFTER_MIN_S: Final = 1.0
 # Informer: a failed list or watch is retried after this, doubling; back to the start only once
 # a watch has delivered an event or run a while, never merely because a LIST worked (a watch that
 # fails with a 5xx after every LIST would otherwise list 7,500 Nodes every second).
@@ -340,7 +348,8 @@ class Actuator:
         cached = self._cache.get(node) if from_cache else None
         if cached is not None and not self._needs_work(cached, intent):
             return
-        for attempt in range(CONFLICT_ATTEMPTS):
+        conflicts = shed = 0
+        while True:
             try:
                 await self._reconcile_once(intent)
                 return
@@ -350,16 +359,27 @@ class Actuator:
                 self._forget(node)
                 return
             except KubeConflict:
-                if attempt == CONFLICT_ATTEMPTS - 1:
+                conflicts += 1
+                if conflicts == CONFLICT_ATTEMPTS:
                     raise
-                await self._sleep(CONFLICT_BACKOFF_S * 2**attempt)
-                if not self._is_leader():
-                    return
-                # The intent may have moved on while we waited; always act on the newest one.
-                newer = self._intents.intent(node)
-                if newer is None:
-                    return
-                intent = newer
+                await self._sleep(CONFLICT_BACKOFF_S * 2 ** (conflicts - 1))
+            except KubeUnavailable as e:
+                # Shed with a Retry-After (APF's 429): this worker waits as asked and tries again,
+                # as client-go's REST client does, instead of moving on to the next node at full
+                # rate. So under throttling the workers together send about one request per
+                # worker per Retry-After, not ``qps``. Without one (no answer, a bare 5xx), or
+                # after a few tries, the node goes to the queue's per-node backoff.
+                shed += 1
+                if e.retry_after is None or shed == SHED_ATTEMPTS:
+                    raise
+                await self._sleep(e.wait_s(RETRY_AFTER_MIN_S))
+            if not self._is_leader():
+                return
+            # The intent may have moved on while we waited; always act on the newest one.
+            newer = self._intents.intent(node)
+            if newer is None:
+                return
+            intent = newer
 
     # -- informer ---------------------------------------------------------------------------------
 
@@ -377,9 +397,15 @@ class Actuator:
                         # aclosing: a cancelled run() closes the watch's HTTP stream at once.
                         async with aclosing(self._api.watch_nodes(resource_version=rv)) as events:
                             async for event in events:
-                                self._on_event(event)
-                                rv = event.node.resource_version
-                                delivered = True
+                                if isinstance(event, WatchBookmark):
+                                    # Nothing to cache, a newer point to resume from: after a
+                                    # quiet spell the last Node change may be older than the
+                                    # server's history, and resuming from it would LIST again.
+                                    rv = event.resource_version
+                                else:
+                                    self._on_event(event)
+                                    rv = event.node.resource_version
+                                delivered = True  # a bookmark too: the watch works (client-go)
                                 backoff = INFORMER_BACKOFF_S
                         if delivered or self._clock.monotonic() - opened >= INFORMER_SHORT_WATCH_S:
                             backoff = INFORMER_BACKOFF_S
@@ -396,27 +422,29 @@ class Actuator:
                         # As client-go's reflector does: a throttled (429) or refused watch is
                         # resumed from where it ended after a backoff. Listing 7,500 Nodes again
                         # would add to the very load the API server is shedding.
+                        wait = e.wait_s(backoff)
                         log.info(
                             "node watch refused, resuming it",
-                            extra={"status": e.status, "resource_version": rv, "retry_in_s": backoff},
+                            extra={"status": e.status, "resource_version": rv, "retry_in_s": wait},
                         )
-                        await self._sleep(backoff)
+                        await self._sleep(wait)
                         backoff = min(backoff * 2, INFORMER_BACKOFF_MAX_S)
             except KubeGone:
                 log.info("node watch too old, listing again")
             except Exception as e:
                 # KubeUnavailable, KubeForbidden, or a bug: the informer must outlive all of them.
+                wait = e.wait_s(backoff) if isinstance(e, KubeError) else backoff
                 log.warning(
                     "node list/watch failed, retrying",
                     extra={
                         "error": str(e),
                         "error_type": type(e).__name__,
                         "status": getattr(e, "status", None),
-                        "retry_in_s": backoff,
+                        "retry_in_s": wait,
                     },
                     exc_info=not isinstance(e, KubeError),
                 )
-                await self._sleep(backoff)
+                await self._sleep(wait)
                 backoff = min(backoff * 2, INFORMER_BACKOFF_MAX_S)
 
     def _on_list(self, nodes: Sequence[Node]) -> None:
@@ -533,6 +561,8 @@ class Actuator:
 
     def _retry_later(self, node: str, error: Exception) -> None:
         delay = self._backoff.failed(node)
+        if isinstance(error, KubeError):
+            delay = error.wait_s(delay)
         log.warning(
             "reconcile failed, retrying later",
             extra={
@@ -659,7 +689,7 @@ class Actuator:
                 if attempt == EVENT_ATTEMPTS - 1 or not self._is_leader():
                     self._event_lost(node, ev, e)
                     return
-                await self._sleep(EVENT_RETRY_S)
+                await self._sleep(e.wait_s(EVENT_RETRY_S))
                 await self._bucket.acquire()
                 continue
             except KubeError as e:
