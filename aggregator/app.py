@@ -206,11 +206,19 @@ def _router(
     cluster: _LateCluster,
     registry: CollectorRegistry,
     config: Config,
+    *,
     remediation: Remediation | None,
+    owned: OwnedIntents | None,
 ) -> Route:
     ready = (lambda: remediation.ready) if remediation is not None else (lambda: True)
     return ShardRouter(
-        shards, cluster.labels, registry, ready=ready, retry_after_s=config.server.retry_after_seconds
+        shards,
+        cluster.labels,
+        registry,
+        ready=ready,
+        retry_after_s=config.server.retry_after_seconds,
+        arrived=owned.arrived if owned is not None else None,
+        left=owned.left if owned is not None else None,
     ).route
 
 
@@ -287,9 +295,12 @@ async def build_aggregator(
     metrics.watch_jobs(pipeline.job_tables)
     if decisions is not None and config.remediation.mode != "enforce":
         _carry_over(pipeline, decisions, clock)
+    owned: OwnedIntents | None = None
     if config.remediation.mode != "off":
         from aggregator.remediate.runtime import Remediation as _Remediation  # noqa: PLC0415
 
+        if shards is not None:
+            owned = OwnedIntents(pipeline, shards, cluster.labels, clock=clock, registry=registry)
         remediation = _Remediation(
             pipeline,
             config.remediation,
@@ -299,8 +310,10 @@ async def build_aggregator(
             registry=registry,
             audit=audit_log,
             admin_tokens=admin_tokens,
-            intents=OwnedIntents(pipeline, shards, cluster.labels) if shards is not None else None,
+            intents=owned,
         )
+        if owned is not None:
+            owned.bind(remediation.actuator.restore_into)
         cluster.bind(remediation)
         remediation.on_leadership(notify.resend_now)
 
@@ -318,7 +331,11 @@ async def build_aggregator(
         advance_interval_s=advance_interval_s,
         admin_tokens=admin_tokens or (),
         decisions=decision_log,
-        route=_router(shards, cluster, registry, config, remediation) if shards is not None else None,
+        route=(
+            _router(shards, cluster, registry, config, remediation=remediation, owned=owned)
+            if shards is not None
+            else None
+        ),
         banner=f"shard {shards.index} of {shards.shards}" if shards is not None else None,
     )
     if shards is not None:

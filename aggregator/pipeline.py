@@ -518,17 +518,41 @@ class Pipeline:
         ]
         for node in gone:
             log.info("forgetting a long-silent node", extra={"node": node, "silent_for_s": limit})
-            del self._nodes[node]
-            self._silent.discard(node)
-            self.health.forget(node)
-            self.engine.forget(node)
-            self.fleet.forget(node)
-            self.frames.forget(node)
-            for run in self._detectors:
-                try:
-                    run.detector.forget(node)
-                except Exception:
-                    run.failed("forget", now)
+            self._drop(node, now)
+
+    def _drop(self, node: str, now: float) -> None:
+        self._nodes.pop(node, None)
+        self._restored_placement.pop(node, None)
+        self._silent.discard(node)
+        self.health.forget(node)
+        self.engine.forget(node)
+        self.fleet.forget(node)
+        self.frames.forget(node)
+        for run in self._detectors:
+            try:
+                run.detector.forget(node)
+            except Exception:
+                run.failed("forget", now)
+
+    def hand_over(self, node: str, now: float) -> bool:
+        """Forget ``node`` whatever its state: its pool moved to another shard, whose replicas
+        restore it from the cluster (aggregator/shard/owned.py). Unlike a node forgotten after
+        a long silence, a quarantined node is dropped too: from now on this replica gives no
+        intent for it, so it leaves the node as it is, and its new owner decides. True if known."""
+        if self.placement(node) is None and self.health.get(node) is None:
+            return False
+        self._drop(node, now)
+        return True
+
+    def pool_now(self, node: str) -> str | None:
+        """The pool ``node`` would be placed in now: as at its last report, with the Kubernetes
+        labels as they are now (a relabelled node moves before it reports again); None when
+        the node is not known."""
+        rec = self._nodes.get(node)
+        if rec is not None:
+            return place(rec.own_labels, rec.model_pool, self._cluster.labels(node)).pool
+        restored = self._restored_placement.get(node)
+        return restored.pool if restored is not None else None
 
     # -- remediation ------------------------------------------------------------------------------
 

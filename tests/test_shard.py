@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -12,11 +13,12 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
-from agent.clock import SystemClock
+from agent.clock import FakeClock, SystemClock
 from agent.errors import ConfigError
 from agent.report import Report, encode
 from aggregator.app import _sharded, build_aggregator, build_pipeline
 from aggregator.config import Config, LimitsConfig, RemediationConfig, ShardingConfig
+from aggregator.pipeline import Pipeline
 from aggregator.remediate.limits import shard_limits
 from aggregator.remediate.model import HealthSnapshot
 from aggregator.rules import default_rules_dir, load_rules
@@ -151,7 +153,9 @@ def test_a_shard_restores_and_acts_on_its_own_pools_only() -> None:
     mine, theirs = pool_owned_by(0, 2), pool_owned_by(1, 2)
     labels = {"a": {"gpuwarden.io/pool": mine}, "b": {"gpuwarden.io/pool": theirs}}
     p = build_pipeline(Config(remediation=RemediationConfig(mode="enforce")), RULES)
-    owned = OwnedIntents(p, m, lambda node: labels.get(node, {}))
+    owned = OwnedIntents(
+        p, m, lambda node: labels.get(node, {}), clock=FakeClock(T0), registry=CollectorRegistry()
+    )
     snap = HealthSnapshot(state="quarantined", since=T0, tainted=True, quarantines=[T0])
     owned.restore("a", msgspec.structs.replace(snap, pool=mine), "xid-79", T0 + 5)
     owned.restore("b", msgspec.structs.replace(snap, pool=theirs), "xid-79", T0 + 5)
@@ -162,8 +166,112 @@ def test_a_shard_restores_and_acts_on_its_own_pools_only() -> None:
     assert "b" not in owned.intent_nodes()
     # A node of another shard's pool that reported here anyway (its labels changed under it) is
     # known to the pipeline but left alone by this shard's actuator.
+    # A node of another shard's pool that reported here anyway (its labels changed under it) is
+    # handed over as soon as the actuator asks for it: this shard drops it and leaves it alone.
     p.ingest(report(T0 + 6, node="b"), T0 + 6)
     assert p.intent("b") is not None and owned.intent("b") is None
+    assert p.node("b") is None and p.intent("b") is None
+
+
+class Labels:
+    """The pipeline's ClusterView: node labels an operator can change while the shards run."""
+
+    def __init__(self, labels: dict[str, dict[str, str]]) -> None:
+        self.by_node = labels
+
+    def labels(self, node: str) -> dict[str, str]:
+        return self.by_node.get(node, {})
+
+    def has_preflight_taint(self, node: str) -> bool:
+        return False
+
+    def pool_size(self, pool: str) -> int:
+        return sum(1 for labels in self.by_node.values() if labels.get("gpuwarden.io/pool") == pool)
+
+
+class Cluster:
+    """What each shard's actuator would hand over from the Node: the snapshot the old owner wrote."""
+
+    def __init__(self) -> None:
+        self.shown: dict[str, tuple[HealthSnapshot, str]] = {}
+        self.asked: list[str] = []
+
+    def restore_into(
+        self, node: str, into: Callable[[str, HealthSnapshot | None, str | None, float], None]
+    ) -> bool:
+        self.asked.append(node)
+        if node not in self.shown:
+            return False
+        snapshot, value = self.shown[node]
+        into(node, snapshot, value, T0 + 20)
+        return True
+
+
+def test_a_relabelled_node_moves_to_its_new_shard_with_its_quarantine() -> None:
+    # A quarantined node's pool label changes while both shards run: the old owner hands it over
+    # (no intent: it leaves the node alone), the new owner restores it from the cluster before
+    # it ingests its first report, so the quarantine is never undone by a fresh start.
+    old, new = pool_owned_by(0, 2), pool_owned_by(1, 2)
+    labels = Labels({"a": {"gpuwarden.io/pool": old}, "b": {"gpuwarden.io/pool": old}})
+    cluster = Cluster()
+    cfg = Config(remediation=RemediationConfig(mode="enforce", limits=LimitsConfig(max_pool_share=1.0)))
+    shard: list[tuple[Pipeline, OwnedIntents, ShardRouter]] = []
+    for i in range(2):
+        m = ShardMap.of(sharding(shards=2, shard=i, peers=["http://s-{i}"]))
+        p = build_pipeline(cfg, RULES, cluster=labels)
+        registry = CollectorRegistry()
+        owned = OwnedIntents(p, m, labels.labels, clock=FakeClock(T0), registry=registry)
+        owned.bind(cluster.restore_into)
+        router = ShardRouter(m, labels.labels, registry, arrived=owned.arrived, left=owned.left)
+        shard.append((p, owned, router))
+    (p0, owned0, router0), (p1, owned1, router1) = shard
+
+    def post(router: ShardRouter, p: Pipeline, rep: Report) -> int:
+        moved = router.route(rep)
+        if moved is not None:
+            return moved.status
+        p.ingest(rep, rep.time)
+        return 200
+
+    assert post(router0, p0, report(T0, node="b")) == 200
+    assert post(router0, p0, dbe("a", T0 + 1)) == 200
+    intent = owned0.intent("a")
+    assert intent is not None and intent.state == "quarantined" and intent.effect is not None
+    snapshot = msgspec.structs.replace(
+        HealthSnapshot(state="quarantined", since=T0 + 1, tainted=True, quarantines=[T0 + 1]), pool=old
+    )
+    cluster.shown["a"] = (snapshot, "ecc-dbe")  # what shard 0's leader wrote on the node
+    assert cluster.asked == ["b", "a"]  # each node new to shard 0 was looked up once
+    cluster.asked.clear()
+
+    labels.by_node["a"] = {"gpuwarden.io/pool": new}  # kubectl label node a gpuwarden.io/pool=... --overwrite
+    # The relabel is a watch event: shard 0's actuator reconciles the node and is told to leave it.
+    assert owned0.intent("a") is None
+    assert p0.node("a") is None and p0.health.get("a") is None
+    assert p0.node("b") is not None  # the rest of the pool stays
+    # The agent still sends to shard 0: redirected. Shard 1 restores it before its first report.
+    assert post(router0, p0, report(T0 + 21, node="a", seq=2)) == 307
+    assert post(router1, p1, report(T0 + 21, node="a", seq=2)) == 200
+    assert cluster.asked == ["a"]
+    moved = owned1.intent("a")
+    assert moved is not None and moved.state == "quarantined" and moved.effect is not None
+    assert p1.placement("a") is not None and p1.placement("a").pool == new
+    assert post(router1, p1, report(T0 + 31, node="a", seq=3)) == 200
+    assert cluster.asked == ["a"]  # only the first report of a node new to the shard asks
+    assert p1.health.get("a").state == "quarantined"
+    assert router1.route(report(T0 + 31, node="b", seq=2)) is not None  # b stayed in shard 0's pool
+
+
+def test_a_node_new_to_the_fleet_is_not_restored_from_anything() -> None:
+    labels = Labels({"n": {"gpuwarden.io/pool": pool_owned_by(0, 2)}})
+    cluster = Cluster()
+    m = ShardMap.of(sharding(shards=2, shard=0, peers=["http://s-{i}"]))
+    p = build_pipeline(Config(remediation=RemediationConfig(mode="enforce")), RULES, cluster=labels)
+    owned = OwnedIntents(p, m, labels.labels, clock=FakeClock(T0), registry=CollectorRegistry())
+    owned.bind(cluster.restore_into)
+    owned.arrived("n", pool_owned_by(0, 2))
+    assert cluster.asked == ["n"] and p.health.get("n") is None
+    assert owned.intent("n") is None  # nothing known: nothing to do
 
 
 # -- the redirect -------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from aggregator.config import (
 )
 from aggregator.kube.api import KubeApi
 from aggregator.kube.client import KubeClient
+from aggregator.remediate.model import decode_snapshot
 from aggregator.shard.map import owner_of
 from tests.kube_double import KubeApiDouble
 from tests.ports import free_port
@@ -258,6 +259,65 @@ async def test_a_quarantine_survives_its_pool_moving_to_a_new_shard(tmp_path: Pa
                 assert [m["shard"] for m in view["shards"]["missing"]] == [2]
                 assert {n["shard"] for n in view["nodes"]} == {1}
             # Every report made was delivered, none dropped.
+            for node, s in agents.shippers.items():
+                stats = s.stats()
+                assert (stats.sent_total, stats.dropped_total, stats.rejected_total) == (
+                    agents.made[node],
+                    0,
+                    0,
+                )
+        finally:
+            agents.close()
+
+
+async def test_a_quarantined_node_relabelled_into_another_shards_pool_stays_out(tmp_path: Path) -> None:
+    # An operator relabels a quarantined node's pool while both shards run: shard 0 hands it
+    # over, shard 1 restores it from the cluster before its first report there, the taint is
+    # never lifted, and no report is lost on the way.
+    two = [free_port(), free_port()]
+    async with KubeApiDouble() as double:
+        for node, pool in NODES.items():
+            double.add_node(node, labels={POOL_LABEL: pool})
+        agents = Agents(tmp_path, f"http://127.0.0.1:{two[1]}")
+        try:
+            async with shards(double, tmp_path, two) as (s0, s1):
+                agents.round()
+                agents.report(FAULTY, fault=True)
+                await agents.delivered()
+                await eventually(lambda: bool(ours(double, FAULTY)), "the taint from shard 0", timeout=WAIT_S)
+                assert s0.state(FAULTY) == "quarantined"
+                async with watching_taint(double, FAULTY) as taint:
+                    double.update_node(
+                        FAULTY, lambda n: n["metadata"]["labels"].update({POOL_LABEL: STAYING})
+                    )
+                    await eventually(
+                        lambda: s0.agg.pipeline.health.get(FAULTY) is None,
+                        "shard 0 handing it over",
+                        timeout=WAIT_S,
+                    )
+                    agents.round()
+                    await agents.delivered()
+                    assert s1.state(FAULTY) == "quarantined"  # restored from the cluster, not started afresh
+                    assert not s0.knows(FAULTY)
+                    await asyncio.sleep(2.5)  # two resyncs of each shard's actuator
+                    agents.round()
+                    await agents.delivered()
+                    assert s1.state(FAULTY) == "quarantined" and not s0.knows(FAULTY)
+                assert taint and all(taint), "the taint was lifted when the node moved"
+                # Shard 1's leader now speaks for the node: its snapshot names the new pool.
+                annotations = double.node(FAULTY)["metadata"]["annotations"]
+                snapshot = decode_snapshot(annotations["gpuwarden.io/health"])
+                assert snapshot is not None and snapshot.pool == STAYING
+                moves = {
+                    (r.shard, d): r.agg.registry.get_sample_value(
+                        "gpuwarden_shard_node_moves_total", {"direction": d}
+                    )
+                    for r in (s0, s1)
+                    for d in ("in", "out")
+                }
+                assert moves == {(0, "in"): 0.0, (0, "out"): 1.0, (1, "in"): 1.0, (1, "out"): 0.0}
+                view = await fleet_nodes(two[0])
+                assert {n["node"]: n["shard"] for n in view["nodes"]}[FAULTY] == 1
             for node, s in agents.shippers.items():
                 stats = s.stats()
                 assert (stats.sent_total, stats.dropped_total, stats.rejected_total) == (

@@ -78,7 +78,7 @@ from aggregator.kube.objects import (
     WatchBookmark,
 )
 from aggregator.remediate import planner
-from aggregator.remediate.model import IntentSource, NodeIntent
+from aggregator.remediate.model import HealthSnapshot, IntentSource, NodeIntent
 from aggregator.remediate.planner import (
     NO_EXECUTE_WINDOW_S,
     WRITE_KINDS,
@@ -93,6 +93,8 @@ from aggregator.remediate.workqueue import DelayedAdds, ItemBackoff, TokenBucket
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# ``IntentSource.restore``: (node, snapshot, our taint's value, now).
+Restore = Callable[[str, HealthSnapshot | None, str | None, float], None]
 
 __all__ = ["Actuator", "ActuatorMetrics"]
 
@@ -469,17 +471,26 @@ class Actuator:
         alone says nothing the replica's own decisions do not say better by now."""
         now = self._clock.time()
         for n in nodes:
-            # Only a taint we recorded applying is ours to restore from; a human's taint with our
-            # key on a node we never wrote is theirs, and the node is left to them.
-            mine = recorded(n, self._config)
-            if not mine.taints and (tainted_only or mine.snapshot_text is None):
-                continue
-            if mine.snapshot_text is not None and mine.snapshot is None:
-                log.warning(
-                    "unreadable health snapshot, restoring from the taint alone", extra={"node": n.name}
-                )
-            value = mine.taints[0].value if mine.taints else None
-            self._intents.restore(n.name, mine.snapshot, value, now)
+            self._restore_node(n, self._intents.restore, now, tainted_only=tainted_only)
+
+    def restore_into(self, node: str, into: Restore) -> bool:
+        """Hand ``node``, as the informer last saw it, to ``into`` (``IntentSource.restore``'s
+        signature) if it carries our taint or snapshot, as the first list does; True if it did.
+        For a node that moved to this shard while it runs (aggregator/shard/owned.py)."""
+        cached = self._cache.get(node)
+        return cached is not None and self._restore_node(cached, into, self._clock.time(), tainted_only=False)
+
+    def _restore_node(self, n: Node, into: Restore, now: float, *, tainted_only: bool) -> bool:
+        # Only a taint we recorded applying is ours to restore from; a human's taint with our
+        # key on a node we never wrote is theirs, and the node is left to them.
+        mine = recorded(n, self._config)
+        if not mine.taints and (tainted_only or mine.snapshot_text is None):
+            return False
+        if mine.snapshot_text is not None and mine.snapshot is None:
+            log.warning("unreadable health snapshot, restoring from the taint alone", extra={"node": n.name})
+        value = mine.taints[0].value if mine.taints else None
+        into(n.name, mine.snapshot, value, now)
+        return True
 
     def _on_event(self, event: NodeEvent) -> None:
         n = event.node
@@ -501,7 +512,8 @@ class Actuator:
         ours = tuple(sorted((k, v) for k, v in n.annotations.items() if k.startswith(p)))
         cond = next((c for c in n.conditions if c.type == self._config.condition_type), None)
         cond_key = None if cond is None else (cond.status, cond.reason, cond.message)
-        return (n.taints, ours, n.labels.get(self._config.managed_label), cond_key)
+        # The pool label too: with sharding, a relabelled node may have moved to another shard.
+        return (n.taints, ours, n.labels.get(self._config.managed_label), cond_key, k8s_pool(n.labels))
 
     def _note_preflight(self, n: Node) -> None:
         if any(t.key == self._config.preflight.taint_key for t in n.taints):

@@ -12,6 +12,18 @@ This is also how a change of the number of shards hands a pool over without a ga
 the new owner restores the moved nodes from their snapshots and taints exactly as after a
 restart (docs/remediation.md, "Restarts and fail-over"), and the old owner, asked for the intent
 of a node whose pool it no longer owns, answers None, which leaves the node as it is.
+
+A node whose pool changes while the shards run (its ``gpuwarden.io/pool`` label, or the pool its
+agent reports) moves the same way, without a restart:
+
+- the old owner hands it over (``Pipeline.hand_over``: every trace of it dropped, a quarantine
+  included, so from then on it gives no intent for it) as soon as it learns of the move: when it
+  redirects one of the node's reports to another shard (``left``), or when the actuator asks for
+  the node's intent and the node's pool with the labels as they are now is another shard's (a
+  relabel is a watch event the actuator reconciles);
+- the new owner, placing the first report of a node its pipeline does not know (``arrived``),
+  restores it from the cluster first, from the node as its informer last saw it, as at a start:
+  so the quarantine the old owner decided is kept, never undone by a fresh start.
 """
 
 from __future__ import annotations
@@ -19,6 +31,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping
 
+from prometheus_client import Counter
+from prometheus_client.registry import CollectorRegistry
+
+from agent.clock import Clock
 from aggregator.fleet.pools import place
 from aggregator.pipeline import Pipeline
 from aggregator.remediate.model import HealthSnapshot, IntentSource, NodeIntent
@@ -26,22 +42,46 @@ from aggregator.shard.map import ShardMap
 
 log = logging.getLogger(__name__)
 
+# (node, restore) -> whether the cluster showed something of ours to restore: the actuator's
+# ``restore_into``, bound once the remediation runtime exists.
+RestoreFromCluster = Callable[[str, Callable[[str, HealthSnapshot | None, str | None, float], None]], bool]
+
 
 class OwnedIntents(IntentSource):
     """The pipeline's intents, for the nodes of the pools this shard owns."""
 
     def __init__(
-        self, pipeline: Pipeline, shards: ShardMap, labels: Callable[[str], Mapping[str, str]]
+        self,
+        pipeline: Pipeline,
+        shards: ShardMap,
+        labels: Callable[[str], Mapping[str, str]],
+        *,
+        clock: Clock,
+        registry: CollectorRegistry,
     ) -> None:
         self._pipeline = pipeline
         self._map = shards
         self._labels = labels
+        self._clock = clock
+        self._from_cluster: RestoreFromCluster | None = None
         self.skipped_restores = 0  # nodes of other shards' pools seen at the first list
+        self._moves = Counter(
+            "gpuwarden_shard_node_moves_total",
+            "Nodes whose pool moved them between shards while running: handed over to another "
+            "shard (out) or taken in from the cluster (in)",
+            ["direction"],
+            registry=registry,
+        )
+        for direction in ("in", "out"):
+            self._moves.labels(direction)
+
+    def bind(self, from_cluster: RestoreFromCluster) -> None:
+        self._from_cluster = from_cluster
 
     def pool_of(self, node: str, snapshot: HealthSnapshot | None = None) -> str:
-        placement = self._pipeline.placement(node)
-        if placement is not None:
-            return placement.pool
+        pool = self._pipeline.pool_now(node)
+        if pool is not None:
+            return pool
         if snapshot is not None and snapshot.pool is not None:
             return snapshot.pool
         return place({}, None, self._labels(node)).pool
@@ -51,6 +91,7 @@ class OwnedIntents(IntentSource):
 
     def intent(self, node: str) -> NodeIntent | None:
         if not self.owns(node):
+            self._hand_over(node, None)
             return None
         return self._pipeline.intent(node)
 
@@ -64,3 +105,29 @@ class OwnedIntents(IntentSource):
             self.skipped_restores += 1
             return
         self._pipeline.restore(node, snapshot, taint_value, now)
+
+    # -- nodes moving while the shards run (the router calls these for every report it places) --
+
+    def arrived(self, node: str, pool: str) -> None:
+        """A report of ``node`` is to be ingested here, its pool ``pool`` being ours. A node the
+        pipeline does not know yet is restored from the cluster first (the router decided the
+        pool, so the snapshot's older pool is not asked)."""
+        if self._from_cluster is None or self._pipeline.placement(node) is not None:
+            return
+        if self._from_cluster(node, self._pipeline.restore):
+            self._moves.labels("in").inc()
+            log.info(
+                "node moved to this shard: restored from the cluster", extra={"node": node, "pool": pool}
+            )
+
+    def left(self, node: str, owner: int) -> None:
+        """A report of ``node`` was redirected to shard ``owner``: its pool is no longer ours."""
+        self._hand_over(node, owner)
+
+    def _hand_over(self, node: str, owner: int | None) -> None:
+        if self._pipeline.hand_over(node, self._clock.time()):
+            self._moves.labels("out").inc()
+            log.info(
+                "node moved to another shard: handed over",
+                extra={"node": node, "pool": self.pool_of(node), "owner": owner},
+            )

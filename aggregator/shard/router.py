@@ -54,8 +54,15 @@ class ShardRouter:
         *,
         ready: Callable[[], bool] = lambda: True,
         retry_after_s: int = 5,
+        arrived: Callable[[str, str], None] | None = None,
+        left: Callable[[str, int], None] | None = None,
     ) -> None:
+        """``arrived(node, pool)``: a report of ``node`` is to be ingested here; ``left(node,
+        owner)``: one was redirected to shard ``owner`` (aggregator/shard/owned.py moves the
+        node's state on both)."""
         self._map = shards
+        self._arrived = arrived
+        self._left = left
         self._labels = labels
         self._model_pools: dict[tuple[str | None, ...], str | None] = {}
         self._ready = ready
@@ -105,7 +112,11 @@ class ShardRouter:
         pool = self.pool(report)
         owner = self._map.owner(pool)
         if owner == self._map.index:
+            if self._arrived is not None:
+                self._arrived(report.node, pool)
             return None
+        if self._left is not None:
+            self._left(report.node, owner)
         self._redirects.labels(str(owner)).inc()
         location = self._map.url(owner) + REPORTS_PATH
         resp = web.Response(
