@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import stalls
 from _common import cpu_model, free_port, interpolated_percentile, proc_cpu_seconds, thread_cpu_seconds
 from _reports import (
     GPUS,
@@ -106,6 +107,7 @@ NOOP_SERVER = "_noop-server"  # argv[1] that makes this script the no-op pipelin
 TARGET_PER_CORE = 1000.0  # reports/s per core, from the issue
 NEEDED_PER_CORE = 750.0  # 7,500 nodes at a 10 s interval
 INTERVAL_S = 10.0
+STALL_THRESHOLD_MS = 20.0  # --stalls: a loop not turned for this long is sampled
 ACCEPTED = b'{"status":"accepted"}'
 
 
@@ -607,7 +609,14 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def server_command(
-    port: int, tokens: Path, decisions: Path, core: int, profile_out: Path | None, *, noop: bool = False
+    port: int,
+    tokens: Path,
+    decisions: Path,
+    core: int,
+    profile_out: Path | None,
+    *,
+    noop: bool = False,
+    stalls_out: Path | None = None,
 ) -> list[str]:
     if noop:
         cmd = [sys.executable, str(Path(__file__).resolve()), NOOP_SERVER, str(port), str(tokens)]
@@ -626,6 +635,8 @@ def server_command(
         ]
     if profile_out is not None:
         cmd = [sys.executable, "-m", "cProfile", "-o", str(profile_out), *cmd]
+    elif stalls_out is not None:
+        cmd = [*stalls.wrapped(stalls_out, STALL_THRESHOLD_MS), *cmd]
     # taskset pins before the interpreter starts, so every thread the server ever makes is pinned.
     taskset = shutil.which("taskset")
     return [taskset, "-c", str(core), *cmd] if taskset else cmd
@@ -642,6 +653,7 @@ def http_run(
     paced_rate: float,
     profile_out: Path | None,
     noop: bool = False,
+    stalls_out: Path | None = None,
 ) -> HttpRun:
     tokens = tmp / "tokens"
     tokens.write_text(token_file_text(work.nodes) + f"viewer:bench {_VIEWER}\n", encoding="utf-8")
@@ -651,7 +663,9 @@ def http_run(
     ctx = multiprocessing.get_context("fork")
     with logfile.open("wb") as logf:
         proc = subprocess.Popen(
-            server_command(port, tokens, decisions, server_core, profile_out, noop=noop),
+            server_command(
+                port, tokens, decisions, server_core, profile_out, noop=noop, stalls_out=stalls_out
+            ),
             stdout=logf,
             stderr=subprocess.STDOUT,
             cwd=REPO,
@@ -834,7 +848,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--pool-nodes", type=int, default=0, help="nodes a pool (0: the whole fleet in one)")
     p.add_argument("--json", type=Path, help="write the results here too")
     p.add_argument("--profile", action="store_true", help="one run, server and pipeline under cProfile")
+    p.add_argument(
+        "--stalls",
+        type=Path,
+        help="run the server under bench/stalls.py: one JSON line per loop hold over "
+        f"{STALL_THRESHOLD_MS:.0f} ms, a file a run in this folder",
+    )
     args = p.parse_args(argv)
+    if args.stalls:
+        args.stalls.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
 
     server_core, load_core = server_and_load_cores()
@@ -902,7 +924,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results: list[HttpRun] = []
         for i in range(runs):
             prof_out = tmp / "server.prof" if args.profile else None
-            run = run_http(paced_rate=args.paced_rate, profile_out=prof_out)
+            stalls_out = args.stalls / f"ingest-{args.nodes}-run{i + 1}.jsonl" if args.stalls else None
+            run = run_http(paced_rate=args.paced_rate, profile_out=prof_out, stalls_out=stalls_out)
             log.info(
                 "run %d: %.0f reports/s wall, %.0f us server CPU per report (%.0f/s per core), "
                 "server CPU %.0f%%, p50 %.1f ms, p99 %.1f ms, refused %s",
@@ -916,6 +939,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 run.refused or "none",
             )
             results.append(run)
+            if stalls_out is not None and stalls_out.exists():
+                log.info("loop holds of run %d (%s):\n%s", i + 1, stalls_out, stalls.summarize(stalls_out))
             if prof_out is not None and prof_out.exists():
                 print_profile(pstats.Stats(str(prof_out)), "aggregator server process (whole run)")
         noop = None

@@ -191,6 +191,7 @@ def run_size(
         max_seconds=wall_bound,
         paced_rate=paced_rate if paced_rounds else 0.0,
         profile_out=None,
+        stalls_out=args.stalls / f"slope-{nodes}.jsonl" if args.stalls else None,
     )
     res.wall_s = time.perf_counter() - t0
     res.measured_reports = run.reports
@@ -271,8 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", type=Path, help="write the results here too")
+    p.add_argument(
+        "--stalls",
+        type=Path,
+        help="run the server under bench/stalls.py: a JSON line per loop hold, a file a size in this folder",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    if args.stalls:
+        args.stalls.mkdir(parents=True, exist_ok=True)
     sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
     server_core, load_core = server_and_load_cores()
     with open("/proc/meminfo", encoding="ascii") as f:
