@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "machine": machine,
-            "params": vars(args) | {"json": str(args.json)},
+            "params": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "sizes": [asdict(r) for r in results],
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")

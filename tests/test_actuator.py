@@ -29,13 +29,13 @@ from aggregator.kube.client import KubeClient
 from aggregator.kube.objects import (
     KubeConflict,
     KubeUnavailable,
-    Lease,
     TaintEffect,
 )
 from aggregator.remediate.actuator import Actuator, ActuatorMetrics
 from aggregator.remediate.model import HealthSnapshot, NodeIntent, decode_snapshot
 from aggregator.remediate.planner import rfc3339
 from tests.kube_double import Intercepted, KubeApiDouble
+from tests.test_kube_double import a_lease
 
 OURS = "gpuwarden.io/unhealthy"
 PREFLIGHT = "gpuwarden.io/preflight"
@@ -971,16 +971,7 @@ async def test_a_quiet_watch_resumes_from_its_bookmark_after_a_compaction(world:
     api.add_node("n1")
     api.bookmark_every(0.02)
     async with world.running(world.actuator()):
-        lease = Lease(
-            name="other",
-            namespace="gpuwarden",
-            resource_version="",
-            holder="someone",
-            lease_duration_seconds=15,
-            acquire_time="2025-01-01T00:00:00.000000Z",
-            renew_time="2025-01-01T00:00:00.000000Z",
-        )
-        await world.kube.inner.create_lease(lease)
+        await a_lease(world.kube.inner, "someone")
         watched = world.kube.informer.count("watch")
         await until(lambda: world.kube.informer.count("watch") >= watched + 3, "bookmarks after the lease")
         api.restart_watches(expire=True)

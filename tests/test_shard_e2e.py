@@ -205,69 +205,83 @@ async def watching_taint(double: KubeApiDouble, node: str) -> AsyncIterator[list
         task.cancel()
 
 
-async def test_a_quarantine_survives_its_pool_moving_to_a_new_shard(tmp_path: Path) -> None:
-    two = [free_port(), free_port()]
-    three = [*two, free_port()]
+@asynccontextmanager
+async def a_fleet(tmp_path: Path, agents_port: int) -> AsyncIterator[tuple[KubeApiDouble, Agents]]:
+    """The API-server double with every node of ``NODES``, and their agents, all sending to
+    ``agents_port``."""
     async with KubeApiDouble() as double:
         for node, pool in NODES.items():
             double.add_node(node, labels={POOL_LABEL: pool})
-        agents = Agents(tmp_path, f"http://127.0.0.1:{two[1]}")
+        agents = Agents(tmp_path, f"http://127.0.0.1:{agents_port}")
         try:
-            async with shards(double, tmp_path, two) as (s0, s1):
-                agents.round()
-                agents.report(FAULTY, fault=True)
-                await agents.delivered()
-                # Each report went to the shard of its pool, and only there.
-                assert all(s0.knows(n) == (NODES[n] == MOVING) for n in NODES)
-                assert all(s1.knows(n) == (NODES[n] == STAYING) for n in NODES)
-                await eventually(lambda: bool(ours(double, FAULTY)), "the taint from shard 0", timeout=WAIT_S)
-                assert s0.state(FAULTY) == "quarantined"
-                # Any replica answers for the fleet.
-                view = await fleet_nodes(two[1])
-                assert sorted((n["node"], n["shard"]) for n in view["nodes"]) == sorted(
-                    (n, owner_of(p, 2)) for n, p in NODES.items()
-                )
-                assert (view["partial"], view["shards"]["answered"]) == (False, [0, 1])
-                for i in range(2):  # one Lease per shard, each held by that shard's replica
-                    lease = double.lease(NS, f"{LEASE}-shard-{i}")
-                    assert lease is not None and lease["spec"]["holderIdentity"] == f"gpuwarden-a-{i}"
-                assert double.lease(NS, LEASE) is None
-
-            # No aggregator runs: what the agents report now waits in their spools.
-            agents.round()
-            async with (
-                watching_taint(double, FAULTY) as taint,
-                shards(double, tmp_path, three) as (s0, s1, s2),
-            ):
-                agents.round()
-                await agents.delivered()
-                # The moving pool is on shard 2 now: restored from the cluster, the quarantine stands.
-                assert s2.state(FAULTY) == "quarantined"
-                assert all(s2.knows(n) == (NODES[n] == MOVING) for n in NODES)
-                assert not any(s0.knows(n) for n in NODES)  # the old owner has nothing of it
-                assert s0.agg.remediation is not None
-                assert s0.agg.pipeline.health.get(FAULTY) is None
-                await asyncio.sleep(2.5)  # two resyncs of every shard's actuator
-                assert taint and all(taint), "the taint was lifted when the pool moved"
-                view = await fleet_nodes(three[0])
-                assert sorted((n["node"], n["shard"]) for n in view["nodes"]) == sorted(
-                    (n, owner_of(p, 3)) for n, p in NODES.items()
-                )
-                await s2.shutdown()
-                view = await fleet_nodes(three[0])
-                assert view["partial"] is True
-                assert [m["shard"] for m in view["shards"]["missing"]] == [2]
-                assert {n["shard"] for n in view["nodes"]} == {1}
-            # Every report made was delivered, none dropped.
-            for node, s in agents.shippers.items():
-                stats = s.stats()
-                assert (stats.sent_total, stats.dropped_total, stats.rejected_total) == (
-                    agents.made[node],
-                    0,
-                    0,
-                )
+            yield double, agents
         finally:
             agents.close()
+
+
+async def quarantine_on_shard_0(double: KubeApiDouble, agents: Agents, s0: Replica) -> None:
+    """A round of every node and a hard fault on ``FAULTY``, delivered, tainted by shard 0."""
+    agents.round()
+    agents.report(FAULTY, fault=True)
+    await agents.delivered()
+    await eventually(lambda: bool(ours(double, FAULTY)), "the taint from shard 0", timeout=WAIT_S)
+    assert s0.state(FAULTY) == "quarantined"
+
+
+def every_report_delivered(agents: Agents) -> None:
+    """Every report each agent made was delivered: none dropped, none refused."""
+    for node, s in agents.shippers.items():
+        stats = s.stats()
+        sent = (stats.sent_total, stats.dropped_total, stats.rejected_total)
+        assert sent == (agents.made[node], 0, 0), node
+
+
+async def test_a_quarantine_survives_its_pool_moving_to_a_new_shard(tmp_path: Path) -> None:
+    two = [free_port(), free_port()]
+    three = [*two, free_port()]
+    async with a_fleet(tmp_path, two[1]) as (double, agents):
+        async with shards(double, tmp_path, two) as (s0, s1):
+            await quarantine_on_shard_0(double, agents, s0)
+            # Each report went to the shard of its pool, and only there.
+            assert all(s0.knows(n) == (NODES[n] == MOVING) for n in NODES)
+            assert all(s1.knows(n) == (NODES[n] == STAYING) for n in NODES)
+            # Any replica answers for the fleet.
+            view = await fleet_nodes(two[1])
+            assert sorted((n["node"], n["shard"]) for n in view["nodes"]) == sorted(
+                (n, owner_of(p, 2)) for n, p in NODES.items()
+            )
+            assert (view["partial"], view["shards"]["answered"]) == (False, [0, 1])
+            for i in range(2):  # one Lease per shard, each held by that shard's replica
+                lease = double.lease(NS, f"{LEASE}-shard-{i}")
+                assert lease is not None and lease["spec"]["holderIdentity"] == f"gpuwarden-a-{i}"
+            assert double.lease(NS, LEASE) is None
+
+        # No aggregator runs: what the agents report now waits in their spools.
+        agents.round()
+        async with (
+            watching_taint(double, FAULTY) as taint,
+            shards(double, tmp_path, three) as (s0, s1, s2),
+        ):
+            agents.round()
+            await agents.delivered()
+            # The moving pool is on shard 2 now: restored from the cluster, the quarantine stands.
+            assert s2.state(FAULTY) == "quarantined"
+            assert all(s2.knows(n) == (NODES[n] == MOVING) for n in NODES)
+            assert not any(s0.knows(n) for n in NODES)  # the old owner has nothing of it
+            assert s0.agg.remediation is not None
+            assert s0.agg.pipeline.health.get(FAULTY) is None
+            await asyncio.sleep(2.5)  # two resyncs of every shard's actuator
+            assert taint and all(taint), "the taint was lifted when the pool moved"
+            view = await fleet_nodes(three[0])
+            assert sorted((n["node"], n["shard"]) for n in view["nodes"]) == sorted(
+                (n, owner_of(p, 3)) for n, p in NODES.items()
+            )
+            await s2.shutdown()
+            view = await fleet_nodes(three[0])
+            assert view["partial"] is True
+            assert [m["shard"] for m in view["shards"]["missing"]] == [2]
+            assert {n["shard"] for n in view["nodes"]} == {1}
+        every_report_delivered(agents)
 
 
 async def test_a_quarantined_node_relabelled_into_another_shards_pool_stays_out(tmp_path: Path) -> None:
@@ -275,55 +289,34 @@ async def test_a_quarantined_node_relabelled_into_another_shards_pool_stays_out(
     # over, shard 1 restores it from the cluster before its first report there, the taint is
     # never lifted, and no report is lost on the way.
     two = [free_port(), free_port()]
-    async with KubeApiDouble() as double:
-        for node, pool in NODES.items():
-            double.add_node(node, labels={POOL_LABEL: pool})
-        agents = Agents(tmp_path, f"http://127.0.0.1:{two[1]}")
-        try:
-            async with shards(double, tmp_path, two) as (s0, s1):
-                agents.round()
-                agents.report(FAULTY, fault=True)
-                await agents.delivered()
-                await eventually(lambda: bool(ours(double, FAULTY)), "the taint from shard 0", timeout=WAIT_S)
-                assert s0.state(FAULTY) == "quarantined"
-                async with watching_taint(double, FAULTY) as taint:
-                    double.update_node(
-                        FAULTY, lambda n: n["metadata"]["labels"].update({POOL_LABEL: STAYING})
-                    )
-                    await eventually(
-                        lambda: s0.agg.pipeline.health.get(FAULTY) is None,
-                        "shard 0 handing it over",
-                        timeout=WAIT_S,
-                    )
-                    agents.round()
-                    await agents.delivered()
-                    assert s1.state(FAULTY) == "quarantined"  # restored from the cluster, not started afresh
-                    assert not s0.knows(FAULTY)
-                    await asyncio.sleep(2.5)  # two resyncs of each shard's actuator
-                    agents.round()
-                    await agents.delivered()
-                    assert s1.state(FAULTY) == "quarantined" and not s0.knows(FAULTY)
-                assert taint and all(taint), "the taint was lifted when the node moved"
-                # Shard 1's leader now speaks for the node: its snapshot names the new pool.
-                annotations = double.node(FAULTY)["metadata"]["annotations"]
-                snapshot = decode_snapshot(annotations["gpuwarden.io/health"])
-                assert snapshot is not None and snapshot.pool == STAYING
-                moves = {
-                    (r.shard, d): r.agg.registry.get_sample_value(
-                        "gpuwarden_shard_node_moves_total", {"direction": d}
-                    )
-                    for r in (s0, s1)
-                    for d in ("in", "out")
-                }
-                assert moves == {(0, "in"): 0.0, (0, "out"): 1.0, (1, "in"): 1.0, (1, "out"): 0.0}
-                view = await fleet_nodes(two[0])
-                assert {n["node"]: n["shard"] for n in view["nodes"]}[FAULTY] == 1
-            for node, s in agents.shippers.items():
-                stats = s.stats()
-                assert (stats.sent_total, stats.dropped_total, stats.rejected_total) == (
-                    agents.made[node],
-                    0,
-                    0,
-                )
-        finally:
-            agents.close()
+    relabel = {POOL_LABEL: STAYING}
+    async with a_fleet(tmp_path, two[1]) as (double, agents), shards(double, tmp_path, two) as (s0, s1):
+        await quarantine_on_shard_0(double, agents, s0)
+        async with watching_taint(double, FAULTY) as taint:
+            double.update_node(FAULTY, lambda n: n["metadata"]["labels"].update(relabel))
+            await eventually(
+                lambda: s0.agg.pipeline.health.get(FAULTY) is None, "shard 0 handing it over", timeout=WAIT_S
+            )
+            agents.round()
+            await agents.delivered()
+            assert s1.state(FAULTY) == "quarantined"  # restored from the cluster, not started afresh
+            assert not s0.knows(FAULTY)
+            await asyncio.sleep(2.5)  # two resyncs of each shard's actuator
+            agents.round()
+            await agents.delivered()
+            assert s1.state(FAULTY) == "quarantined" and not s0.knows(FAULTY)
+        assert taint and all(taint), "the taint was lifted when the node moved"
+        # Shard 1's leader now speaks for the node: its snapshot names the new pool.
+        snapshot = decode_snapshot(double.node(FAULTY)["metadata"]["annotations"]["gpuwarden.io/health"])
+        assert snapshot is not None and snapshot.pool == STAYING
+        moves = {
+            (r.shard, d): r.agg.registry.get_sample_value(
+                "gpuwarden_shard_node_moves_total", {"direction": d}
+            )
+            for r in (s0, s1)
+            for d in ("in", "out")
+        }
+        assert moves == {(0, "in"): 0.0, (0, "out"): 1.0, (1, "in"): 1.0, (1, "out"): 0.0}
+        view = await fleet_nodes(two[0])
+        assert {n["node"]: n["shard"] for n in view["nodes"]}[FAULTY] == 1
+        every_report_delivered(agents)
