@@ -320,6 +320,16 @@ async def build_aggregator(
     def readiness() -> list[str]:
         return [] if decision_log.writable else [f"decision log {decisions} is not writable"]
 
+    views = (
+        FleetViews(
+            shards,
+            timeout_s=config.sharding.fanout_timeout_seconds,
+            concurrency=config.sharding.fanout_concurrency,
+            monotonic=clock.monotonic,
+        )
+        if shards is not None
+        else None
+    )
     app = create_app(
         pipeline,
         authenticator,
@@ -337,14 +347,9 @@ async def build_aggregator(
             else None
         ),
         banner=f"shard {shards.index} of {shards.shards}" if shards is not None else None,
+        others=views,
     )
-    if shards is not None:
-        views = FleetViews(
-            shards,
-            timeout_s=config.sharding.fanout_timeout_seconds,
-            concurrency=config.sharding.fanout_concurrency,
-            monotonic=clock.monotonic,
-        )
+    if views is not None:
         app.middlewares.append(views.middleware)  # after the read guard: reads are checked first
         app.cleanup_ctx.append(views.lifecycle)
     app.cleanup_ctx.append(notify.lifecycle)

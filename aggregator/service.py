@@ -123,6 +123,7 @@ from aggregator.metrics import LOOP_LAG_WINDOW_SECONDS, Metrics
 from aggregator.model import IngestOutcome
 from aggregator.ratelog import RateLimitedLog
 from aggregator.web import is_page, status_routes
+from aggregator.web.status import OtherShards
 
 log = logging.getLogger(__name__)
 
@@ -948,6 +949,7 @@ def create_app(
     banner: str | None = None,
     decisions: DecisionLog | None = None,
     route: Route | None = None,
+    others: OtherShards | None = None,
 ) -> web.Application:
     """The aggregator's web application.
 
@@ -959,7 +961,8 @@ def create_app(
     the app is read-only (no ingest route). ``banner``: a line atop every status page.
     ``decisions``: the log the pipeline writes to; a report that caused decisions is answered
     only once they are fsync'd. ``route``: with sharding, sends a report of another shard's pool
-    there (aggregator/shard/router.py).
+    there (aggregator/shard/router.py). ``others``: with sharding, the other shards' nodes for the
+    status page (aggregator/shard/fanout.py).
     """
     if metrics is None:
         metrics = Metrics(registry)
@@ -986,7 +989,7 @@ def create_app(
         app.router.add_route("OPTIONS", REPORTS_PATH, _options)
     app.router.add_routes(_health(registry, readiness))
     app.router.add_routes(_read_api(pipeline))
-    app.router.add_routes(status_routes(pipeline, config=config, clock=clock, banner=banner))
+    app.router.add_routes(status_routes(pipeline, config=config, clock=clock, banner=banner, others=others))
 
     if advance_interval_s is not None:
         interval = advance_interval_s

@@ -132,3 +132,50 @@ async def test_decisions_and_nodes_answer_across_shards(tmp_path: Path) -> None:
         assert status == 200 and body["partial"] is True
         assert [m["shard"] for m in body["shards"]["missing"]] == [1]
         assert {d["shard"] for d in body["decisions"]} == {0}
+
+
+async def page(port: int, path: str) -> tuple[int, str]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {ADMIN}"}) as r,
+    ):
+        return r.status, await r.text()
+
+
+async def test_the_status_page_shows_every_shards_nodes_and_says_when_one_is_missing(tmp_path: Path) -> None:
+    async with two_shards(tmp_path) as (aggs, ports, stops):
+        # n0 quarantined on shard 0; n1 quarantined and n3 healthy on shard 1.
+        for node, shard, fault in (("n0", 0, True), ("n1", 1, True), ("n3", 1, False)):
+            pool = ON[shard][0]
+            aggs[shard].pipeline.ingest(labelled(node, pool, T0), T0)
+            aggs[shard].pipeline.ingest(labelled(node, pool, T0 + 1, fault=fault), T0 + 1)
+
+        status, summary = await get(ports[0], "/api/v1/summary")
+        assert status == 200
+        assert (summary["totals"]["nodes"], summary["totals"]["quarantined"]) == (3, 2)
+        assert summary["shards"] == {"this": 0, "answered": [0, 1], "missing": []}
+
+        status, glance = await page(ports[0], "/")
+        assert status == 200
+        assert "shard 0 of 2; nodes of shards 0, 1" in glance
+        # The quarantined node of the other shard is listed, linked to its page on its own shard.
+        assert f'href="http://127.0.0.1:{ports[1]}/nodes/n1"' in glance and "(shard 1)" in glance
+        assert 'href="/nodes/n0"' in glance
+
+        status, listing = await page(ports[0], "/nodes")
+        assert status == 200 and "1-3 of 3 nodes" in listing and "n3" in listing
+
+        status, there = await page(ports[0], "/nodes/n1")  # not this shard's: where it is
+        assert status == 200 and "n1 is on shard 1" in there
+        assert f'href="http://127.0.0.1:{ports[1]}/nodes/n1"' in there
+        status, _ = await page(ports[0], "/nodes/nowhere")
+        assert status == 404
+
+        stops[1].set()
+        await asyncio.sleep(2.2)  # past the page's 2 s cache of the other shards' nodes
+        status, glance = await page(ports[0], "/")
+        assert status == 200
+        assert "shard 1 did not answer" in glance and "its nodes are missing here" in glance
+        status, summary = await get(ports[0], "/api/v1/summary")
+        assert summary["totals"]["nodes"] == 1
+        assert [m["shard"] for m in summary["shards"]["missing"]] == [1]

@@ -34,6 +34,7 @@ from aiohttp import web
 
 from aggregator.ratelog import RateLimitedLog
 from aggregator.shard.map import SHARD_HEADER, ShardMap
+from aggregator.web.status import ShardNodes
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,34 @@ class FleetViews:
             merged.sort(key=lambda row: float(row.get("time", 0.0)))
             merged = merged[: int(request.query.get("limit", len(merged) or 1))]
         return self._respond(200, {key: merged}, answers)
+
+    # -- the status page's view of the other shards (aggregator/web/status.py, OtherShards) -----
+
+    @property
+    def shard(self) -> int:
+        return self._map.index
+
+    def page_url(self, shard: int) -> str:
+        return self._map.url(shard)
+
+    async def other_nodes(self, authorization: str | None) -> ShardNodes:
+        """Every other shard's ``/api/v1/nodes?scope=shard``, with ``authorization``."""
+        headers = {"Authorization": authorization} if authorization is not None else {}
+        query = {SCOPE_PARAM: SHARD_SCOPE}
+        peers = [i for i in range(self._map.shards) if i != self._map.index]
+        answers = await asyncio.gather(*(self._ask(i, _NODES, query, headers) for i in peers))
+        rows: list[dict[str, Any]] = []
+        answered: list[int] = []
+        missing: list[tuple[int, str]] = []
+        for a in answers:
+            if a.status == 200 and isinstance(a.body, dict):
+                answered.append(a.shard)
+                rows.extend(
+                    {**row, "shard": a.shard} for row in a.body.get("nodes", []) if isinstance(row, dict)
+                )
+            else:
+                missing.append((a.shard, a.error or f"HTTP {a.status}"))
+        return ShardNodes(rows, answered, missing)
 
     async def _one_node(self, request: web.Request, local: web.Response) -> web.Response:
         if local.status != 404:

@@ -25,6 +25,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from html import escape
 from importlib import resources
 from string import Template
@@ -44,6 +45,8 @@ __all__ = [
     "CONTENT_SECURITY_POLICY",
     "STATES",
     "NodeFilter",
+    "OtherShards",
+    "ShardNodes",
     "StatusSource",
     "StatusView",
     "fleet_summary",
@@ -85,6 +88,31 @@ class StatusSource(Protocol):
     def decisions_since(self, since: float, limit: int) -> list[dict[str, Any]]: ...
 
 
+class OtherShards(Protocol):
+    """The other shards' nodes, for a sharded replica's status page (``FleetViews`` in
+    aggregator/shard/fanout.py)."""
+
+    @property
+    def shard(self) -> int:
+        """This replica's shard."""
+        ...
+
+    def page_url(self, shard: int) -> str:
+        """Where a shard's status page is (its first replica's URL)."""
+        ...
+
+    async def other_nodes(self, authorization: str | None) -> ShardNodes:
+        """Every other shard's node rows, asked with the caller's ``Authorization``."""
+        ...
+
+
+@dataclass(frozen=True)
+class ShardNodes:
+    rows: list[dict[str, Any]]  # each with its "shard"
+    answered: list[int]  # the shards that answered (this one not included)
+    missing: list[tuple[int, str]]  # (shard, why) of those that did not
+
+
 def h(value: object) -> str:
     """Escaped for HTML text and attribute values alike."""
     return escape(str(value), quote=True)
@@ -114,14 +142,18 @@ def _num(v: float) -> str:
 # -- the fleet at a glance ------------------------------------------------------------------------
 
 
-def _node_table(nodes: Sequence[Mapping[str, Any]], now: float) -> str:
-    """Nodes as the node list shows them: state, since, place, last report, why."""
+def _node_table(
+    nodes: Sequence[Mapping[str, Any]], now: float, link: Callable[[Mapping[str, Any]], str] | None = None
+) -> str:
+    """Nodes as the node list shows them: state, since, place, last report, why. ``link``: the
+    node's link (default: its page here)."""
     rows = []
     for n in nodes:
         flags = "".join(_badge(x) + " " for x in _flags(n))
+        name = link(n) if link is not None else _node_link(n["node"])
         rows.append(
             f'<tr class="{"out" if n["state"] in ("quarantined", "probation") else ""}">'
-            f"<td>{_node_link(n['node'])}</td><td>{flags}</td><td>{h(iso(n.get('since')))}</td>"
+            f"<td>{name}</td><td>{flags}</td><td>{h(iso(n.get('since')))}</td>"
             f"<td>{h(n.get('pool') or '-')}</td><td>{h(n.get('rack') or '-')}</td>"
             f"<td>{h(duration(now - n['last_received']))} ago</td>"
             f"<td class='why'>{h('; '.join(n.get('reasons', []))[:300])}</td></tr>"
@@ -250,6 +282,7 @@ class StatusView:
         *,
         nodes_ttl_s: float = NODES_TTL_S,
         banner: str | None = None,
+        others: OtherShards | None = None,
     ) -> None:
         self.source = source
         self.banner = banner  # shown atop every page: what this view is of, when not a live fleet
@@ -257,14 +290,59 @@ class StatusView:
         self.clock = clock
         self.nodes_ttl_s = nodes_ttl_s
         self._nodes: tuple[float, list[dict[str, Any]]] | None = None
+        self._others = others
+        self._other_nodes: tuple[float, ShardNodes] | None = None
 
     def nodes(self) -> list[dict[str, Any]]:
         """The fleet's node summaries, read at most once every ``nodes_ttl_s`` however many
-        browsers refresh: at 7,500 nodes the read is most of a page's cost (bench/status_page.py)."""
+        browsers refresh: at 7,500 nodes the read is most of a page's cost (bench/status_page.py).
+        With sharding, this shard's rows and the other shards' (as ``refresh`` last got them),
+        each with its ``shard``."""
         now = time.monotonic()
         if self._nodes is None or now - self._nodes[0] >= self.nodes_ttl_s:
-            self._nodes = (now, self.source.nodes())
-        return self._nodes[1]
+            local = self.source.nodes()
+            if self._others is not None:
+                mine = self._others.shard
+                local = [{**n, "shard": mine} for n in local]
+            self._nodes = (now, local)
+        if self._other_nodes is None:
+            return self._nodes[1]
+        return self._nodes[1] + self._other_nodes[1].rows
+
+    async def refresh(self, authorization: str | None) -> None:
+        """With sharding, ask the other shards for their nodes (with the caller's credentials),
+        at most once every ``nodes_ttl_s``: the pages that list nodes then show the whole fleet."""
+        if self._others is None:
+            return
+        now = time.monotonic()
+        if self._other_nodes is None or now - self._other_nodes[0] >= self.nodes_ttl_s:
+            self._other_nodes = (now, await self._others.other_nodes(authorization))
+
+    def _fleet_note(self) -> str:
+        """What the node counts and lists cover, on a sharded replica."""
+        if self._others is None or self._other_nodes is None:
+            return ""
+        got = self._other_nodes[1]
+        shards = sorted([self._others.shard, *got.answered])
+        note = "nodes of shards " + ", ".join(map(str, shards))
+        if got.missing:
+            gone = "; ".join(f"shard {i} did not answer ({why[:120]})" for i, why in got.missing)
+            note += f"; {gone}: its nodes are missing here"
+        return note
+
+    def _row_link(self, n: Mapping[str, Any]) -> str:
+        """A node's link: its page here, or on its own shard's status page."""
+        shard = n.get("shard")
+        if self._others is None or shard is None or shard == self._others.shard:
+            return _node_link(n["node"])
+        href = self._others.page_url(int(shard)) + _node_href(n["node"])
+        return f'<a href="{h(href)}">{h(n["node"])}</a> <span class="muted">(shard {int(shard)})</span>'
+
+    def elsewhere(self, name: str) -> Mapping[str, Any] | None:
+        """The other shards' row of ``name`` (as ``refresh`` last got them), if one has it."""
+        if self._other_nodes is None:
+            return None
+        return next((n for n in self._other_nodes[1].rows if n.get("node") == name), None)
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -284,7 +362,7 @@ class StatusView:
         now = self.clock.time()
         nodes = self.nodes()
         systemic = self.systemic()
-        return {
+        out = {
             "time": now,
             "time_iso": iso(now),
             "remediation": self.config.remediation.mode,
@@ -292,6 +370,14 @@ class StatusView:
             **fleet_summary(nodes),
             "systemic_active": active_systemic(systemic),
         }
+        if self._others is not None and self._other_nodes is not None:
+            got = self._other_nodes[1]
+            out["shards"] = {
+                "this": self._others.shard,
+                "answered": sorted([self._others.shard, *got.answered]),
+                "missing": [{"shard": i, "error": why} for i, why in got.missing],
+            }
+        return out
 
     def story(self, name: str, found: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
         """One node (``found``: as the source gave it already): its state, why (every reason with
@@ -342,10 +428,14 @@ class StatusView:
             title=h(title),
             body=body,
             refresh=meta,
-            banner=f'<p class="banner">{h(self.banner)}</p>\n' if self.banner else "",
+            banner=self._banner(),
             now=h(iso(self.clock.time())),
             render_ms=f"{(time.perf_counter() - started) * 1000:.1f}",
         )
+
+    def _banner(self) -> str:
+        text = "; ".join(t for t in (self.banner, self._fleet_note()) if t)
+        return f'<p class="banner">{h(text)}</p>\n' if text else ""
 
     def glance(self) -> str:
         started = time.perf_counter()
@@ -395,7 +485,7 @@ class StatusView:
             if len(out) > _GLANCE_QUARANTINED
             else ""
         )
-        return title + _node_table(out[:_GLANCE_QUARANTINED], self.clock.time()) + more
+        return title + _node_table(out[:_GLANCE_QUARANTINED], self.clock.time(), self._row_link) + more
 
     def _breaker_card(self, b: Mapping[str, Any] | None) -> str:
         mode = self.config.remediation.mode
@@ -435,7 +525,7 @@ class StatusView:
         first = (page - 1) * f.per + 1 if shown else 0
         count = f"<p>{first}-{first + len(shown) - 1 if shown else 0} of {len(hits)} nodes"
         count += f" (of {len(nodes)} in the fleet)</p>" if len(hits) != len(nodes) else "</p>"
-        table = _node_table(shown, now) if shown else "<p>No node matches.</p>"
+        table = _node_table(shown, now, self._row_link) if shown else "<p>No node matches.</p>"
         pager = _pager("/nodes", f.params(), page, pages)
         body = "".join(form) + count + pager + table + pager
         return self.page("Nodes", body, refresh=_REFRESH_S["nodes"], started=started)
@@ -779,9 +869,18 @@ def _html(text: str, status: int = 200) -> web.Response:
     return resp
 
 
-def _guard(what: str, render: Callable[[web.Request], web.Response]) -> Handler:
+def _guard(
+    what: str,
+    render: Callable[[web.Request], web.Response],
+    before: Callable[[web.Request], Awaitable[None]] | None = None,
+) -> Handler:
+    """``render``, with a plain error page if it raises; ``before`` is awaited first (a sharded
+    replica's pages that list nodes ask the other shards for theirs)."""
+
     async def handler(request: web.Request) -> web.StreamResponse:
         try:
+            if before is not None:
+                await before(request)
             return render(request)
         except Exception:
             log.exception("status page failed", extra={"page": what})
@@ -803,11 +902,36 @@ def is_page(path: str) -> bool:
 
 
 def status_routes(
-    source: StatusSource, *, config: Config, clock: Clock, banner: str | None = None
+    source: StatusSource,
+    *,
+    config: Config,
+    clock: Clock,
+    banner: str | None = None,
+    others: OtherShards | None = None,
 ) -> list[web.RouteDef]:
     """The status page's routes; add them to the aggregator's app (``app.router.add_routes``).
-    ``banner``: a line atop every page saying what is shown (a replayed trace, as of when)."""
-    view = StatusView(source, config, clock, banner=banner)
+    ``banner``: a line atop every page saying what is shown (a replayed trace, as of when).
+    ``others``: with sharding, the glance, the node list and the summary show every shard's
+    nodes, and a node of another shard links to its page there."""
+    view = StatusView(source, config, clock, banner=banner, others=others)
+
+    async def fleet(request: web.Request) -> None:
+        await view.refresh(request.headers.get("Authorization"))
+
+    def elsewhere(name: str) -> web.Response | None:
+        n = view.elsewhere(name)
+        if n is None or others is None:
+            return None
+        shard = int(n.get("shard", -1))
+        href = others.page_url(shard) + _node_href(name)
+        body = view.page(
+            f"Node {name}",
+            f"<p>{_badge(str(n.get('state', '')))} {h(name)} is on shard {shard}: "
+            f'<a href="{h(href)}">its page there</a>.</p>',
+            refresh=None,
+            started=time.perf_counter(),
+        )
+        return _html(body)
 
     def not_found(name: str) -> web.Response:
         body = view.page(
@@ -821,7 +945,9 @@ def status_routes(
     def node_page(request: web.Request) -> web.Response:
         name = request.match_info["node"]
         page = view.node_page(name)
-        return not_found(name) if page is None else _html(page)
+        if page is not None:
+            return _html(page)
+        return elsewhere(name) or not_found(name)
 
     def story(request: web.Request) -> web.Response:
         name = request.match_info["node"]
@@ -843,14 +969,14 @@ def status_routes(
         return resp
 
     return [
-        web.get("/", _guard("glance", lambda r: _html(view.glance()))),
-        web.get("/nodes", _guard("nodes", lambda r: _html(view.node_list(r.query)))),
-        web.get("/nodes/{node}", _guard("node", node_page)),
+        web.get("/", _guard("glance", lambda r: _html(view.glance()), fleet)),
+        web.get("/nodes", _guard("nodes", lambda r: _html(view.node_list(r.query)), fleet)),
+        web.get("/nodes/{node}", _guard("node", node_page, fleet)),
         web.get("/decisions", _guard("decisions", lambda r: _html(view.decision_feed(r.query)))),
         web.get("/systemic", _guard("systemic", lambda r: _html(view.systemic_page()))),
         web.get("/links", _guard("links", lambda r: _html(view.links_page(r.query)))),
         web.get("/probes", _guard("probes", lambda r: _html(view.probes_page()))),
         web.get("/static/{name}", asset),
-        web.get("/api/v1/summary", _guard("summary", lambda r: web.json_response(view.summary()))),
+        web.get("/api/v1/summary", _guard("summary", lambda r: web.json_response(view.summary()), fleet)),
         web.get("/api/v1/nodes/{node}/story", _guard("story", story)),
     ]
