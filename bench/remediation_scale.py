@@ -5,7 +5,7 @@ Run from the repository root (about 1.5 minutes; loopback only; the double's pro
 also on failure)::
 
     .venv/bin/python bench/remediation_scale.py [--nodes 7500] [--pools 75] [--faults 375]
-        [--later 20] [--qps Q] [--burst B] [--workers W] [--json FILE]
+        [--later 20] [--qps Q] [--burst B] [--workers W] [--throttle-share S] [--json FILE]
 
 What it does:
 
@@ -14,6 +14,8 @@ What it does:
    ``gpuwarden.io/pool`` label) and API-server-like latencies: GET, PATCH, POST and PUT answered
    after 5-20 ms, the LIST of all Nodes after 1-3 s, a watch's stream starting after 50-200 ms.
    The child logs every request (start, end, verb, path, status) and hands the log back at the end.
+   ``--throttle-share S`` has it answer that share of Node and Event calls 429 with ``Retry-After:
+   --throttle-retry-after`` (1 s), as API Priority and Fairness sheds a busy flow.
 2. In this process: the aggregator as ``gpuwarden aggregator --remediation enforce`` builds it
    (``aggregator.app.build_aggregator``, its own ``KubeClient`` from a kubeconfig, one replica so it
    leads), limits set so the storm is allowed: ``max_pool_share`` 0.1 of 100-node pools is 10 a
@@ -99,6 +101,14 @@ async def serve_double(args: argparse.Namespace) -> None:
     double.set_latency("update", (0.005, 0.02))
     double.set_latency("list", (1.0, 3.0), path_regex=r"^/api/v1/nodes$")
     double.set_latency("watch", (0.05, 0.2))
+    if args.throttle_share > 0:
+        # API Priority and Fairness shedding the workload's own flow: Node and Event calls. The
+        # Lease renewals go through the leader-election priority level, which this leaves alone.
+        double.throttle(
+            share=args.throttle_share,
+            retry_after=args.throttle_retry_after,
+            path_regex=r"^/api/v1/(nodes|namespaces/[^/]+/events)",
+        )
     per_pool = args.nodes // args.pools
     for p in range(args.pools):
         for i in range(per_pool):
@@ -170,6 +180,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         str(args.pools),
         "--kubeconfig",
         str(kubeconfig),
+        "--throttle-share",
+        str(args.throttle_share),
+        "--throttle-retry-after",
+        str(args.throttle_retry_after),
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
     )
@@ -405,6 +419,10 @@ def main() -> None:
     parser.add_argument("--qps", type=float, default=0.0, help="client QPS (0: the config's default)")
     parser.add_argument("--burst", type=int, default=0, help="client burst (0: the config's default)")
     parser.add_argument("--workers", type=int, default=0, help="reconcile workers (0: the default)")
+    parser.add_argument(
+        "--throttle-share", type=float, default=0.0, help="share of Node and Event calls answered 429"
+    )
+    parser.add_argument("--throttle-retry-after", type=int, default=1, help="the 429s' Retry-After (s)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--verbose", action="store_true", help="the aggregator's warnings and more to stderr")
     parser.add_argument("--serve-double", action="store_true", help=argparse.SUPPRESS)
