@@ -440,6 +440,20 @@ async def test_a_release_refused_for_now_is_retried_so_the_follower_still_takes_
     assert lease_spec(cluster.double)["holderIdentity"] == "b"
 
 
+async def test_a_release_waits_as_long_as_the_api_server_asks(cluster: Cluster) -> None:
+    a, _ = await leader_and_follower(cluster)
+    cluster.double.throttle(burst=1, retry_after=4, verbs=("update",), path_regex=LEASE_PATH)
+    assert a.task is not None
+    a.task.cancel()
+    await cluster.advance(2.5)  # past our own 1 s, short of the server's 4 s: not tried again yet
+    assert cluster.double.throttled == 1
+    assert lease_spec(cluster.double)["holderIdentity"] == "a"
+    await cluster.advance(2.5)
+    with pytest.raises(asyncio.CancelledError):
+        await a.task
+    assert lease_spec(cluster.double).get("holderIdentity") in (None, "b")  # released on the retry
+
+
 async def test_a_release_the_api_never_answers_gives_up_and_the_lease_expires(cluster: Cluster) -> None:
     a, b = await leader_and_follower(cluster)
     cluster.double.fail_next("PUT", LEASE_PATH, 503, count=1000)
