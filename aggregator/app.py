@@ -313,7 +313,7 @@ async def build_aggregator(
             intents=owned,
         )
         if owned is not None:
-            owned.bind(remediation.actuator.restore_into)
+            owned.bind(remediation.actuator.restore_into, remediation.actuator.settled)
         cluster.bind(remediation)
         remediation.on_leadership(notify.resend_now)
 

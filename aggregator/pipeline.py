@@ -550,7 +550,10 @@ class Pipeline:
         the node is not known."""
         rec = self._nodes.get(node)
         if rec is not None:
-            return place(rec.own_labels, rec.model_pool, self._cluster.labels(node)).pool
+            labels = self._cluster.labels(node)
+            # No labels at all: the cluster does not know the node now (deleted, not registered
+            # yet), which says nothing of its pool; every Node has some labels.
+            return place(rec.own_labels, rec.model_pool, labels).pool if labels else rec.placement.pool
         restored = self._restored_placement.get(node)
         return restored.pool if restored is not None else None
 

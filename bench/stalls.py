@@ -34,6 +34,7 @@ import runpy
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -77,12 +78,17 @@ class StallSampler:
         self._loop_thread: int | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._beating: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
         self.holds = 0
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Beat on ``loop`` (call from the thread that runs it)."""
-        self._loop_thread = threading.get_ident()
+        """Beat on ``loop`` while it runs (call from the thread that runs it, as it starts)."""
         self._last_beat = time.perf_counter()
+        self._loop_thread = threading.get_ident()
+        if loop in self._beating:
+            return  # its beat is still scheduled from an earlier run_forever (asyncio.run makes three)
+        self._beating.add(loop)
 
         def beat() -> None:
             self._last_beat = time.perf_counter()
@@ -90,11 +96,19 @@ class StallSampler:
 
         loop.call_soon(beat)
 
+    def detach(self) -> None:
+        """The loop stopped running: a quiet loop is not a held one (the interpreter's exit)."""
+        self._loop_thread = None
+
     def start(self) -> None:
-        threading.Thread(target=self._watch, name="stall-sampler", daemon=True).start()
+        self._thread = threading.Thread(target=self._watch, name="stall-sampler", daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
+        """Stop the watchdog and wait for it, so its last line is written before the file closes."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
 
     def _watch(self) -> None:
         while not self._stop.wait(self._beat):
@@ -102,7 +116,7 @@ class StallSampler:
             if self._loop_thread is None or time.perf_counter() - held_since < self._threshold:
                 continue
             stacks: Counter[tuple[tuple[str, ...], ...]] = Counter()
-            while self._last_beat == held_since and not self._stop.is_set():
+            while self._last_beat == held_since and self._loop_thread is not None and not self._stop.is_set():
                 stacks[self._snapshot()] += 1
                 time.sleep(self._sample)
             self._record(held_since, time.perf_counter() - held_since, stacks)
@@ -137,7 +151,10 @@ def install(sampler: StallSampler) -> Callable[[], None]:
 
     def run_forever(self: asyncio.BaseEventLoop) -> None:
         sampler.attach(self)
-        original(self)
+        try:
+            original(self)
+        finally:
+            sampler.detach()
 
     asyncio.BaseEventLoop.run_forever = run_forever  # type: ignore[method-assign]
 

@@ -20,7 +20,7 @@ from aggregator.app import _sharded, build_aggregator, build_pipeline
 from aggregator.config import Config, LimitsConfig, RemediationConfig, ShardingConfig
 from aggregator.pipeline import Pipeline
 from aggregator.remediate.limits import shard_limits
-from aggregator.remediate.model import HealthSnapshot
+from aggregator.remediate.model import HealthSnapshot, NodeIntent
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.service import REPORTS_PATH, SERVER_KWARGS
 from aggregator.shard.map import ShardMap, owner_of, pod_ordinal
@@ -165,8 +165,6 @@ def test_a_shard_restores_and_acts_on_its_own_pools_only() -> None:
     assert owned.intent("a") is not None and owned.intent("b") is None
     assert "b" not in owned.intent_nodes()
     # A node of another shard's pool that reported here anyway (its labels changed under it) is
-    # known to the pipeline but left alone by this shard's actuator.
-    # A node of another shard's pool that reported here anyway (its labels changed under it) is
     # handed over as soon as the actuator asks for it: this shard drops it and leaves it alone.
     p.ingest(report(T0 + 6, node="b"), T0 + 6)
     assert p.intent("b") is not None and owned.intent("b") is None
@@ -197,7 +195,10 @@ class Cluster:
         self.asked: list[str] = []
 
     def restore_into(
-        self, node: str, into: Callable[[str, HealthSnapshot | None, str | None, float], None]
+        self,
+        node: str,
+        into: Callable[[str, HealthSnapshot | None, str | None, float], None],
+        tainted_only: bool,
     ) -> bool:
         self.asked.append(node)
         if node not in self.shown:
@@ -205,6 +206,47 @@ class Cluster:
         snapshot, value = self.shown[node]
         into(node, snapshot, value, T0 + 20)
         return True
+
+    def settled(self, node: str, intent: NodeIntent) -> bool:
+        shown = self.shown.get(node)
+        return shown is not None and (shown[0].state, shown[0].since) == (
+            intent.snapshot.state,
+            intent.snapshot.since,
+        )
+
+
+Shard = tuple[Pipeline, OwnedIntents, ShardRouter]
+
+
+def two_shards(labels: Labels, cluster: Cluster) -> list[Shard]:
+    """Two shards' pipelines, owned-pool filters and routers, over the same labels and cluster."""
+    cfg = Config(remediation=RemediationConfig(mode="enforce", limits=LimitsConfig(max_pool_share=1.0)))
+    shards: list[Shard] = []
+    for i in range(2):
+        m = ShardMap.of(sharding(shards=2, shard=i, peers=["http://s-{i}"]))
+        p = build_pipeline(cfg, RULES, cluster=labels)
+        registry = CollectorRegistry()
+        owned = OwnedIntents(p, m, labels.labels, clock=FakeClock(T0), registry=registry)
+        owned.bind(cluster.restore_into, cluster.settled)
+        router = ShardRouter(m, labels.labels, registry, arrived=owned.arrived, left=owned.left)
+        shards.append((p, owned, router))
+    return shards
+
+
+def post(shard: Shard, rep: Report) -> int:
+    """A report through the shard's router, ingested when the router keeps it: its HTTP status."""
+    p, _, router = shard
+    moved = router.route(rep)
+    if moved is not None:
+        return moved.status
+    p.ingest(rep, rep.time)
+    return 200
+
+
+def written(node: str, since: float, pool: str) -> tuple[HealthSnapshot, str]:
+    """What shard 0's leader writes on a node it quarantined (snapshot and taint value)."""
+    snapshot = HealthSnapshot(state="quarantined", since=since, tainted=True, quarantines=[since], pool=pool)
+    return snapshot, "ecc-dbe"
 
 
 def test_a_relabelled_node_moves_to_its_new_shard_with_its_quarantine() -> None:
@@ -214,33 +256,14 @@ def test_a_relabelled_node_moves_to_its_new_shard_with_its_quarantine() -> None:
     old, new = pool_owned_by(0, 2), pool_owned_by(1, 2)
     labels = Labels({"a": {"gpuwarden.io/pool": old}, "b": {"gpuwarden.io/pool": old}})
     cluster = Cluster()
-    cfg = Config(remediation=RemediationConfig(mode="enforce", limits=LimitsConfig(max_pool_share=1.0)))
-    shard: list[tuple[Pipeline, OwnedIntents, ShardRouter]] = []
-    for i in range(2):
-        m = ShardMap.of(sharding(shards=2, shard=i, peers=["http://s-{i}"]))
-        p = build_pipeline(cfg, RULES, cluster=labels)
-        registry = CollectorRegistry()
-        owned = OwnedIntents(p, m, labels.labels, clock=FakeClock(T0), registry=registry)
-        owned.bind(cluster.restore_into)
-        router = ShardRouter(m, labels.labels, registry, arrived=owned.arrived, left=owned.left)
-        shard.append((p, owned, router))
-    (p0, owned0, router0), (p1, owned1, router1) = shard
+    shard0, shard1 = two_shards(labels, cluster)
+    (p0, owned0, _), (p1, owned1, router1) = shard0, shard1
 
-    def post(router: ShardRouter, p: Pipeline, rep: Report) -> int:
-        moved = router.route(rep)
-        if moved is not None:
-            return moved.status
-        p.ingest(rep, rep.time)
-        return 200
-
-    assert post(router0, p0, report(T0, node="b")) == 200
-    assert post(router0, p0, dbe("a", T0 + 1)) == 200
+    assert post(shard0, report(T0, node="b")) == 200
+    assert post(shard0, dbe("a", T0 + 1)) == 200
     intent = owned0.intent("a")
     assert intent is not None and intent.state == "quarantined" and intent.effect is not None
-    snapshot = msgspec.structs.replace(
-        HealthSnapshot(state="quarantined", since=T0 + 1, tainted=True, quarantines=[T0 + 1]), pool=old
-    )
-    cluster.shown["a"] = (snapshot, "ecc-dbe")  # what shard 0's leader wrote on the node
+    cluster.shown["a"] = written("a", intent.snapshot.since, old)  # shard 0's leader wrote it
     assert cluster.asked == ["b", "a"]  # each node new to shard 0 was looked up once
     cluster.asked.clear()
 
@@ -250,16 +273,58 @@ def test_a_relabelled_node_moves_to_its_new_shard_with_its_quarantine() -> None:
     assert p0.node("a") is None and p0.health.get("a") is None
     assert p0.node("b") is not None  # the rest of the pool stays
     # The agent still sends to shard 0: redirected. Shard 1 restores it before its first report.
-    assert post(router0, p0, report(T0 + 21, node="a", seq=2)) == 307
-    assert post(router1, p1, report(T0 + 21, node="a", seq=2)) == 200
+    assert post(shard0, report(T0 + 21, node="a", seq=2)) == 307
+    assert post(shard1, report(T0 + 21, node="a", seq=2)) == 200
     assert cluster.asked == ["a"]
     moved = owned1.intent("a")
     assert moved is not None and moved.state == "quarantined" and moved.effect is not None
     assert p1.placement("a") is not None and p1.placement("a").pool == new
-    assert post(router1, p1, report(T0 + 31, node="a", seq=3)) == 200
+    assert post(shard1, report(T0 + 31, node="a", seq=3)) == 200
     assert cluster.asked == ["a"]  # only the first report of a node new to the shard asks
     assert p1.health.get("a").state == "quarantined"
     assert router1.route(report(T0 + 31, node="b", seq=2)) is not None  # b stayed in shard 0's pool
+
+
+def test_a_quarantine_not_yet_on_the_node_stays_with_its_shard_until_it_is() -> None:
+    # The node moves (its agent now reports another pool) before shard 0's leader has written
+    # the taint: handing it over then would lose the decision, which the new owner can only
+    # learn from the cluster. Shard 0 keeps acting on it until the Node shows it.
+    old, new = pool_owned_by(0, 2), pool_owned_by(1, 2)
+    labels = Labels({"a": {}})
+    cluster = Cluster()
+    shard0, shard1 = two_shards(labels, cluster)
+    (p0, owned0, _), (_, owned1, _) = shard0, shard1
+    assert post(shard0, msgspec.structs.replace(dbe("a", T0 + 1), labels={"pool": old})) == 200
+    moved_report = msgspec.structs.replace(report(T0 + 11, node="a", seq=2), labels={"pool": new})
+    assert post(shard0, moved_report) == 307  # redirected, but not handed over yet
+    kept = owned0.intent("a")
+    assert kept is not None and kept.state == "quarantined" and kept.effect is not None
+    assert p0.health.get("a") is not None
+    cluster.shown["a"] = written("a", kept.snapshot.since, old)  # the leader's write lands
+    again = msgspec.structs.replace(moved_report, seq=3, time=T0 + 21)
+    assert post(shard0, again) == 307  # the next redirect hands it over
+    assert p0.health.get("a") is None and owned0.intent("a") is None
+    assert post(shard1, again) == 200
+    taken = owned1.intent("a")
+    assert taken is not None and taken.state == "quarantined"
+
+
+def test_a_taint_that_reaches_the_new_owner_late_is_restored_not_removed() -> None:
+    # The node's first report reached shard 1 before the old owner's taint reached shard 1's
+    # informer: it starts here healthy. When the taint shows up (a watch event, then a
+    # reconcile), shard 1 restores it before giving an intent, so its planner keeps the taint.
+    new = pool_owned_by(1, 2)
+    labels = Labels({"a": {"gpuwarden.io/pool": new}})
+    cluster = Cluster()
+    _, shard1 = two_shards(labels, cluster)
+    p1, owned1, _ = shard1
+    assert post(shard1, report(T0 + 21, node="a", seq=2)) == 200
+    early = owned1.intent("a")
+    assert early is not None and early.state == "healthy"
+    cluster.shown["a"] = written("a", T0 + 1, pool_owned_by(0, 2))
+    late = owned1.intent("a")
+    assert late is not None and late.state == "quarantined" and late.effect is not None
+    assert p1.health.get("a").state == "quarantined"
 
 
 def test_a_node_new_to_the_fleet_is_not_restored_from_anything() -> None:
@@ -268,7 +333,7 @@ def test_a_node_new_to_the_fleet_is_not_restored_from_anything() -> None:
     m = ShardMap.of(sharding(shards=2, shard=0, peers=["http://s-{i}"]))
     p = build_pipeline(Config(remediation=RemediationConfig(mode="enforce")), RULES, cluster=labels)
     owned = OwnedIntents(p, m, labels.labels, clock=FakeClock(T0), registry=CollectorRegistry())
-    owned.bind(cluster.restore_into)
+    owned.bind(cluster.restore_into, cluster.settled)
     owned.arrived("n", pool_owned_by(0, 2))
     assert cluster.asked == ["n"] and p.health.get("n") is None
     assert owned.intent("n") is None  # nothing known: nothing to do

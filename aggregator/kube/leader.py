@@ -310,7 +310,8 @@ class LeaderElector:
         client-go tries once; a release that fails leaves the lease to expire, and then no
         replica leads for up to a lease duration. So, within the renew deadline: a conflict
         re-reads (someone wrote annotations since), and a 429, 5xx or no answer waits
-        ``RELEASE_BACKOFF_S`` (what APF's ``Retry-After: 1`` asks) and tries again.
+        ``RELEASE_BACKOFF_S`` (what APF's ``Retry-After: 1`` asks), or the server's Retry-After
+        if longer, and tries again.
         """
         try:
             # Shutdown must not hang on an unreachable API: the lease then simply expires.

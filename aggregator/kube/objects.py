@@ -126,7 +126,7 @@ class TokenReviewStatus:
 
 
 # A Retry-After beyond this is taken as this: a misconfigured proxy's "come back in an hour" must
-# not park a quarantine for an hour (APF itself asks 1 s; client-go caps its wait the same way).
+# not park a quarantine for an hour (APF itself asks 1 s; client-go takes the header as sent).
 RETRY_AFTER_MAX_S = 30.0
 
 

@@ -473,12 +473,28 @@ class Actuator:
         for n in nodes:
             self._restore_node(n, self._intents.restore, now, tainted_only=tainted_only)
 
-    def restore_into(self, node: str, into: Restore) -> bool:
+    def restore_into(self, node: str, into: Restore, tainted_only: bool) -> bool:
         """Hand ``node``, as the informer last saw it, to ``into`` (``IntentSource.restore``'s
-        signature) if it carries our taint or snapshot, as the first list does; True if it did.
-        For a node that moved to this shard while it runs (aggregator/shard/owned.py)."""
+        signature) if it carries our taint or (unless ``tainted_only``) our snapshot, as the
+        first list does; True if it did. For a node that moved to this shard while it runs
+        (aggregator/shard/owned.py)."""
         cached = self._cache.get(node)
-        return cached is not None and self._restore_node(cached, into, self._clock.time(), tainted_only=False)
+        if cached is None:
+            return False
+        return self._restore_node(cached, into, self._clock.time(), tainted_only=tainted_only)
+
+    def settled(self, node: str, intent: NodeIntent) -> bool:
+        """Whether ``node``, as the informer last saw it, shows ``intent``'s decision: our
+        snapshot in the same state since the same time. Always in dry-run, where nothing is
+        ever written (aggregator/shard/owned.py hands a moved node over once it is)."""
+        if self._config.mode != "enforce":
+            return True
+        cached = self._cache.get(node)
+        if cached is None:
+            return False
+        shown = recorded(cached, self._config).snapshot
+        wanted = intent.snapshot
+        return shown is not None and (shown.state, shown.since) == (wanted.state, wanted.since)
 
     def _restore_node(self, n: Node, into: Restore, now: float, *, tainted_only: bool) -> bool:
         # Only a taint we recorded applying is ours to restore from; a human's taint with our

@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from typing import Final
 
+import msgspec
 from prometheus_client import Counter
 from prometheus_client.registry import CollectorRegistry
 
@@ -42,9 +44,17 @@ from aggregator.shard.map import ShardMap
 
 log = logging.getLogger(__name__)
 
-# (node, restore) -> whether the cluster showed something of ours to restore: the actuator's
-# ``restore_into``, bound once the remediation runtime exists.
-RestoreFromCluster = Callable[[str, Callable[[str, HealthSnapshot | None, str | None, float], None]], bool]
+Restore = Callable[[str, HealthSnapshot | None, str | None, float], None]
+# (node, restore, tainted_only) -> whether the cluster showed something of ours to restore: the
+# actuator's ``restore_into``, bound once the remediation runtime exists.
+RestoreFromCluster = Callable[[str, Restore, bool], bool]
+# (node, intent) -> whether the Node, as cached, shows the intent's decision (its snapshot's state
+# since the same time; always, in dry-run): the actuator's ``settled``.
+Settled = Callable[[str, NodeIntent], bool]
+# A node that moved here is checked against the cluster this long: the old owner's taint may
+# reach this replica's informer after the node's first report here (its own labels moved it).
+ARRIVAL_WATCH_S: Final = 600.0
+_ARRIVALS_MAX: Final = 100_000  # pruned of expired entries when this many
 
 
 class OwnedIntents(IntentSource):
@@ -64,6 +74,8 @@ class OwnedIntents(IntentSource):
         self._labels = labels
         self._clock = clock
         self._from_cluster: RestoreFromCluster | None = None
+        self._settled: Settled | None = None
+        self._arrivals: dict[str, float] = {}  # node -> when it moved here (ARRIVAL_WATCH_S)
         self.skipped_restores = 0  # nodes of other shards' pools seen at the first list
         self._moves = Counter(
             "gpuwarden_shard_node_moves_total",
@@ -75,8 +87,9 @@ class OwnedIntents(IntentSource):
         for direction in ("in", "out"):
             self._moves.labels(direction)
 
-    def bind(self, from_cluster: RestoreFromCluster) -> None:
+    def bind(self, from_cluster: RestoreFromCluster, settled: Settled) -> None:
         self._from_cluster = from_cluster
+        self._settled = settled
 
     def pool_of(self, node: str, snapshot: HealthSnapshot | None = None) -> str:
         pool = self._pipeline.pool_now(node)
@@ -91,8 +104,13 @@ class OwnedIntents(IntentSource):
 
     def intent(self, node: str) -> NodeIntent | None:
         if not self.owns(node):
+            if self._unwritten(node):
+                # Out by a decision of ours not yet on the Node: acted on until it is, so that the
+                # new owner finds it in the cluster; handed over at the reconcile after that.
+                return self._pipeline.intent(node)
             self._hand_over(node, None)
             return None
+        self._recheck_arrival(node)
         return self._pipeline.intent(node)
 
     def intent_nodes(self) -> Iterable[str]:
@@ -114,17 +132,55 @@ class OwnedIntents(IntentSource):
         pool, so the snapshot's older pool is not asked)."""
         if self._from_cluster is None or self._pipeline.placement(node) is not None:
             return
-        if self._from_cluster(node, self._pipeline.restore):
+        now = self._clock.time()
+        if len(self._arrivals) >= _ARRIVALS_MAX:
+            self._arrivals = {n: t for n, t in self._arrivals.items() if now - t < ARRIVAL_WATCH_S}
+        self._arrivals[node] = now
+
+        def here(name: str, snapshot: HealthSnapshot | None, value: str | None, at: float) -> None:
+            # Restored in the pool the router placed it in, not the one its snapshot names.
+            moved = msgspec.structs.replace(snapshot, pool=pool) if snapshot is not None else None
+            self._pipeline.restore(name, moved, value, at)
+
+        if self._from_cluster(node, here, False):
             self._moves.labels("in").inc()
             log.info(
                 "node moved to this shard: restored from the cluster", extra={"node": node, "pool": pool}
             )
 
+    def _recheck_arrival(self, node: str) -> None:
+        """A node that moved here lately and is not out here: if the cluster now shows our taint
+        on it (the old owner's write reached the informer after the node's first report here),
+        restore it before any intent is given, so the taint is kept, not taken for a stale one."""
+        arrived = self._arrivals.get(node)
+        if arrived is None or self._from_cluster is None:
+            return
+        if self._clock.time() - arrived >= ARRIVAL_WATCH_S:
+            del self._arrivals[node]
+            return
+        h = self._pipeline.health.get(node)
+        if h is not None and (h.tainted or h.state in ("quarantined", "probation")):
+            return
+        if self._from_cluster(node, self._pipeline.restore, True):
+            del self._arrivals[node]
+            self._moves.labels("in").inc()
+            log.info("node moved to this shard: its taint reached us late, restored", extra={"node": node})
+
+    def _unwritten(self, node: str) -> bool:
+        """Whether this replica decided ``node`` out and the Node does not show it yet."""
+        if self._settled is None:
+            return False
+        intent = self._pipeline.intent(node)
+        return intent is not None and intent.effect is not None and not self._settled(node, intent)
+
     def left(self, node: str, owner: int) -> None:
-        """A report of ``node`` was redirected to shard ``owner``: its pool is no longer ours."""
-        self._hand_over(node, owner)
+        """A report of ``node`` was redirected to shard ``owner``: its pool is no longer ours
+        (kept until a decision of ours that takes it out is on the Node)."""
+        if not self._unwritten(node):
+            self._hand_over(node, owner)
 
     def _hand_over(self, node: str, owner: int | None) -> None:
+        self._arrivals.pop(node, None)
         if self._pipeline.hand_over(node, self._clock.time()):
             self._moves.labels("out").inc()
             log.info(

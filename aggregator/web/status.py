@@ -20,6 +20,8 @@ host. No script anywhere: forms are plain GETs, pages refresh themselves by ``<m
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import logging
 import math
 import time
@@ -62,6 +64,7 @@ MAX_PER_PAGE: Final = 500
 MATRIX_MAX_NODES: Final = 64
 DECISION_WINDOW_S: Final = 86_400.0
 NODES_TTL_S: Final = 2.0  # a page may show the fleet as it was this long ago
+_OTHERS_KEPT: Final = 16  # callers whose view of the other shards is kept (status.StatusView)
 CONTENT_SECURITY_POLICY: Final = (
     "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
     "base-uri 'none'; frame-ancestors 'none'"
@@ -291,7 +294,15 @@ class StatusView:
         self.nodes_ttl_s = nodes_ttl_s
         self._nodes: tuple[float, list[dict[str, Any]]] | None = None
         self._others = others
-        self._other_nodes: tuple[float, ShardNodes] | None = None
+        # The other shards' nodes by who asked (a digest of the Authorization header): what one
+        # caller's credentials fetched is never shown to another, a refusal is not either. At
+        # most _OTHERS_KEPT callers' answers are kept, each for ``nodes_ttl_s``, and one fetch
+        # is in flight per caller however many of its pages load at once.
+        self._other_nodes: dict[bytes, tuple[float, ShardNodes]] = {}
+        self._fetching: dict[bytes, asyncio.Future[ShardNodes]] = {}
+        # What the page being rendered shows of them: set by ``refresh`` (or ``local``) right
+        # before each render, which follows it with no await in between.
+        self.current: ShardNodes | None = None
 
     def nodes(self) -> list[dict[str, Any]]:
         """The fleet's node summaries, read at most once every ``nodes_ttl_s`` however many
@@ -305,24 +316,44 @@ class StatusView:
                 mine = self._others.shard
                 local = [{**n, "shard": mine} for n in local]
             self._nodes = (now, local)
-        if self._other_nodes is None:
+        if self.current is None:
             return self._nodes[1]
-        return self._nodes[1] + self._other_nodes[1].rows
+        return self._nodes[1] + self.current.rows
+
+    def local(self) -> None:
+        """The page about to be rendered shows this shard alone."""
+        self.current = None
 
     async def refresh(self, authorization: str | None) -> None:
-        """With sharding, ask the other shards for their nodes (with the caller's credentials),
-        at most once every ``nodes_ttl_s``: the pages that list nodes then show the whole fleet."""
+        """With sharding, the other shards' nodes for the page about to be rendered, asked with
+        the caller's credentials at most once every ``nodes_ttl_s`` per caller: the pages that
+        list nodes then show the whole fleet."""
+        self.current = None
         if self._others is None:
             return
-        now = time.monotonic()
-        if self._other_nodes is None or now - self._other_nodes[0] >= self.nodes_ttl_s:
-            self._other_nodes = (now, await self._others.other_nodes(authorization))
+        key = hashlib.sha256((authorization or "").encode("utf-8", "surrogatepass")).digest()
+        kept = self._other_nodes.get(key)
+        if kept is not None and time.monotonic() - kept[0] < self.nodes_ttl_s:
+            got = kept[1]
+        elif (pending := self._fetching.get(key)) is not None:
+            got = await asyncio.shield(pending)
+        else:
+            pending = asyncio.ensure_future(self._others.other_nodes(authorization))
+            self._fetching[key] = pending
+            try:
+                got = await asyncio.shield(pending)
+            finally:
+                self._fetching.pop(key, None)
+            if len(self._other_nodes) >= _OTHERS_KEPT:
+                del self._other_nodes[min(self._other_nodes, key=lambda k: self._other_nodes[k][0])]
+            self._other_nodes[key] = (time.monotonic(), got)
+        self.current = got
 
     def _fleet_note(self) -> str:
         """What the node counts and lists cover, on a sharded replica."""
-        if self._others is None or self._other_nodes is None:
+        if self._others is None or self.current is None:
             return ""
-        got = self._other_nodes[1]
+        got = self.current
         shards = sorted([self._others.shard, *got.answered])
         note = "nodes of shards " + ", ".join(map(str, shards))
         if got.missing:
@@ -339,10 +370,10 @@ class StatusView:
         return f'<a href="{h(href)}">{h(n["node"])}</a> <span class="muted">(shard {int(shard)})</span>'
 
     def elsewhere(self, name: str) -> Mapping[str, Any] | None:
-        """The other shards' row of ``name`` (as ``refresh`` last got them), if one has it."""
-        if self._other_nodes is None:
+        """The other shards' row of ``name`` (as ``refresh`` got them for this page), if any."""
+        if self.current is None:
             return None
-        return next((n for n in self._other_nodes[1].rows if n.get("node") == name), None)
+        return next((n for n in self.current.rows if n.get("node") == name), None)
 
     # -- data ---------------------------------------------------------------------------------
 
@@ -370,8 +401,8 @@ class StatusView:
             **fleet_summary(nodes),
             "systemic_active": active_systemic(systemic),
         }
-        if self._others is not None and self._other_nodes is not None:
-            got = self._other_nodes[1]
+        if self._others is not None and self.current is not None:
+            got = self.current
             out["shards"] = {
                 "this": self._others.shard,
                 "answered": sorted([self._others.shard, *got.answered]),
@@ -918,6 +949,16 @@ def status_routes(
     async def fleet(request: web.Request) -> None:
         await view.refresh(request.headers.get("Authorization"))
 
+    async def local(request: web.Request) -> None:
+        view.local()
+
+    async def fleet_if_elsewhere(request: web.Request) -> None:
+        # A node page of this shard needs nothing from the others; an unknown name may be theirs.
+        if source.node(request.match_info["node"]) is None:
+            await fleet(request)
+        else:
+            view.local()
+
     def elsewhere(name: str) -> web.Response | None:
         n = view.elsewhere(name)
         if n is None or others is None:
@@ -971,12 +1012,12 @@ def status_routes(
     return [
         web.get("/", _guard("glance", lambda r: _html(view.glance()), fleet)),
         web.get("/nodes", _guard("nodes", lambda r: _html(view.node_list(r.query)), fleet)),
-        web.get("/nodes/{node}", _guard("node", node_page, fleet)),
-        web.get("/decisions", _guard("decisions", lambda r: _html(view.decision_feed(r.query)))),
-        web.get("/systemic", _guard("systemic", lambda r: _html(view.systemic_page()))),
-        web.get("/links", _guard("links", lambda r: _html(view.links_page(r.query)))),
-        web.get("/probes", _guard("probes", lambda r: _html(view.probes_page()))),
+        web.get("/nodes/{node}", _guard("node", node_page, fleet_if_elsewhere)),
+        web.get("/decisions", _guard("decisions", lambda r: _html(view.decision_feed(r.query)), local)),
+        web.get("/systemic", _guard("systemic", lambda r: _html(view.systemic_page()), local)),
+        web.get("/links", _guard("links", lambda r: _html(view.links_page(r.query)), local)),
+        web.get("/probes", _guard("probes", lambda r: _html(view.probes_page()), local)),
         web.get("/static/{name}", asset),
         web.get("/api/v1/summary", _guard("summary", lambda r: web.json_response(view.summary()), fleet)),
-        web.get("/api/v1/nodes/{node}/story", _guard("story", story)),
+        web.get("/api/v1/nodes/{node}/story", _guard("story", story, local)),
     ]
