@@ -4,6 +4,7 @@ replica; a shard that does not answer is named, and the answer says it is partia
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -80,12 +81,18 @@ def labelled(node: str, pool: str, t: float, *, fault: bool = False) -> Report:
     )
 
 
-async def get(port: int, path: str) -> tuple[int, dict[str, Any]]:
+async def page(port: int, path: str) -> tuple[int, str]:
+    """GET ``path`` as an operator: the status and the body."""
     async with (
         aiohttp.ClientSession() as session,
         session.get(f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {ADMIN}"}) as r,
     ):
-        return r.status, await r.json()
+        return r.status, await r.text()
+
+
+async def get(port: int, path: str) -> tuple[int, dict[str, Any]]:
+    status, text = await page(port, path)
+    return status, json.loads(text)
 
 
 async def test_decisions_and_nodes_answer_across_shards(tmp_path: Path) -> None:
@@ -132,14 +139,6 @@ async def test_decisions_and_nodes_answer_across_shards(tmp_path: Path) -> None:
         assert status == 200 and body["partial"] is True
         assert [m["shard"] for m in body["shards"]["missing"]] == [1]
         assert {d["shard"] for d in body["decisions"]} == {0}
-
-
-async def page(port: int, path: str) -> tuple[int, str]:
-    async with (
-        aiohttp.ClientSession() as session,
-        session.get(f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {ADMIN}"}) as r,
-    ):
-        return r.status, await r.text()
 
 
 async def test_the_status_page_shows_every_shards_nodes_and_says_when_one_is_missing(tmp_path: Path) -> None:
