@@ -376,13 +376,16 @@ async def test_never_two_leaders_under_pauses_and_api_faults(cluster: Cluster) -
         assert replica.started - replica.stopped == (1 if replica.name == leader else 0)
 
 
-async def leader_and_follower(cluster: Cluster) -> tuple[Replica, Replica]:
-    """``a`` leading for a few renewals, ``b`` (no jitter: it polls every retry period) following."""
-    a = await cluster.add("a")
+async def leader_and_follower(
+    cluster: Cluster, *, steady: bool = False, settle_s: float = 6.0
+) -> tuple[Replica, Replica]:
+    """``a`` leading for a few renewals (``settle_s``), ``b`` (no jitter: it polls every retry
+    period) following; ``steady``: ``a`` renews without jitter too."""
+    a = await cluster.add("a", rng=NoJitter() if steady else None)
     b = await cluster.add("b", rng=NoJitter())
     await cluster.start(a)
     await cluster.start(b)
-    await cluster.advance(6)
+    await cluster.advance(settle_s)
     return a, b
 
 
@@ -504,11 +507,7 @@ async def test_annotations_written_by_a_follower_survive_the_leaders_renewals(cl
 
 
 async def test_annotation_writes_do_not_look_like_renewals(cluster: Cluster) -> None:
-    a = await cluster.add("a", rng=NoJitter())
-    b = await cluster.add("b", rng=NoJitter())
-    await cluster.start(a)
-    await cluster.start(b)
-    await cluster.advance(4)
+    a, b = await leader_and_follower(cluster, steady=True, settle_s=4)
     a.frozen = True
     renewed = last_renewal(cluster, a)
 
@@ -602,11 +601,7 @@ def test_timings_client_go_refuses_are_refused(lease: float, renew: float, retry
 
 
 async def test_time_left_is_what_remains_of_the_renew_deadline_and_zero_off_it(cluster: Cluster) -> None:
-    a = await cluster.add("a", rng=NoJitter())
-    b = await cluster.add("b", rng=NoJitter())
-    await cluster.start(a)
-    await cluster.start(b)
-    await cluster.advance(4)
+    a, b = await leader_and_follower(cluster, steady=True, settle_s=4)
     assert cluster.leaders() == ["a"]
     since = cluster.elapsed - last_renewal(cluster, a)
     assert a.elector.time_left() == pytest.approx(CONFIG.renew_deadline_seconds - since)

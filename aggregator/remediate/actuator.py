@@ -78,7 +78,7 @@ from aggregator.kube.objects import (
     WatchBookmark,
 )
 from aggregator.remediate import planner
-from aggregator.remediate.model import HealthSnapshot, IntentSource, NodeIntent
+from aggregator.remediate.model import IntentSource, NodeIntent, Restore
 from aggregator.remediate.planner import (
     NO_EXECUTE_WINDOW_S,
     WRITE_KINDS,
@@ -93,8 +93,6 @@ from aggregator.remediate.workqueue import DelayedAdds, ItemBackoff, TokenBucket
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-# ``IntentSource.restore``: (node, snapshot, our taint's value, now).
-Restore = Callable[[str, HealthSnapshot | None, str | None, float], None]
 
 __all__ = ["Actuator", "ActuatorMetrics"]
 
@@ -257,13 +255,14 @@ class Actuator:
         """How many cached nodes the pool's Kubernetes label (``k8s_pool``) puts in ``pool``."""
         return self._pool_sizes[pool]
 
-    def _cache_put(self, node: Node) -> None:
+    def _cache_put(self, node: Node) -> bool:
+        """Cache ``node``; True if it carries a NoExecute taint of ours with its time."""
         old = self._cache.get(node.name)
         if old is not None:
             self._pool_sizes[k8s_pool(old.labels)] -= 1
         self._cache[node.name] = node
         self._pool_sizes[k8s_pool(node.labels)] += 1
-        self._note_no_execute(node)
+        return self._note_no_execute(node)
 
     def _note_no_execute(self, node: Node) -> bool:
         """Count our NoExecute taints on ``node`` added within the hour; True if it has one with
@@ -637,7 +636,7 @@ class Actuator:
                 self._metrics.write(plan.patch_kind, "error")
                 raise
             self._metrics.write(plan.patch_kind, "ok")
-            self._wrote(written)
+            timed = self._wrote(written)
             log.info(
                 "node remediated",
                 extra={
@@ -648,7 +647,7 @@ class Actuator:
                     "annotations": plan.annotations,
                 },
             )
-            if plan.new_no_execute and not self._note_no_execute(written):
+            if plan.new_no_execute and not timed:
                 # A server that kept no timeAdded: counted by our clock, once.
                 self._no_execute.add((node.name, self._clock.time()))
             if plan.override_recorded:
@@ -694,9 +693,10 @@ class Actuator:
                 f"write abandoned: leadership may end within {left:.1f} s", status=0
             ) from None
 
-    def _wrote(self, node: Node) -> None:
+    def _wrote(self, node: Node) -> bool:
+        """``node`` as our write left it: cached, its echo recognised; ``_cache_put``'s answer."""
         self._written_rv.setdefault(node.name, deque(maxlen=4)).append(node.resource_version)
-        self._cache_put(node)
+        return self._cache_put(node)
 
     async def _emit(self, node: Node, ev: PlanEvent) -> None:
         await self._bucket.acquire()

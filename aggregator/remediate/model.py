@@ -6,7 +6,7 @@ probation clocks resumed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Final, Literal, Protocol
 
 import msgspec
@@ -91,6 +91,10 @@ class NodeIntent(msgspec.Struct, kw_only=True, frozen=True):
     runbook_url: str = ""
     probation_seconds: float = 1800.0
     clear_for_seconds: float = 120.0
+
+
+# ``IntentSource.restore`` as a value: (node, snapshot, our taint's value, now).
+Restore = Callable[[str, HealthSnapshot | None, str | None, float], None]
 
 
 class IntentSource(Protocol):

@@ -20,10 +20,14 @@ agent reports) moves the same way, without a restart:
   included, so from then on it gives no intent for it) as soon as it learns of the move: when it
   redirects one of the node's reports to another shard (``left``), or when the actuator asks for
   the node's intent and the node's pool with the labels as they are now is another shard's (a
-  relabel is a watch event the actuator reconciles);
+  relabel is a watch event the actuator reconciles). Not while a decision of its own that takes
+  the node out is not on the Node yet (``settled``): it keeps acting on the node until it is, so
+  the new owner can find the decision in the cluster;
 - the new owner, placing the first report of a node its pipeline does not know (``arrived``),
   restores it from the cluster first, from the node as its informer last saw it, as at a start:
-  so the quarantine the old owner decided is kept, never undone by a fresh start.
+  so the quarantine the old owner decided is kept, never undone by a fresh start. For
+  ``ARRIVAL_WATCH_S`` after, a taint of ours that reaches the informer late is restored before
+  the node's next intent (``_recheck_arrival``), not taken for a stale one.
 """
 
 from __future__ import annotations
@@ -39,12 +43,11 @@ from prometheus_client.registry import CollectorRegistry
 from agent.clock import Clock
 from aggregator.fleet.pools import place
 from aggregator.pipeline import Pipeline
-from aggregator.remediate.model import HealthSnapshot, IntentSource, NodeIntent
+from aggregator.remediate.model import HealthSnapshot, IntentSource, NodeIntent, Restore
 from aggregator.shard.map import ShardMap
 
 log = logging.getLogger(__name__)
 
-Restore = Callable[[str, HealthSnapshot | None, str | None, float], None]
 # (node, restore, tainted_only) -> whether the cluster showed something of ours to restore: the
 # actuator's ``restore_into``, bound once the remediation runtime exists.
 RestoreFromCluster = Callable[[str, Restore, bool], bool]

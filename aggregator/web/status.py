@@ -64,6 +64,8 @@ MAX_PER_PAGE: Final = 500
 MATRIX_MAX_NODES: Final = 64
 DECISION_WINDOW_S: Final = 86_400.0
 NODES_TTL_S: Final = 2.0  # a page may show the fleet as it was this long ago
+# A node page's node, looked up once before the page is rendered.
+_FOUND: Final = web.RequestKey("gpuwarden_status_node", dict)
 _OTHERS_KEPT: Final = 16  # callers whose view of the other shards is kept (status.StatusView)
 CONTENT_SECURITY_POLICY: Final = (
     "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; "
@@ -561,9 +563,10 @@ class StatusView:
         body = "".join(form) + count + pager + table + pager
         return self.page("Nodes", body, refresh=_REFRESH_S["nodes"], started=started)
 
-    def node_page(self, name: str) -> str | None:
+    def node_page(self, name: str, found: Mapping[str, Any] | None = None) -> str | None:
+        """The node's page (``found``: the node as the source gave it already); None if unknown."""
         started = time.perf_counter()
-        n = self.source.node(name)
+        n = self.source.node(name) if found is None else found
         st = self.story(name, n) if n is not None else None
         if st is None or n is None:
             return None
@@ -954,9 +957,12 @@ def status_routes(
 
     async def fleet_if_elsewhere(request: web.Request) -> None:
         # A node page of this shard needs nothing from the others; an unknown name may be theirs.
-        if source.node(request.match_info["node"]) is None:
+        # The node is looked up once, here, and rendered from what was found.
+        found = source.node(request.match_info["node"])
+        if found is None:
             await fleet(request)
         else:
+            request[_FOUND] = found
             view.local()
 
     def elsewhere(name: str) -> web.Response | None:
@@ -985,7 +991,7 @@ def status_routes(
 
     def node_page(request: web.Request) -> web.Response:
         name = request.match_info["node"]
-        page = view.node_page(name)
+        page = view.node_page(name, request.get(_FOUND))
         if page is not None:
             return _html(page)
         return elsewhere(name) or not_found(name)
