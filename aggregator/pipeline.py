@@ -362,6 +362,9 @@ class Pipeline:
             except Exception:
                 run.failed("observe_report", received)
         findings = self.engine.evaluate(view)
+        # Nothing reads the view after this: the previous report it held can go (half of what a
+        # node's history holds in full between reports).
+        self.fleet.settle(report.node)
         if report.node in self._silent:
             # The node is talking again: whatever silence said is over.
             self._silent.discard(report.node)

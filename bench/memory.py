@@ -49,6 +49,7 @@ from types import FunctionType, MethodType, ModuleType
 from typing import Any
 
 import msgspec
+import numpy as np
 from _reports import NodeSim, phase_offset, sending_order
 
 import aggregator.pipeline as pipeline_module
@@ -87,6 +88,10 @@ def deep_size(roots: Iterable[object], seen: set[int]) -> int:
         if isinstance(obj, msgspec.Struct):
             # The report types are gc=False structs: the collector cannot see into them.
             stack.extend(getattr(obj, f) for f in obj.__struct_fields__)
+        elif isinstance(obj, np.ndarray):
+            # A view's size leaves out its data, which its base owns (the pool frames' slots).
+            if obj.base is not None:
+                stack.append(obj.base)
         else:
             stack.extend(gc.get_referents(obj))
     return total

@@ -9,6 +9,7 @@ import random
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 from agent.errors import ConfigError, ReportError
@@ -563,3 +564,40 @@ def test_many_rates_at_once_are_each_what_its_single_rate_answers(seed: int) -> 
             want += [b.nvlink_rate(i, f, window) for i, f in asks.nvlink]
             want += [b.nic_rate(d, p, c, window) for d, p, c in asks.nic]
             assert [None if math.isnan(x) else x for x in got.tolist()] == want, (r.time, window)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_settled_history_answers_as_one_that_keeps_the_previous_report(seed: int) -> None:
+    """``settle`` lets the previous report go between reports; what a view says of the report
+    just added (its rates, previous, rebooted) must not change for it, late reports included."""
+    asks = RateAsks(
+        gpu=tuple((i, f) for i in range(3) for f in (ECC, "pcie_replay_total")),
+        nvlink=tuple((i, "crc_flit_errors_total") for i in range(3)),
+        nic=tuple((f"mlx5_{i}", 1, c) for i in range(3) for c in ("symbol_error", "rx_bytes_total")),
+    )
+    settled, kept = Fleet(), Fleet()
+    for fleet in (settled, kept):  # asked for up front, as the rule engine does on a first report
+        fleet.registry.track_gpu_counters(ECC, "pcie_replay_total")
+        fleet.registry.track_nvlink_counters("crc_flit_errors_total")
+        fleet.registry.track_nic_counters("symbol_error", "rx_bytes_total")
+    for r in _random_stream(seed):
+        a, b = settled.add(r), kept.add(r)
+        assert (a.outcome, a.report, a.rebooted) == (b.outcome, b.report, b.rebooted)
+        if a.outcome == "latest":
+            assert a.previous is b.previous
+        elif a.outcome == "late" and b.previous is a.added:
+            assert a.previous is a.added  # the late report became the latest's previous
+        if a.outcome == "latest" and a.previous is not None:
+            # The rates over the last interval, what the pool frames ask: the same, always.
+            window = a.report.time - a.previous.time + 0.001
+            assert np.array_equal(a.rates(asks, window), b.rates(asks, window), equal_nan=True)
+        for window in (60.0, 600.0):
+            # A GPU or NIC new to the history starts its series from the latest report alone, one
+            # report later than from both: where the settled one answers, it answers the same.
+            got, want = a.rates(asks, window), b.rates(asks, window)
+            known = ~np.isnan(got)
+            assert np.array_equal(got[known], want[known])
+        settled.settle(r.node)
+        history = settled.history(r.node)
+        assert history is not None and history.view() is not None
+        assert history.view().previous is None  # type: ignore[union-attr]

@@ -134,3 +134,22 @@ def test_a_seq_a_trillion_up_neither_grows_the_state_nor_reopens_the_window() ->
     assert tracker.is_new(_report(far - 1, time_=NOW)) and tracker.is_new(_report(far - 63, time_=NOW))
     assert not tracker.is_new(_report(far - 64, time_=NOW))  # past the window: a replay
     assert not tracker.is_new(_report(5, time_=NOW))
+
+
+def test_between_reports_a_node_keeps_one_full_report_and_its_rates() -> None:
+    """The pipeline settles each report's view: the previous report goes (38 KB an H100 node),
+    the latest stays for the next report to compare with, and the rates span both."""
+    pipeline = _pipeline()
+    for seq in range(3):
+        at = NOW + 10.0 * seq
+        pipeline.ingest(_report(seq, time_=at), at)
+        history = pipeline.fleet.history("gpu-0001")
+        assert history is not None and history.latest is not None and history.latest.seq == seq
+        view = history.view()
+        assert view is not None and view.previous is None
+    report = _report(3, time_=NOW + 30.0)
+    replays = (report.gpus[0].pcie_replay_total or 0) + 60
+    gpu = msgspec.structs.replace(report.gpus[0], pcie_replay_total=replays)
+    view = pipeline.fleet.add(msgspec.structs.replace(report, gpus=[gpu, *report.gpus[1:]]))
+    assert view.previous is not None and view.previous.seq == 2
+    assert view.gpu_rate(0, "pcie_replay_total", 30.0) == pytest.approx(2.0)

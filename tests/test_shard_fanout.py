@@ -178,3 +178,44 @@ async def test_the_status_page_shows_every_shards_nodes_and_says_when_one_is_mis
         status, summary = await get(ports[0], "/api/v1/summary")
         assert summary["totals"]["nodes"] == 1
         assert [m["shard"] for m in summary["shards"]["missing"]] == [1]
+
+
+async def test_a_node_two_shards_hold_at_once_is_listed_once_in_its_worst_state(tmp_path: Path) -> None:
+    """A node moving between shards: the old owner still holds its quarantine (not yet on the
+    Node), the new owner already takes its reports. Every fleet view lists it once, quarantined."""
+    async with two_shards(tmp_path) as (aggs, ports, _stops):
+        aggs[0].pipeline.ingest(labelled("mv", ON[0][0], T0), T0)
+        aggs[0].pipeline.ingest(labelled("mv", ON[0][0], T0 + 1, fault=True), T0 + 1)
+        aggs[1].pipeline.ingest(labelled("mv", ON[1][0], T0 + 20), T0 + 20)  # newer, healthy
+        aggs[1].pipeline.ingest(labelled("ok", ON[1][0], T0 + 20), T0 + 20)
+
+        for port in ports:
+            status, body = await get(port, "/api/v1/nodes")
+            assert status == 200
+            rows = {n["node"]: n for n in body["nodes"]}
+            assert len(body["nodes"]) == 2
+            mv = rows["mv"]
+            assert (mv["state"], mv["shard"], mv["also_on"]) == ("quarantined", 0, [1])
+            status, summary = await get(port, "/api/v1/summary")
+            assert (summary["totals"]["nodes"], summary["totals"]["quarantined"]) == (2, 1)
+        status, listing = await page(ports[1], "/nodes")
+        assert status == 200 and "1-2 of 2 nodes" in listing
+        assert "(shard 0; moving, also on shard 1)" in listing
+        status, listing = await page(ports[0], "/nodes")
+        assert "(moving, also on shard 1)" in listing
+
+
+def test_one_row_per_node_keeps_the_worst_then_the_newest() -> None:
+    from aggregator.web.status import one_row_per_node
+
+    rows = [
+        {"node": "a", "state": "healthy", "last_received": 30.0, "shard": 0},
+        {"node": "b", "state": "suspect", "last_received": 10.0, "shard": 0},
+        {"node": "a", "state": "healthy", "last_received": 50.0, "shard": 1},
+        {"node": "a", "state": "healthy", "last_received": 40.0, "shard": 2},
+        {"node": "b", "state": "probation", "last_received": 5.0, "shard": 1},
+    ]
+    got = {r["node"]: r for r in one_row_per_node(rows)}
+    assert (got["a"]["shard"], got["a"]["also_on"]) == (1, [0, 2])  # equal trouble: the newest report
+    assert (got["b"]["state"], got["b"]["shard"], got["b"]["also_on"]) == ("probation", 1, [0])
+    assert "also_on" not in one_row_per_node([rows[0]])[0]

@@ -10,10 +10,10 @@ What is kept, and why not the reports themselves
 -------------------------------------------------
 A decoded report of an 8-GPU node (18 NVLinks per GPU, 8 InfiniBand ports with their counters) is
 about 60 KB of Python objects. Keeping every report for the window (1,800 s at 10 s: 180 reports)
-would cost 11 MB per node, 80 GB for 7,500 nodes. So a node keeps only its latest report and the
-previous one of the same boot in full (the view needs them), and for everything older only the
-numbers someone asked for, as the columns of one row-major ``array('d')`` whose rows are the
-node's samples:
+would cost 11 MB per node, 80 GB for 7,500 nodes. So a node keeps only its latest report in full
+(and, while the report after it is looked at, the previous one of the same boot: the view needs
+both until ``settle``), and for everything older only the numbers someone asked for, as the
+columns of one row-major ``array('d')`` whose rows are the node's samples:
 
 - a *series* is one number per sample: the cumulative reset-safe increase of one counter (GPU
   counter, NVLink counter summed over the GPU's links, NIC counter) or the value of one GPU gauge;
@@ -42,12 +42,13 @@ node's numbers are one object, not 145 arrays and 144 state objects that every f
 collection would walk (a node's tracked objects went from 382 to 57 with this layout). The counters'
 state (last raw value, cumulative value, boot) lives in per-column lists, the NVLink sums' per-link
 state in tuples, which the collector stops tracking. Adding a column (a field asked for the first
-time, a new NIC) or dropping one (a NIC gone for the window) rewrites the rows once. The two full
-reports a node keeps come on top (38 KB each for an H100 node decoded from the wire; the pipeline
-needs the latest anyway). Rows share one boot-id string per boot, and the series keys are the
-fleet's (``SeriesRegistry.key``). A node reporting far faster than expected is capped at
-``max_samples`` rows (the oldest go first), so a misconfigured agent shortens its own window instead
-of growing memory.
+time, a new NIC) or dropping one (a NIC gone for the window) rewrites the rows once. The full
+report a node keeps comes on top (38 KB for an H100 node decoded from the wire: the next report's
+view needs it as its ``previous``; the pipeline settles each view once evaluated, so between
+reports there is one such report a node, not two). Rows share one boot-id string per boot, and
+the series keys are the fleet's (``SeriesRegistry.key``). A node reporting far faster than
+expected is capped at ``max_samples`` rows (the oldest go first), so a misconfigured agent
+shortens its own window instead of growing memory.
 
 Out-of-order reports
 --------------------
@@ -67,9 +68,11 @@ keeping the old order would drop every report until the clock caught up, so the 
 starts over from it (logged). So does a report of a boot not in the history dated before the
 latest: agents deliver in order, so it is the next boot, and the previous one's clock ran ahead.
 
-A view is meant to be used before the next ``add`` for its node (the pipeline evaluates it at once):
-its ``report``/``previous``/``rebooted`` are fixed, while its rates read the node's live history,
-bounded by the view's own time and boot (after a reboot an old view's rates are None).
+A view is meant to be used before the next ``add`` for its node (the pipeline evaluates it at once,
+then calls ``settle``, after which a new series starts from the latest report alone and a view
+has no ``previous``): its ``report``/``previous``/``rebooted`` are fixed, while its rates read the
+node's live history, bounded by the view's own time and boot (after a reboot an old view's rates
+are None).
 """
 
 from __future__ import annotations
@@ -420,6 +423,15 @@ class NodeHistory:
     def _view(self, latest: Report, added: Report, outcome: Outcome) -> HistoryView:
         return HistoryView(self.node, latest, self._previous, self._rebooted, added, outcome, self)
 
+    def settle(self) -> None:
+        """Let go of the previous report: whoever took the last view has finished with it.
+
+        The previous report is needed only while the report after it is looked at (the rule
+        engine compares the two, a new series starts from both); until the next ``add`` the
+        node's latest report is all the history keeps in full, 38 KB an H100 node less. Views
+        taken after this have no ``previous`` until the next report of the same boot."""
+        self._previous = None
+
     # -- adding ------------------------------------------------------------------------------
 
     def add(self, report: Report) -> HistoryView:
@@ -605,10 +617,11 @@ class NodeHistory:
         while start > 0 and boots[start - 1] == latest.boot_id:
             start -= 1
         self._boot_start = start
-        if report.boot_id == latest.boot_id and (self._previous is None or report.time > self._previous.time):
-            self._previous = report
         if row == len(boots) - 2:
+            # Now the row just before the latest: the latest's previous report, if of its boot.
             self._rebooted = boots[row] != latest.boot_id
+            if not self._rebooted:
+                self._previous = report
         self._evict(latest.time)
         self._forget_seen(latest.time)
 
@@ -1054,6 +1067,13 @@ class Fleet:
 
     def history(self, node: str) -> NodeHistory | None:
         return self._nodes.get(node)
+
+    def settle(self, node: str) -> None:
+        """The view of the node's last ``add`` has been used: keep only its latest report in full
+        (``NodeHistory.settle``)."""
+        h = self._nodes.get(node)
+        if h is not None:
+            h.settle()
 
     def view(self, node: str) -> HistoryView | None:
         """The node's view as of its latest report, without adding anything."""

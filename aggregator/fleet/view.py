@@ -37,7 +37,8 @@ class NodeView(Protocol):
 
     @property
     def previous(self) -> Report | None:
-        """The previous report of the same boot, None after a reboot or for the first report."""
+        """The previous report of the same boot, None after a reboot or for the first report (and
+        in a view taken once the history settled, which keeps only the latest in full)."""
         ...
 
     @property

@@ -14,9 +14,11 @@ side after the first); a shard that does not answer in time, or answers anything
 listed under ``shards.missing`` with the reason and ``partial`` is true. The answer is 200 with
 what the other shards gave: a fleet view missing one shard is still what on-call needs most.
 
-Merging: nodes are concatenated, each with its ``shard``; decisions (oldest first from each
-shard, at most ``limit`` each) are merged by time and cut at ``limit``, which is exactly the
-first ``limit`` of the fleet since every shard gave its first ``limit``. One node: this shard's,
+Merging: nodes are concatenated, each with its ``shard``, and a node two shards list at once (it
+is moving between them) is listed once (``one_row_per_node``: the row in most trouble, naming
+the other shard in ``also_on``); decisions (oldest first from each shard, at most ``limit``
+each) are merged by time and cut at ``limit``, which is exactly the first ``limit`` of the fleet
+since every shard gave its first ``limit``. One node: this shard's,
 else the first shard that knows it.
 """
 
@@ -34,7 +36,7 @@ from aiohttp import web
 
 from aggregator.ratelog import RateLimitedLog
 from aggregator.shard.map import SHARD_HEADER, ShardMap
-from aggregator.web.status import ShardNodes
+from aggregator.web.status import ShardNodes, one_row_per_node
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ class FleetViews:
             if a.status == 200 and isinstance(a.body, dict):
                 merged.extend({**row, "shard": a.shard} for row in a.body.get(key, []))
         if key == "nodes":
+            merged = one_row_per_node(merged)
             merged.sort(key=lambda row: str(row.get("node", "")))
         else:
             merged.sort(key=lambda row: float(row.get("time", 0.0)))

@@ -52,6 +52,7 @@ __all__ = [
     "StatusSource",
     "StatusView",
     "fleet_summary",
+    "one_row_per_node",
     "status_routes",
 ]
 
@@ -109,6 +110,32 @@ class OtherShards(Protocol):
     async def other_nodes(self, authorization: str | None) -> ShardNodes:
         """Every other shard's node rows, asked with the caller's ``Authorization``."""
         ...
+
+
+def one_row_per_node(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Shards' node rows with each node once, in the order first seen.
+
+    A node moving between shards (its pool relabelled) is held by both for a moment: the old
+    owner keeps a decision until the Node shows it, the new one takes the node's reports. The row
+    kept is the one in most trouble (a quarantine being handed over is what the node is), then
+    the one with the newest report; it names the other shards in ``also_on``, so neither the
+    counts nor the list show the node twice."""
+    kept: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        name = str(row.get("node", ""))
+        have = kept.get(name)
+        if have is None:
+            kept[name] = dict(row)
+            continue
+        rank = (_TROUBLE.get(str(row.get("state")), 9), -float(row.get("last_received") or 0.0))
+        have_rank = (_TROUBLE.get(str(have.get("state")), 9), -float(have.get("last_received") or 0.0))
+        also = [*have.pop("also_on", []), *row.get("also_on", [])]
+        winner, other = (dict(row), have) if rank < have_rank else (have, row)
+        if other.get("shard") is not None:
+            also.append(other["shard"])
+        winner["also_on"] = sorted(set(also))
+        kept[name] = winner
+    return list(kept.values())
 
 
 @dataclass(frozen=True)
@@ -320,7 +347,7 @@ class StatusView:
             self._nodes = (now, local)
         if self.current is None:
             return self._nodes[1]
-        return self._nodes[1] + self.current.rows
+        return one_row_per_node([*self._nodes[1], *self.current.rows])
 
     def local(self) -> None:
         """The page about to be rendered shows this shard alone."""
@@ -364,12 +391,17 @@ class StatusView:
         return note
 
     def _row_link(self, n: Mapping[str, Any]) -> str:
-        """A node's link: its page here, or on its own shard's status page."""
+        """A node's link: its page here, or on its own shard's status page; a node listed by two
+        shards at once (moving between them) says so."""
         shard = n.get("shard")
+        also = ", ".join(str(int(s)) for s in n.get("also_on") or ())
+        moving = f"moving, also on shard {also}" if also else ""
         if self._others is None or shard is None or shard == self._others.shard:
-            return _node_link(n["node"])
+            link = _node_link(n["node"])
+            return f'{link} <span class="muted">({moving})</span>' if moving else link
         href = self._others.page_url(int(shard)) + _node_href(n["node"])
-        return f'<a href="{h(href)}">{h(n["node"])}</a> <span class="muted">(shard {int(shard)})</span>'
+        where = f"shard {int(shard)}; {moving}" if moving else f"shard {int(shard)}"
+        return f'<a href="{h(href)}">{h(n["node"])}</a> <span class="muted">({where})</span>'
 
     def elsewhere(self, name: str) -> Mapping[str, Any] | None:
         """The other shards' row of ``name`` (as ``refresh`` got them for this page), if any."""
