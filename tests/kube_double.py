@@ -70,8 +70,16 @@ named next to it:
   (pkg/serviceaccount/claims.go). RBAC on ``create tokenreviews`` is not modelled: ``fail_next``
   plays a 403.
 
+* LIST pagination (``limit``, ``continue``; apiserver/pkg/storage/etcd3/store.go): Nodes in key
+  (name) order, at most ``limit`` a page, ``metadata.continue`` an opaque token holding the list's
+  revision and the key to start after, each page as of the first page's revision (the double
+  undoes the changes since, as etcd serves an old revision); a token from before the compaction
+  point is 410 Expired "The provided continue parameter is too old...", a mangled one 400.
+  ``list_pages`` counts the pages served.
+
 Not reproduced (we do not rely on it): server-side apply, managedFields, field selectors, deletes
-over HTTP, admission, defaulting, pagination. A strategic merge element without its merge key is 400
+over HTTP, admission, defaulting, ``remainingItemCount``, ``resourceVersion``/``resourceVersionMatch``
+on a LIST (every list is the newest). A strategic merge element without its merge key is 400
 here; the double does not claim the real server's code for that malformed patch.
 
 A busy control plane (all off by default):
@@ -104,6 +112,7 @@ controller writing directly, ``fail_next`` injects faults (429, 5xx, 409...) bef
 from __future__ import annotations
 
 import asyncio
+import base64
 import bisect
 import copy
 import json
@@ -220,6 +229,44 @@ def _conflict(resource: str, name: str, why: str = OPTIMISTIC_LOCK) -> ApiError:
     return ApiError(
         409, f'Operation cannot be fulfilled on {resource} "{name}": {why}', details={"name": name}
     )
+
+
+# apiserver/pkg/storage/errors.go, NewResourceExpired for an expired continue (etcd3 store).
+EXPIRED_CONTINUE = (
+    "The provided continue parameter is too old to display a consistent list result. You can start "
+    "a new list without the continue parameter, or use the continue token in this response to "
+    "retrieve the remainder of the results. Continuing with the provided token results in an "
+    "inconsistent list - objects that were created, modified, or deleted between the time the "
+    "first chunk was returned and now may show up in the list."
+)
+
+
+def _continue_token(rv: int, start: str) -> str:
+    raw = json.dumps({"v": "meta.k8s.io/v1", "rv": rv, "start": start}).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _read_continue(token: str) -> tuple[int, str]:
+    """(resourceVersion, start key) of a continue token; 400 as the server's ``DecodeContinue``."""
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        decoded = json.loads(raw)
+        rv, start = decoded["rv"], decoded["start"]
+        if decoded.get("v") != "meta.k8s.io/v1" or not isinstance(rv, int) or not isinstance(start, str):
+            raise ValueError("not a meta.k8s.io/v1 continue key")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ApiError(400, f"continue key is not valid: {exc}") from exc
+    return rv, start
+
+
+def _query_int(request: web.Request, name: str) -> int:
+    raw = request.query.get(name, "")
+    if not raw:
+        return 0
+    try:
+        return int(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"invalid value for {name}: {raw!r}") from exc
 
 
 def _now() -> str:
@@ -558,6 +605,7 @@ class KubeApiDouble:
         self._watch_epoch = 0
         self._bookmark_every: float | None = None
         self.throttled = 0  # requests answered 429 by ``throttle``
+        self.list_pages = 0  # Node LIST answers given (one per page)
         self._wakeups: set[asyncio.Event] = set()
         self._closing = False
         self._runner: web.AppRunner | None = None
@@ -946,15 +994,44 @@ class KubeApiDouble:
         requirements = parse_label_selector(request.query.get("labelSelector", ""))
         if _query_bool(request, "watch"):
             return await self._watch_nodes(request, requirements)
-        items = [n for _, n in sorted(self._nodes.items()) if _matches(n, requirements)]
+        limit = _query_int(request, "limit")
+        token = request.query.get("continue", "")
+        if token:
+            rv, start = _read_continue(token)
+            if rv < self._compacted:
+                raise ApiError(410, EXPIRED_CONTINUE)
+            nodes = self._nodes_at(rv)
+        else:
+            rv, start, nodes = self._rv, "", self._nodes
+        items = [n for name, n in sorted(nodes.items()) if name >= start and _matches(n, requirements)]
+        metadata: dict[str, Json] = {"resourceVersion": str(rv)}
+        if 0 < limit < len(items):
+            items = items[:limit]
+            # The etcd3 store's token: the list's revision and the key to start after.
+            metadata["continue"] = _continue_token(rv, items[-1]["metadata"]["name"] + "\x00")
+        self.list_pages += 1
         return web.json_response(
             {
                 "kind": "NodeList",
                 "apiVersion": "v1",
-                "metadata": {"resourceVersion": str(self._rv)},
+                "metadata": metadata,
                 "items": [{k: v for k, v in n.items() if k not in ("kind", "apiVersion")} for n in items],
             }
         )
+
+    def _nodes_at(self, rv: int) -> dict[str, dict[str, Json]]:
+        """The Nodes as they were at ``rv`` (not before the compaction point): today's, with every
+        change since undone, newest first, as etcd serves an older revision."""
+        nodes = dict(self._nodes)
+        for change in reversed(self._history):
+            if change.resource_version <= rv:
+                break
+            name = change.obj["metadata"]["name"]
+            if change.previous is None:
+                nodes.pop(name, None)
+            else:
+                nodes[name] = change.previous
+        return nodes
 
     async def _read_json(self, request: web.Request) -> Json:
         try:

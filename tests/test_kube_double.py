@@ -961,3 +961,98 @@ async def test_concurrent_read_modify_write_loses_no_taint(kube: KubeApiDouble, 
     # Both first writes were made against the version from before the other controller's write.
     assert conflicts["a"] >= 1
     assert conflicts["b"] >= 1
+
+
+# -- paginated lists ----------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def paging_client(kube: KubeApiDouble, tmp_path: Path, page: int) -> AsyncIterator[KubeClient]:
+    c = await KubeClient.from_kubeconfig(
+        kube.write_kubeconfig(tmp_path / "paging.kubeconfig"), list_page_size=page
+    )
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def test_a_node_list_is_read_in_pages_as_one_list(kube: KubeApiDouble, tmp_path: Path) -> None:
+    for i in range(7):
+        kube.add_node(f"n{i}", labels={"pool": "a" if i % 2 else "b"})
+    async with paging_client(kube, tmp_path, 3) as c:
+        listed = await c.list_nodes()
+        assert [n.name for n in listed.items] == [f"n{i}" for i in range(7)]
+        assert listed.resource_version == kube.node("n6")["metadata"]["resourceVersion"]
+        assert kube.list_pages == 3
+        selected = await c.list_nodes(label_selector="pool=a")
+        assert [n.name for n in selected.items] == ["n1", "n3", "n5"]
+        # Four nodes in pages of three: two requests.
+        before = kube.list_pages
+        assert len((await c.list_nodes(label_selector="pool=b")).items) == 4
+        assert kube.list_pages == before + 2
+
+
+async def test_pages_read_while_the_cluster_changes_are_the_list_as_of_the_first(
+    kube: KubeApiDouble, tmp_path: Path
+) -> None:
+    for i in range(6):
+        kube.add_node(f"n{i}")
+    at_start = kube.node("n5")["metadata"]["resourceVersion"]
+    kube.set_latency("list", 0.3)
+    async with paging_client(kube, tmp_path, 2) as c:
+        listing = asyncio.create_task(c.list_nodes())
+        await asyncio.sleep(0.1)  # the first page is served, its answer on the way
+        kube.delete_node("n5")
+        kube.add_node("n2a")
+        kube.update_node("n4", lambda n: n["metadata"].setdefault("labels", {}).update(moved="yes"))
+        listed = await listing
+        assert [n.name for n in listed.items] == [f"n{i}" for i in range(6)]
+        assert listed.resource_version == at_start
+        assert "moved" not in next(n for n in listed.items if n.name == "n4").labels
+        # A watch from the list's version sees what changed while it was read, in order.
+        seen: list[tuple[str, str]] = []
+        async with aclosing(
+            c.watch_nodes(resource_version=listed.resource_version, timeout_seconds=1)
+        ) as events:
+            async for event in events:
+                if isinstance(event, NodeEvent):
+                    seen.append((event.type, event.node.name))
+                    if len(seen) == 3:
+                        break
+        assert seen == [("DELETED", "n5"), ("ADDED", "n2a"), ("MODIFIED", "n4")]
+
+
+async def test_an_expired_continue_token_means_one_whole_list(kube: KubeApiDouble, tmp_path: Path) -> None:
+    for i in range(5):
+        kube.add_node(f"n{i}")
+    kube.set_latency("list", 0.3)
+    async with paging_client(kube, tmp_path, 2) as c:
+        listing = asyncio.create_task(c.list_nodes())
+        await asyncio.sleep(0.1)
+        kube.add_node("n5")
+        kube.compact()  # the first page's revision is history now
+        listed = await listing
+        assert [n.name for n in listed.items] == [f"n{i}" for i in range(6)]
+        assert listed.resource_version == kube.node("n5")["metadata"]["resourceVersion"]
+    lists = [path for method, path, _ in kube.requests if method == "GET" and path == "/api/v1/nodes"]
+    assert len(lists) == 3  # the first page, the expired second, the whole list
+
+
+async def test_the_double_refuses_a_mangled_continue_token(kube: KubeApiDouble) -> None:
+    kube.add_node("a")
+    status, body = await raw(kube, "GET", "/api/v1/nodes?limit=1&continue=bm90LWEta2V5")
+    assert status == 400 and body["reason"] == "BadRequest" and "continue key is not valid" in body["message"]
+    status, body = await raw(kube, "GET", "/api/v1/nodes?limit=x")
+    assert status == 400
+
+
+async def test_a_server_that_repeats_its_continue_token_is_refused(tmp_path: Path) -> None:
+    async def stuck(request: web.Request) -> web.StreamResponse:
+        return web.json_response(
+            {"kind": "NodeList", "metadata": {"resourceVersion": "9", "continue": "same"}, "items": []}
+        )
+
+    async with served(stuck, tmp_path) as c:
+        with pytest.raises(KubeError, match="continue token it was given"):
+            await c.list_nodes()

@@ -20,7 +20,10 @@ Design:
 * Writes to Nodes are strategic merge patches of our own fields only, with ``metadata
   .resourceVersion`` as a precondition, so a taint another controller added since our read is never
   overwritten: the server answers 409 and the caller re-reads.
-* Each request has a timeout (``request_timeout``); a LIST has a longer one (``list_timeout``,
+* A LIST of Nodes is read in pages of 500 (``limit`` and ``continue``, as client-go's pager and
+  kubectl read them), one consistent list as of the first page; an expired continue token (410
+  mid-list) means one whole LIST instead.
+* Each request has a timeout (``request_timeout``); a LIST page has a longer one (``list_timeout``,
   60 s: the upstream SLO allows a cluster-wide LIST 30 s at p99); a watch's read timeout is its
   server-side ``timeout_seconds`` plus the request timeout, so a silent, half-dead connection
   still ends.
@@ -99,6 +102,14 @@ DEFAULT_REQUEST_TIMEOUT_S = 10.0
 # latency SLO allows 30 s at p99 for cluster-scoped LISTs. A LIST given only the request timeout
 # fails on every try there, and the informer that needs it never syncs; so it gets this instead.
 DEFAULT_LIST_TIMEOUT_S = 60.0
+# Nodes asked for per LIST page: client-go's pager default (and kubectl's --chunk-size). A GPU
+# Node object is 10-40 KB of JSON (its images, capacity, conditions): all 7,500 of a big cluster
+# in one answer are hundreds of MB to read and parse at once, and one huge request to the API
+# server's priority and fairness; 500 a page bounds both.
+LIST_PAGE_SIZE: Final = 500
+# Pages of one LIST before it is refused: a server that keeps answering with a new continue
+# token (a broken proxy) must not keep the informer listing forever (5 million Nodes).
+_MAX_LIST_PAGES: Final = 10_000
 _TAINT_EFFECTS: tuple[TaintEffect, ...] = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 _CONDITION_STATUSES: tuple[ConditionStatus, ...] = ("True", "False", "Unknown")
 _WATCH_TYPES = ("ADDED", "MODIFIED", "DELETED")
@@ -113,6 +124,7 @@ class KubeClient:
         *,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
         list_timeout: float = DEFAULT_LIST_TIMEOUT_S,
+        list_page_size: int = LIST_PAGE_SIZE,
         clock: Clock | None = None,
     ) -> None:
         self._api_client = api_client
@@ -121,6 +133,7 @@ class KubeClient:
         self._authentication = AuthenticationV1Api(api_client)
         self._timeout = request_timeout
         self._list_timeout = max(list_timeout, request_timeout)
+        self._page_size = list_page_size
         self._clock = clock or SystemClock()
 
     @property
@@ -136,6 +149,7 @@ class KubeClient:
         *,
         context: str | None = None,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S,
+        list_page_size: int = LIST_PAGE_SIZE,
     ) -> KubeClient:
         """A client for the cluster and credentials of a kubeconfig file (``ConfigError`` if bad)."""
         configuration = Configuration()
@@ -149,7 +163,7 @@ class KubeClient:
         except (ConfigException, OSError, ValueError, yaml.YAMLError) as exc:
             raise ConfigError(f"cannot use kubeconfig {path}: {exc}") from exc
         log.info("kubernetes client from kubeconfig", extra={"kubeconfig": str(path), "context": context})
-        return cls(ApiClient(configuration), request_timeout=request_timeout)
+        return cls(ApiClient(configuration), request_timeout=request_timeout, list_page_size=list_page_size)
 
     @classmethod
     def in_cluster(
@@ -208,15 +222,51 @@ class KubeClient:
         return _node(await self._call(f"get node {name!r}", self._core.read_node, name))
 
     async def list_nodes(self, *, label_selector: str | None = None) -> NodeList:
+        """Every Node (matching ``label_selector``), read in pages of ``list_page_size``.
+
+        As client-go's pager does: each page asks for the rest after the last one (``continue``),
+        and the pages together are one consistent list as of the first page's resourceVersion,
+        the version a watch then resumes from. A server that does not paginate answers all at
+        once, which is the same. When the continue token expires mid-list (410: the server's
+        history was compacted while we read), the list is read again whole, in one request, as
+        client-go's ``FullListIfExpired`` does: pages from a new start could miss or repeat a
+        Node that changed in between."""
         what = "list nodes" + (f" with selector {label_selector!r}" if label_selector else "")
-        body = await self._call(
-            what, self._core.list_node, label_selector=label_selector, _request_timeout=self._list_timeout
-        )
-        items = body.get("items") or []
-        return NodeList(
-            items=tuple(_node(item) for item in items),
-            resource_version=str(body.get("metadata", {}).get("resourceVersion", "")),
-        )
+        items: list[Node] = []
+        token: str | None = None
+        for page in range(_MAX_LIST_PAGES):
+            asked: dict[str, Any] = {"label_selector": label_selector, "_request_timeout": self._list_timeout}
+            if self._page_size > 0:
+                asked["limit"] = self._page_size
+            if token is not None:
+                asked["_continue"] = token
+            try:
+                body = await self._call(f"{what} (page {page + 1})", self._core.list_node, **asked)
+            except KubeGone as exc:
+                if token is None:
+                    raise
+                log.info(
+                    "node list expired while paging, listing them whole",
+                    extra={"pages_read": page, "nodes_read": len(items), "error": str(exc)},
+                )
+                body = await self._call(
+                    what,
+                    self._core.list_node,
+                    label_selector=label_selector,
+                    _request_timeout=self._list_timeout,
+                )
+                return _node_list(body, [])
+            meta = body.get("metadata")
+            following = meta.get("continue") if isinstance(meta, dict) else None
+            if not following:
+                return _node_list(body, items)
+            if following == token:
+                raise KubeError(
+                    f"{what}: the server answered page {page + 1} with the continue token it was given"
+                )
+            items.extend(_node(item) for item in body.get("items") or [])
+            token = str(following)
+        raise KubeError(f"{what}: still more after {_MAX_LIST_PAGES} pages of {self._page_size}; refused")
 
     async def watch_nodes(
         self, *, resource_version: str, timeout_seconds: int = 300, label_selector: str | None = None
@@ -460,6 +510,14 @@ def _retry_after(headers: Mapping[str, str] | None, details: Mapping[str, Any]) 
     except (TypeError, ValueError):
         return None
     return seconds if seconds is not None and math.isfinite(seconds) and seconds >= 0 else None
+
+
+def _node_list(last_page: Json, before: list[Node]) -> NodeList:
+    """The list from its last page (which has the list's resourceVersion) and the pages before."""
+    items = last_page.get("items") or []
+    meta = last_page.get("metadata")
+    version = meta.get("resourceVersion", "") if isinstance(meta, dict) else ""
+    return NodeList(items=(*before, *(_node(item) for item in items)), resource_version=str(version))
 
 
 def _error(what: str, status: int, body: Any, headers: Mapping[str, str] | None = None) -> KubeError:
