@@ -78,9 +78,10 @@ named next to it:
   ``list_pages`` counts the pages served.
 
 Not reproduced (we do not rely on it): server-side apply, managedFields, field selectors, deletes
-over HTTP, admission, defaulting, ``remainingItemCount``, ``resourceVersion``/``resourceVersionMatch``
-on a LIST (every list is the newest). A strategic merge element without its merge key is 400
-here; the double does not claim the real server's code for that malformed patch.
+over HTTP, admission, defaulting, ``remainingItemCount``,
+``resourceVersion``/``resourceVersionMatch`` on a LIST (a list's first page is the newest, the pages
+after it as of the first). A strategic merge element without its merge key is 400 here; the double
+does not claim the real server's code for that malformed patch.
 
 A busy control plane (all off by default):
 

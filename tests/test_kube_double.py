@@ -1008,7 +1008,7 @@ async def test_pages_read_while_the_cluster_changes_are_the_list_as_of_the_first
         kube.update_node("n4", lambda n: n["metadata"].setdefault("labels", {}).update(moved="yes"))
         listed = await listing
         assert [n.name for n in listed.items] == [f"n{i}" for i in range(6)]
-        assert listed.resource_version == at_start
+        assert listed.resource_version == at_start and kube.list_pages == 3
         assert "moved" not in next(n for n in listed.items if n.name == "n4").labels
         # A watch from the list's version sees what changed while it was read, in order.
         seen: list[tuple[str, str]] = []
@@ -1056,3 +1056,47 @@ async def test_a_server_that_repeats_its_continue_token_is_refused(tmp_path: Pat
     async with served(stuck, tmp_path) as c:
         with pytest.raises(KubeError, match="continue token it was given"):
             await c.list_nodes()
+
+
+async def test_a_shed_page_is_asked_for_again_with_its_token_not_the_whole_list(tmp_path: Path) -> None:
+    asked: list[str] = []
+
+    async def paging(request: web.Request) -> web.StreamResponse:
+        token = request.query.get("continue", "")
+        asked.append(token)
+        if not token:
+            page = {"metadata": {"resourceVersion": "7", "continue": "t1"}, "items": [_node_json("a")]}
+            return web.json_response({"kind": "NodeList", **page})
+        if asked.count("t1") == 1:  # shed once, as API Priority and Fairness does
+            status = {
+                "kind": "Status",
+                "code": 429,
+                "reason": "TooManyRequests",
+                "message": "Too many requests",
+            }
+            return web.json_response(status, status=429, headers={"Retry-After": "1"})
+        return web.json_response(
+            {"kind": "NodeList", "metadata": {"resourceVersion": "7"}, "items": [_node_json("b")]}
+        )
+
+    async with served(paging, tmp_path) as c:
+        took, listed = await _timed(c.list_nodes())
+    assert [n.name for n in listed.items] == ["a", "b"] and listed.resource_version == "7"
+    assert asked == ["", "t1", "t1"] and took >= 1.0  # the server's wait, then the same page
+
+
+async def test_a_shed_first_page_is_the_callers_to_retry(tmp_path: Path) -> None:
+    async def shed(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"kind": "Status", "code": 503, "message": "busy"}, status=503)
+
+    async with served(shed, tmp_path) as c:
+        with pytest.raises(KubeUnavailable):
+            await c.list_nodes()
+
+
+def _node_json(name: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "uid": f"uid-{name}", "resourceVersion": "7"},
+        "spec": {},
+        "status": {},
+    }

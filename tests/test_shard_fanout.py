@@ -205,7 +205,7 @@ async def test_a_node_two_shards_hold_at_once_is_listed_once_in_its_worst_state(
         assert "(moving, also on shard 1)" in listing
 
 
-def test_one_row_per_node_keeps_the_worst_then_the_newest() -> None:
+def test_one_row_per_node_keeps_the_decision_then_the_newest() -> None:
     from aggregator.web.status import one_row_per_node
 
     rows = [
@@ -214,8 +214,12 @@ def test_one_row_per_node_keeps_the_worst_then_the_newest() -> None:
         {"node": "a", "state": "healthy", "last_received": 50.0, "shard": 1},
         {"node": "a", "state": "healthy", "last_received": 40.0, "shard": 2},
         {"node": "b", "state": "probation", "last_received": 5.0, "shard": 1},
+        # The old owner, no longer sent the node's reports, calls it silent and suspect.
+        {"node": "c", "state": "suspect", "silent": True, "last_received": 10.0, "shard": 0},
+        {"node": "c", "state": "healthy", "last_received": 60.0, "shard": 1},
     ]
     got = {r["node"]: r for r in one_row_per_node(rows)}
+    assert (got["c"]["state"], got["c"]["shard"], got["c"]["also_on"]) == ("healthy", 1, [0])
     assert (got["a"]["shard"], got["a"]["also_on"]) == (1, [0, 2])  # equal trouble: the newest report
     assert (got["b"]["state"], got["b"]["shard"], got["b"]["also_on"]) == ("probation", 1, [0])
     assert "also_on" not in one_row_per_node([rows[0]])[0]

@@ -285,7 +285,8 @@ if TYPE_CHECKING:
 
 
 class NodeHistory:
-    """One node's recent past: the latest two reports in full, series of what was asked for."""
+    """One node's recent past: the latest report in full (and the one before it until ``settle``),
+    series of what was asked for."""
 
     # Slots: with its 37 attributes an instance would carry a dict of its own, one more object a
     # node for the cycle collector to track.

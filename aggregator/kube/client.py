@@ -22,16 +22,18 @@ Design:
   overwritten: the server answers 409 and the caller re-reads.
 * A LIST of Nodes is read in pages of 500 (``limit`` and ``continue``, as client-go's pager and
   kubectl read them), one consistent list as of the first page; an expired continue token (410
-  mid-list) means one whole LIST instead.
+  mid-list) means one whole LIST instead, and a later page that is shed (429, 5xx) is asked for
+  again with its token after the server's wait (three tries) rather than the list started over.
 * Each request has a timeout (``request_timeout``); a LIST page has a longer one (``list_timeout``,
   60 s: the upstream SLO allows a cluster-wide LIST 30 s at p99); a watch's read timeout is its
   server-side ``timeout_seconds`` plus the request timeout, so a silent, half-dead connection
   still ends.
 * A 429 (API Priority and Fairness shedding load, with ``Retry-After``) is ``KubeUnavailable``
-  like a 5xx, carrying the wait the server asked for (``KubeError.retry_after``), and is not
-  retried here: every caller waits at least a second, or that long if longer, before its next
-  try. A watch stream the server ends is simply over (the caller watches again from its last
-  resourceVersion); a 410 on that resume is ``KubeGone`` (the caller lists again).
+  like a 5xx, carrying the wait the server asked for (``KubeError.retry_after``), and is not retried
+  here (but for a LIST page after the first, above): every caller waits at least a second, or that
+  long if longer, before its next try. A watch stream the server ends is simply over (the caller
+  watches again from its last resourceVersion); a 410 on that resume is ``KubeGone`` (the caller
+  lists again).
 
 * In a pod, the service-account token is re-read whenever the file changes (the kubelet rotates
   it), checked on every request: a rotated token is used from the next call on.
@@ -43,6 +45,7 @@ under review is a credential and never appears in a log line or an error message
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -110,6 +113,11 @@ LIST_PAGE_SIZE: Final = 500
 # Pages of one LIST before it is refused: a server that keeps answering with a new continue
 # token (a broken proxy) must not keep the informer listing forever (5 million Nodes).
 _MAX_LIST_PAGES: Final = 10_000
+# Tries of a page after the first that the server shed (429, 5xx) or did not answer, each after
+# the wait it asked (at least PAGE_RETRY_MIN_S): the continue token stays good for minutes, and
+# listing again from the first page would repeat every page read, the load being shed.
+PAGE_ATTEMPTS: Final = 3
+PAGE_RETRY_MIN_S: Final = 1.0
 _TAINT_EFFECTS: tuple[TaintEffect, ...] = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 _CONDITION_STATUSES: tuple[ConditionStatus, ...] = ("True", "False", "Unknown")
 _WATCH_TYPES = ("ADDED", "MODIFIED", "DELETED")
@@ -126,6 +134,7 @@ class KubeClient:
         list_timeout: float = DEFAULT_LIST_TIMEOUT_S,
         list_page_size: int = LIST_PAGE_SIZE,
         clock: Clock | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._api_client = api_client
         self._core = CoreV1Api(api_client)
@@ -134,6 +143,7 @@ class KubeClient:
         self._timeout = request_timeout
         self._list_timeout = max(list_timeout, request_timeout)
         self._page_size = list_page_size
+        self._sleep = sleep
         self._clock = clock or SystemClock()
 
     @property
@@ -241,7 +251,7 @@ class KubeClient:
             if token is not None:
                 asked["_continue"] = token
             try:
-                body = await self._call(f"{what} (page {page + 1})", self._core.list_node, **asked)
+                body = await self._page(f"{what} (page {page + 1})", asked, resumed=token is not None)
             except KubeGone as exc:
                 if token is None:
                     raise
@@ -267,6 +277,23 @@ class KubeClient:
             items.extend(_node(item) for item in body.get("items") or [])
             token = str(following)
         raise KubeError(f"{what}: still more after {_MAX_LIST_PAGES} pages of {self._page_size}; refused")
+
+    async def _page(self, what: str, asked: dict[str, Any], *, resumed: bool) -> Json:
+        """One LIST page; a page after the first is tried again in place when shed (see
+        ``PAGE_ATTEMPTS``), as client-go's REST client retries a 429 with its Retry-After."""
+        for attempt in range(1, PAGE_ATTEMPTS + 1):
+            try:
+                return await self._call(what, self._core.list_node, **asked)
+            except KubeUnavailable as exc:
+                if not resumed or attempt == PAGE_ATTEMPTS:
+                    raise
+                wait = exc.wait_s(PAGE_RETRY_MIN_S)
+                log.info(
+                    "node list page refused, asking for it again",
+                    extra={"status": exc.status, "attempt": attempt, "retry_in_s": wait},
+                )
+                await self._sleep(wait)
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     async def watch_nodes(
         self, *, resource_version: str, timeout_seconds: int = 300, label_selector: str | None = None

@@ -14,11 +14,11 @@ side after the first); a shard that does not answer in time, or answers anything
 listed under ``shards.missing`` with the reason and ``partial`` is true. The answer is 200 with
 what the other shards gave: a fleet view missing one shard is still what on-call needs most.
 
-Merging: nodes are concatenated, each with its ``shard``, and a node two shards list at once (it
-is moving between them) is listed once (``one_row_per_node``: the row in most trouble, naming
-the other shard in ``also_on``); decisions (oldest first from each shard, at most ``limit``
-each) are merged by time and cut at ``limit``, which is exactly the first ``limit`` of the fleet
-since every shard gave its first ``limit``. One node: this shard's,
+Merging: nodes are concatenated, each with its ``shard``, and a node two shards list at once (it is
+moving between them) is listed once (``one_row_per_node``: the row with a quarantine or probation,
+else the newest, naming the other shard in ``also_on``); decisions (oldest first from each shard, at
+most ``limit`` each) are merged by time and cut at ``limit``, which is exactly the first ``limit``
+of the fleet since every shard gave its first ``limit``. One node: this shard's,
 else the first shard that knows it.
 """
 

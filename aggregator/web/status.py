@@ -112,30 +112,38 @@ class OtherShards(Protocol):
         ...
 
 
-def one_row_per_node(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+# States a node keeps when it moves between shards: its decision travels with it (the new owner
+# restores it from the Node), so the shard that holds one is right about the node.
+_CARRIED: Final = frozenset({"quarantined", "probation"})
+
+
+def one_row_per_node(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Shards' node rows with each node once, in the order first seen.
 
     A node moving between shards (its pool relabelled) is held by both for a moment: the old
     owner keeps a decision until the Node shows it, the new one takes the node's reports. The row
-    kept is the one in most trouble (a quarantine being handed over is what the node is), then
-    the one with the newest report; it names the other shards in ``also_on``, so neither the
-    counts nor the list show the node twice."""
+    kept is the one with a quarantine or probation (the decision being handed over is what the
+    node is), else the one with the newest report: the old owner, no longer sent the node's
+    reports, soon calls it silent and suspect, which is not news about the node. The kept row
+    names the other shards in ``also_on``, so neither the counts nor the list show the node
+    twice. Rows are copied only where two meet."""
     kept: dict[str, dict[str, Any]] = {}
     for row in rows:
         name = str(row.get("node", ""))
         have = kept.get(name)
         if have is None:
-            kept[name] = dict(row)
+            kept[name] = row
             continue
-        rank = (_TROUBLE.get(str(row.get("state")), 9), -float(row.get("last_received") or 0.0))
-        have_rank = (_TROUBLE.get(str(have.get("state")), 9), -float(have.get("last_received") or 0.0))
-        also = [*have.pop("also_on", []), *row.get("also_on", [])]
-        winner, other = (dict(row), have) if rank < have_rank else (have, row)
+        also = [*have.get("also_on", []), *row.get("also_on", [])]
+        winner, other = (row, have) if _move_rank(row) < _move_rank(have) else (have, row)
         if other.get("shard") is not None:
             also.append(other["shard"])
-        winner["also_on"] = sorted(set(also))
-        kept[name] = winner
+        kept[name] = {**winner, "also_on": sorted(set(also))}
     return list(kept.values())
+
+
+def _move_rank(row: Mapping[str, Any]) -> tuple[bool, float]:
+    return (row.get("state") not in _CARRIED, -float(row.get("last_received") or 0.0))
 
 
 @dataclass(frozen=True)
@@ -337,7 +345,8 @@ class StatusView:
         """The fleet's node summaries, read at most once every ``nodes_ttl_s`` however many
         browsers refresh: at 7,500 nodes the read is most of a page's cost (bench/status_page.py).
         With sharding, this shard's rows and the other shards' (as ``refresh`` last got them),
-        each with its ``shard``."""
+        each with its ``shard``, a node two shards hold at once listed once
+        (``one_row_per_node``)."""
         now = time.monotonic()
         if self._nodes is None or now - self._nodes[0] >= self.nodes_ttl_s:
             local = self.source.nodes()
