@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,3 +43,28 @@ def _logging_left_as_found() -> Iterator[None]:
         if handler not in before and isinstance(handler.formatter, KeyValueFormatter):
             root.removeHandler(handler)
     root.setLevel(level)
+
+
+@pytest.fixture
+def warning_state_untouched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """For code that runs in the service's worker thread (an ``Offload``'s compute): it must neither
+    enter ``warnings.catch_warnings`` (which swaps process-wide state and is not thread-safe: a
+    compute doing it can leave the event loop's filters wrong) nor leave a RuntimeWarning that would
+    need one (numpy's all-NaN-lane warnings: ``aggregator.detect.nanstats`` avoids them)."""
+    real = warnings.catch_warnings
+    callers: list[str] = []
+
+    def recorded(*args: Any, **kwargs: Any) -> warnings.catch_warnings[Any]:
+        # pytest enters it around every test phase, and scikit-learn inside every forest fit and
+        # predict (sklearn.utils.parallel, .validation: not ours to change, and harmless while
+        # nothing on the loop changes the filters after startup): only our own packages count.
+        callers.append(str(sys._getframe(1).f_globals.get("__name__", "")))
+        return real(*args, **kwargs)
+
+    with real():
+        warnings.simplefilter("error", RuntimeWarning)
+        monkeypatch.setattr(warnings, "catch_warnings", recorded)
+        yield
+        monkeypatch.undo()
+    ours = [c for c in callers if c.split(".")[0] in ("aggregator", "agent", "gpuwarden", "sim")]
+    assert not ours, f"warnings.catch_warnings entered by {sorted(set(ours))}: not thread-safe"

@@ -19,6 +19,9 @@ from aggregator.detect.forest import (
 from aggregator.fleet.frame import GPU_COLUMN, GPU_FIELDS, FleetFrames, PoolFrame
 from aggregator.model import Finding
 
+# Every run here is also a compute the service runs in its worker thread (conftest: why).
+pytestmark = pytest.mark.usefixtures("warning_state_untouched")
+
 INTERVAL = 10.0
 SLOTS = 60
 GPUS = 8

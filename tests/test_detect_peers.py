@@ -19,6 +19,9 @@ from aggregator.links import DECIDED
 from aggregator.model import Finding
 from sim.pool import GPUS, INTERVAL, MAX_HZ, Fault, PoolSim
 
+# Every run here is also a compute the service runs in its worker thread (conftest: why).
+pytestmark = pytest.mark.usefixtures("warning_state_untouched")
+
 
 def simulate(
     sim: PoolSim, minutes: float, every: float = 30.0, config: PeerConfig | None = None

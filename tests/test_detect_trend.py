@@ -10,6 +10,9 @@ from aggregator.detect.trend import TrendConfig, TrendDetector
 from aggregator.fleet.frame import GPU_COLUMN, GPU_FIELDS, NIC_COLUMN, NIC_FIELDS, PoolFrame
 from aggregator.model import Finding
 
+# Every run here is also a compute the service runs in its worker thread (conftest: why).
+pytestmark = pytest.mark.usefixtures("warning_state_untouched")
+
 INTERVAL = 10.0
 GPUS = 8
 PORTS = [("mlx5_0", 1), ("mlx5_1", 1), ("mlx5_2", 1), ("mlx5_3", 1)]

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import msgspec
 import numpy as np
+import pytest
 from prometheus_client import CollectorRegistry
 
 from agent.clock import FakeClock
@@ -162,3 +163,31 @@ def test_the_warning_free_mean_is_numpys_bit_for_bit() -> None:
         warnings.simplefilter("error")  # the point: no warning to silence, in any thread
         got = nanmean(x, axis=0)
     assert np.array_equal(got, expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("lane", [1, 2, 7, 8, 1024, 4001])
+def test_the_warning_free_median_is_numpys(lane: int) -> None:
+    """A node's eight GPUs and a pool's slot of thousands: numpy's medians, with NaN for an
+    all-NaN lane, infinities kept, no warning raised and the caller's array left as it was."""
+    import warnings
+
+    from aggregator.detect.nanstats import nanmedian
+
+    rng = np.random.default_rng(lane)
+    x = np.round(rng.normal(0, 1, (5, 3, lane)), 1)  # rounded: ties
+    x[rng.random(x.shape) < 0.3] = np.nan
+    x[1, 2] = np.nan  # an all-NaN lane
+    x[2, 0, :] = np.inf  # all infinite
+    x[3, 1, ::3] = -np.inf
+    x[4, 0, 0], x[4, 0, 1:] = 0.5, np.nan  # one valid value
+    before = x.copy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        expected = {axis: np.nanmedian(x, axis=axis) for axis in (0, 2)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = {axis: nanmedian(x, axis) for axis in (0, 2)}
+    for axis in (0, 2):
+        np.testing.assert_allclose(got[axis], expected[axis], equal_nan=True)
+    assert np.isnan(got[2][1, 2]) and got[2][2, 0] == np.inf and got[2][4, 0] == 0.5
+    assert np.array_equal(x, before, equal_nan=True)

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Final, Literal
 
@@ -62,7 +61,7 @@ from msgspec import Meta
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import Offload, OffloadingPoolDetector
 from aggregator.detect.cusum import average_run_length, cusum, threshold_for_arl
-from aggregator.detect.nanstats import nanmedian
+from aggregator.detect.nanstats import nanmean, nanmedian
 from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, FrameWindow, PoolFrame
 from aggregator.model import Action, Finding
 
@@ -440,9 +439,9 @@ class PeerDetector(OffloadingPoolDetector):
         for feature in self.features:
             cols = [GPU_COLUMN[col] for col in feature.columns]
             raw = gpu[..., cols].astype(np.float64)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                value: Float = np.nanmax(raw, axis=-1) if len(cols) > 1 else raw[..., 0]
+            # ``np.nanmax`` is this reduce plus a warning on an all-NaN lane; silencing that takes
+            # ``warnings.catch_warnings``, which is not thread-safe, and this runs in a worker.
+            value: Float = np.fmax.reduce(raw, axis=-1) if len(cols) > 1 else raw[..., 0]
             x = np.where(loaded, value, np.nan)  # (slots, nodes, gpus)
             if feature.uncapped_only:
                 x = np.where(capped, np.nan, x)
@@ -653,12 +652,11 @@ def _power_limit_explanation(
     else:
         peers[:] = loaded
     peers[:, n, g] = False
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        own_cap = float(np.nanmean(cap[:, n, g]))
-        peer_cap = float(np.nanmean(np.where(peers, cap, np.nan)))
-        own_limit = float(np.nanmean(limit[:, n, g]))
-        peer_limit = float(np.nanmedian(np.where(peers, limit, np.nan)))
+    # nanstats, not np.nan*: no warning to silence (see the module's docstring) in a worker thread.
+    own_cap = float(nanmean(cap[:, n, g], axis=0))
+    peer_cap = float(nanmean(np.where(peers, cap, np.nan).ravel(), axis=0))
+    own_limit = float(nanmean(limit[:, n, g], axis=0))
+    peer_limit = float(nanmedian(np.where(peers, limit, np.nan).ravel(), axis=0))
     who = "its node-mates" if feature.relative_to == "node" else "the pool"
     if (
         not math.isnan(own_cap)

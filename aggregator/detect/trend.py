@@ -32,7 +32,6 @@ the service's worker thread), and ``finish`` hands the findings back.
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Final
 
@@ -43,7 +42,7 @@ from msgspec import Meta
 from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import Offload, OffloadingPoolDetector
 from aggregator.detect.load import settled
-from aggregator.detect.nanstats import nanmedian
+from aggregator.detect.nanstats import nanmean, nanmedian
 from aggregator.detect.peers import MAD_SCALE, complete_slots, median_mad, under_load
 from aggregator.fleet.frame import GPU_COLUMN, NIC_COLUMN, FrameWindow, PoolFrame, nic_name
 from aggregator.model import Action, Finding
@@ -262,9 +261,7 @@ class TrendDetector(OffloadingPoolDetector):
         )
         if not hit.any():
             return _Burst(hit, quarantine, median, median, line, from_pool)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            recent = np.nanmean(rate[-c.recent_slots :], axis=0)
+        recent = nanmean(rate[-c.recent_slots :], axis=0)
         return _Burst(hit, quarantine, recent, median, line, from_pool)
 
     def _burst_finding(
