@@ -1,11 +1,11 @@
 """``gpuwarden demo``: a small fleet of real agents, a real aggregator, faults, decisions.
 
 Everything is the production code path except the hardware: each node's GPUs are a fake NVML
-(``agent/gpu/fake.py``, raising pynvml's own errors) and its NICs are the recorded H100 sysfs tree
-(``tests/fixtures/sysfs/h100``). The agents run their collectors, ship gzip reports with bearer
-tokens over HTTP to the aggregator on 127.0.0.1, and the aggregator's pipeline decides. The demo
-then breaks some nodes the way real nodes break and prints each decision as the aggregator makes
-it, read back from its API.
+(``agent/gpu/fake.py``, raising pynvml's own errors) and its NICs are the generated H100 sysfs
+tree (``tests/fixtures/sysfs/h100``, laid out as the kernel lays it out). The agents run their
+collectors, ship reports with bearer tokens over HTTP to the aggregator on 127.0.0.1 (in the
+encoding it offers), and the aggregator's pipeline decides. The demo then breaks some nodes the
+way real nodes break and prints each decision as the aggregator makes it, read back from its API.
 """
 
 from __future__ import annotations

@@ -288,7 +288,7 @@ class NodeHistory:
     """One node's recent past: the latest report in full (and the one before it until ``settle``),
     series of what was asked for."""
 
-    # Slots: with its 37 attributes an instance would carry a dict of its own, one more object a
+    # Slots: with this many attributes an instance would carry a dict of its own, one more object a
     # node for the cycle collector to track.
     __slots__ = (
         "_boot_codes",
