@@ -61,10 +61,9 @@ def warning_state_untouched(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         callers.append(str(sys._getframe(1).f_globals.get("__name__", "")))
         return real(*args, **kwargs)
 
-    with real():
+    with real(), monkeypatch.context() as patch:
         warnings.simplefilter("error", RuntimeWarning)
-        monkeypatch.setattr(warnings, "catch_warnings", recorded)
+        patch.setattr(warnings, "catch_warnings", recorded)
         yield
-        monkeypatch.undo()
     ours = [c for c in callers if c.split(".")[0] in ("aggregator", "agent", "gpuwarden", "sim")]
     assert not ours, f"warnings.catch_warnings entered by {sorted(set(ours))}: not thread-safe"

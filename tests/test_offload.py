@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
@@ -25,6 +26,7 @@ from aggregator.app import build_pipeline
 from aggregator.config import Config, DetectorSettings, PositiveSeconds
 from aggregator.detect import DetectorSpec
 from aggregator.detect.base import Offload, OffloadingPoolDetector
+from aggregator.detect.nanstats import nanmean, nanmedian
 from aggregator.fleet.frame import PoolFrame
 from aggregator.metrics import Metrics
 from aggregator.model import Finding
@@ -148,10 +150,6 @@ async def test_the_service_computes_off_the_loop_with_the_same_decisions() -> No
 
 
 def test_the_warning_free_mean_is_numpys_bit_for_bit() -> None:
-    import warnings
-
-    from aggregator.detect.nanstats import nanmean
-
     rng = np.random.default_rng(0)
     x = rng.normal(0, 1, (30, 50, 8))
     x[rng.random(x.shape) < 0.3] = np.nan
@@ -169,10 +167,6 @@ def test_the_warning_free_mean_is_numpys_bit_for_bit() -> None:
 def test_the_warning_free_median_is_numpys(lane: int) -> None:
     """A node's eight GPUs and a pool's slot of thousands: numpy's medians, with NaN for an
     all-NaN lane, infinities kept, no warning raised and the caller's array left as it was."""
-    import warnings
-
-    from aggregator.detect.nanstats import nanmedian
-
     rng = np.random.default_rng(lane)
     x = np.round(rng.normal(0, 1, (5, 3, lane)), 1)  # rounded: ties
     x[rng.random(x.shape) < 0.3] = np.nan
