@@ -348,6 +348,7 @@ def analyse(  # noqa: PLR0917 - one call site, every figure it reports
         "later_report_to_taint_p50_s": _pct(later_lat, 50),
         "later_report_to_taint_p99_s": _pct(later_lat, 99),
         "later_report_to_taint_max_s": round(max(later_lat), 3) if later_lat else None,
+        "later_report_to_taint_s": [round(v, 3) for v in later_lat],
         "aggregator_cpu_share_storm": round((cpu1[0] - cpu0[0]) / span, 2),
         "double_cpu_share_storm": round((cpu1[1] - cpu0[1]) / span, 2),
         "feeder_lag_p99_s": _pct(lag, 99),

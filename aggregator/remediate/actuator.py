@@ -7,12 +7,14 @@ feeds it and applies its plans. Shape (client-go's controller pattern, in asynci
   last event's or bookmark's (``KubeGone``: list again), keeping a cache and enqueuing a node when
   something we care about changed on it (its taints, our annotations, the managed label, our
   condition). A periodic full resync and every gain of leadership enqueue every node, so a missed
-  event costs at most ``resync_seconds``;
+  event costs at most ``resync_seconds``. What the watch or the resync queued is judged from the
+  cache first (client-go controllers reconcile from their lister) and read only if it needs work;
+  a decision always reads fresh;
 - a work queue (``workqueue``): one entry per node however often it is submitted, never the same
   node in two workers at once, bounded (overflow is counted, the resync catches up), and a
   per-node exponential retry delay (1 s doubling to 5 min) after failures;
-- ``workers`` workers, each reconciling one node at a time: read the node fresh, plan, write only
-  what the plan says differs.
+- ``workers`` workers, each reconciling one node at a time: read the node, plan, write only what
+  the plan says differs.
 
 Before any reconcile, the first list hands every node carrying our taint or our health snapshot
 to ``IntentSource.restore``: a restarted or newly elected aggregator thus knows which nodes are
@@ -216,7 +218,7 @@ class Actuator:
         # every new quarantine, and counting 7,500 cached nodes each time made a 375-node storm
         # cost 2.8 million label lookups.
         self._pool_sizes: Tally[str | None] = Tally()
-        self._resync_only: set[str] = set()  # queued by the periodic resync alone
+        self._from_cache: set[str] = set()  # queued by the resync or the watch alone
         self._synced = asyncio.Event()
         self._was_leader = False
         self._dropped: set[str] = set()  # turned away by a full queue since the last resync
@@ -236,7 +238,15 @@ class Actuator:
 
     def submit(self, node: str) -> None:
         """Reconcile ``node`` soon (the pipeline calls this when a decision changes it)."""
-        self._resync_only.discard(node)
+        self._from_cache.discard(node)
+        self._enqueue(node)
+
+    def _recheck(self, node: str) -> None:
+        """Reconcile ``node`` soon, judged from the cache first: for the resync and the watch,
+        whose copy of the node is as new as a read would be. A decision already queued it: then
+        it reads fresh."""
+        if node not in self._queue:
+            self._from_cache.add(node)
         self._enqueue(node)
 
     def _enqueue(self, node: str) -> None:
@@ -322,9 +332,7 @@ class Actuator:
         for name in dropped:
             self.submit(name)
         for name in list(self._cache):
-            if name not in self._queue:  # a decision already queued it: it reads fresh
-                self._resync_only.add(name)
-            self._enqueue(name)
+            self._recheck(name)
         self._metrics.last_resync.set(self._clock.time())
 
     async def run(self) -> None:
@@ -519,7 +527,11 @@ class Actuator:
         if n.resource_version in self._written_rv.get(n.name, ()):
             return  # the echo of our own write
         if old is None or self._relevant(old) != self._relevant(n):
-            self.submit(n.name)
+            # From the cache: the echo of a write of ours that overtook the write's own answer
+            # (the API server sends both, and nothing orders them) is not known as ours yet; read
+            # fresh, each would cost a token, and after a 375-node storm those reads queued ahead
+            # of the next fault for 7 s. A change of someone else's needs work and reads anyway.
+            self._recheck(n.name)
 
     def _relevant(self, n: Node) -> tuple[object, ...]:
         """What a reconcile depends on; the kubelet's status heartbeats change none of it."""
@@ -569,10 +581,10 @@ class Actuator:
     async def _reconcile_guarded(self, node: str) -> None:
         started = self._clock.monotonic()
         try:
-            # A periodic resync judges from the informer's copy, as client-go controllers do, so
-            # a resync of 7,500 unchanged nodes costs no API call; anything else reads fresh.
-            from_cache = node in self._resync_only
-            self._resync_only.discard(node)
+            # A resync or a watch event judges from the informer's copy, as client-go controllers
+            # do, so a resync of 7,500 unchanged nodes costs no API call; a decision reads fresh.
+            from_cache = node in self._from_cache
+            self._from_cache.discard(node)
             await self.reconcile(node, from_cache=from_cache)
         except KubeError as e:
             self._retry_later(node, e)
