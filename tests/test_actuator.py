@@ -806,9 +806,17 @@ async def test_echoes_that_overtake_our_answers_cost_no_read(world: World) -> No
             world.intents.by_node[name] = intent(name)
             act.submit(name)
         await until(lambda: len(api.events) == len(names), "every node tainted and announced")
-        await until(lambda: world.reconciles() >= 2 * len(names), "the echoes' re-checks")
-        await until(lambda: sample(world.registry, "gpuwarden_remediation_queue_depth") == 0, "idle")
+
+        def caught_up() -> bool:  # every echo cached, nothing queued
+            return sample(world.registry, "gpuwarden_remediation_queue_depth") == 0 and all(
+                (cached := act.cached(name)) is not None
+                and cached.resource_version == api.node(name)["metadata"]["resourceVersion"]
+                for name in names
+            )
+
+        await until(caught_up, "the echoes' re-checks")
         await asyncio.sleep(0.2)
+        assert caught_up()
         assert all(ours(api, name) and condition(api, name) for name in names)
         gets = [op for _, op in world.kube.calls if op == "get"]
         assert len(gets) == len(names)
@@ -816,6 +824,30 @@ async def test_echoes_that_overtake_our_answers_cost_no_read(world: World) -> No
         remove_our_taint(api, names[0])
         await until(lambda: OVERRIDE in node_annotations(api, names[0]), "override recorded")
     assert len([op for _, op in world.kube.calls if op == "get"]) == len(names) + 1
+
+
+async def test_a_change_made_while_our_read_is_answered_is_still_read(world: World) -> None:
+    # Our read is applied at once and answered 0.2 s later; meanwhile someone removes our taint.
+    # Its watch event is cached first, then our read's older answer is cached over it, and the
+    # plan on that answer is empty. The re-check the event queued must read fresh, not trust the
+    # cache: the removal is seen and recorded as an override.
+    api = world.api
+    api.add_node("n1")
+    world.intents.by_node["n1"] = intent("n1")
+    act = world.actuator()
+    async with world.running(act):
+        act.submit("n1")
+        await until(lambda: len(api.events) == 1, "tainted and announced")
+        await until(lambda: sample(world.registry, "gpuwarden_remediation_queue_depth") == 0, "idle")
+        await asyncio.sleep(0.1)
+        api.set_latency("get", 0.2, path_regex=r"^/api/v1/nodes/n1$")
+        reads = len([op for _, op in world.kube.calls if op == "get"])
+        act.submit("n1")  # the same decision again: a fresh read, then nothing to write
+        await until(lambda: len([op for _, op in world.kube.calls if op == "get"]) > reads, "read sent")
+        await asyncio.sleep(0.05)
+        remove_our_taint(api, "n1")
+        await until(lambda: OVERRIDE in node_annotations(api, "n1"), "override recorded")
+    assert ours(api, "n1") == []
 
 
 async def test_submit_dedups_and_overflow_is_counted_then_resync_catches_up(

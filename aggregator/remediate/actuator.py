@@ -227,6 +227,11 @@ class Actuator:
         # resourceVersions our own last writes produced, per node: their watch echoes need no
         # reconcile (a patch and a condition write make two in a row).
         self._written_rv: dict[str, deque[str]] = {}
+        # The versions of relevant watch events not known as ours when they came, since the node's
+        # last reconcile began: a re-check judges from the cache only once all of them turned out
+        # to be our own writes. A GET's or a write's answer can be older than an event already
+        # cached (it is cached over it), so someone else's change must never be judged from it.
+        self._unexplained: dict[str, set[str]] = {}
         # Our NoExecute taints seen in the last hour, as (node, timeAdded as unix): a set, so that
         # the same taint seen by list, watch, read and write counts once.
         self._no_execute: set[tuple[str, float]] = set()
@@ -242,9 +247,9 @@ class Actuator:
         self._enqueue(node)
 
     def _recheck(self, node: str) -> None:
-        """Reconcile ``node`` soon, judged from the cache first: for the resync and the watch,
-        whose copy of the node is as new as a read would be. A decision already queued it: then
-        it reads fresh."""
+        """Reconcile ``node`` soon, judged from the cache first (for the resync and the watch),
+        unless a decision already queued it or a watch event since its last reconcile is not
+        known as ours: then it reads fresh."""
         if node not in self._queue:
             self._from_cache.add(node)
         self._enqueue(node)
@@ -527,10 +532,12 @@ class Actuator:
         if n.resource_version in self._written_rv.get(n.name, ()):
             return  # the echo of our own write
         if old is None or self._relevant(old) != self._relevant(n):
-            # From the cache: the echo of a write of ours that overtook the write's own answer
-            # (the API server sends both, and nothing orders them) is not known as ours yet; read
-            # fresh, each would cost a token, and after a 375-node storm those reads queued ahead
-            # of the next fault for 7 s. A change of someone else's needs work and reads anyway.
+            # The echo of a write of ours that overtook the write's own answer (the API server
+            # sends both, and nothing orders them) is not known as ours yet. By the re-check it
+            # is, and the cache is judged without a read: read fresh, each cost a token, and
+            # after a 375-node storm those reads queued ahead of the next fault for 7 s. Someone
+            # else's change never becomes ours, so it reads fresh (``_explained``).
+            self._unexplained.setdefault(n.name, set()).add(n.resource_version)
             self._recheck(n.name)
 
     def _relevant(self, n: Node) -> tuple[object, ...]:
@@ -552,6 +559,8 @@ class Actuator:
     def _forget(self, node: str) -> None:
         self._backoff.forget(node)
         self._written_rv.pop(node, None)
+        self._unexplained.pop(node, None)
+        self._from_cache.discard(node)
         self._preflight_seen.pop(node, None)
         self._preflight_warned.discard(node)
         self._dry_run_logged.pop(node, None)
@@ -583,8 +592,9 @@ class Actuator:
         try:
             # A resync or a watch event judges from the informer's copy, as client-go controllers
             # do, so a resync of 7,500 unchanged nodes costs no API call; a decision reads fresh.
-            from_cache = node in self._from_cache
+            from_cache = node in self._from_cache and self._explained(node)
             self._from_cache.discard(node)
+            self._unexplained.pop(node, None)  # this reconcile sees them: a read, or all ours
             await self.reconcile(node, from_cache=from_cache)
         except KubeError as e:
             self._retry_later(node, e)
@@ -597,6 +607,11 @@ class Actuator:
         finally:
             self._metrics.reconcile_seconds.observe(max(0.0, self._clock.monotonic() - started))
         self._backoff.forget(node)
+
+    def _explained(self, node: str) -> bool:
+        """Whether every watch event since the node's last reconcile began was a write of ours."""
+        ours = self._written_rv.get(node, ())
+        return all(rv in ours for rv in self._unexplained.get(node, ()))
 
     def _retry_later(self, node: str, error: Exception) -> None:
         delay = self._backoff.failed(node)
