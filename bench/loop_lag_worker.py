@@ -53,9 +53,9 @@ from aggregator.configload import load_config
 from aggregator.decisions import DecisionLog
 from aggregator.pipeline import OffloadStep
 from aggregator.rules.model import default_rules_dir, load_rules
+from aggregator.service import LOOP_LAG_PROBE_SECONDS
 
 INTERVAL_S = 10.0
-PROBE_S = 0.1  # aggregator.service.LOOP_LAG_PROBE_SECONDS
 GC_REPORTED_S = 0.02
 
 
@@ -127,8 +127,8 @@ async def one_run(seconds: float, computes: list[Callable[[], object]] | None) -
 
     async def probe() -> None:
         while loop.time() < end:
-            asked = loop.time() + PROBE_S
-            await asyncio.sleep(PROBE_S)
+            asked = loop.time() + LOOP_LAG_PROBE_SECONDS
+            await asyncio.sleep(LOOP_LAG_PROBE_SECONDS)
             lags.append(max(0.0, loop.time() - asked))
 
     async def load() -> None:

@@ -8,8 +8,9 @@ feeds it and applies its plans. Shape (client-go's controller pattern, in asynci
   something we care about changed on it (its taints, our annotations, the managed label, our
   condition). A periodic full resync and every gain of leadership enqueue every node, so a missed
   event costs at most ``resync_seconds``. What the watch or the resync queued is judged from the
-  cache first (client-go controllers reconcile from their lister) and read only if it needs work;
-  a decision always reads fresh;
+  cache (client-go controllers reconcile from their lister) when every watch event since the
+  node's last reconcile was a write of ours, and read fresh otherwise or when it needs work; a
+  decision always reads fresh;
 - a work queue (``workqueue``): one entry per node however often it is submitted, never the same
   node in two workers at once, bounded (overflow is counted, the resync catches up), and a
   per-node exponential retry delay (1 s doubling to 5 min) after failures;
@@ -247,9 +248,9 @@ class Actuator:
         self._enqueue(node)
 
     def _recheck(self, node: str) -> None:
-        """Reconcile ``node`` soon, judged from the cache first (for the resync and the watch),
-        unless a decision already queued it or a watch event since its last reconcile is not
-        known as ours: then it reads fresh."""
+        """Reconcile ``node`` soon, from the cache if it may (for the resync and the watch; the
+        worker checks ``_explained`` when it starts). A decision already queued it: it reads
+        fresh."""
         if node not in self._queue:
             self._from_cache.add(node)
         self._enqueue(node)
@@ -532,11 +533,11 @@ class Actuator:
         if n.resource_version in self._written_rv.get(n.name, ()):
             return  # the echo of our own write
         if old is None or self._relevant(old) != self._relevant(n):
-            # The echo of a write of ours that overtook the write's own answer (the API server
-            # sends both, and nothing orders them) is not known as ours yet. By the re-check it
-            # is, and the cache is judged without a read: read fresh, each cost a token, and
-            # after a 375-node storm those reads queued ahead of the next fault for 7 s. Someone
-            # else's change never becomes ours, so it reads fresh (``_explained``).
+            # Not known as ours yet, but it may be the echo of a write of ours that overtook the
+            # write's answer (the API server sends both, and nothing orders them). If it was, the
+            # re-check finds it among our writes and judges the cache without a read; read fresh,
+            # these cost a token each, and after a 375-node storm they queued ahead of the next
+            # fault for 7 s. Someone else's change never becomes ours, so it is read.
             self._unexplained.setdefault(n.name, set()).add(n.resource_version)
             self._recheck(n.name)
 
