@@ -81,6 +81,7 @@ FAULT_ROUND = 2  # round 0 is the warm-up; the fault shows from the second paced
 # Under this share of the asked rate the shards are falling behind: the backlog, and with it the
 # time to decide a fault, grows with the run's length, so a decision within the bound is luck.
 KEPT_UP = 0.97
+MAX_ATTEMPTS = 30  # tries of one report that found no shard listening (a second apart)
 TARGET_DECIDED_S = 30.0  # the bound on a hard fault's report-to-decision at 100,000 nodes
 
 
@@ -258,6 +259,8 @@ class Load:
                 ans = await conn.post(head, body)
             except (OSError, Closed, asyncio.IncompleteReadError) as exc:
                 errors[type(exc).__name__] += 1
+                if attempts >= MAX_ATTEMPTS:  # a shard that died: fail the run, do not hang it
+                    raise BenchError(f"shard {shard} refused {attempts} tries: {exc!r}") from exc
                 await asyncio.sleep(1.0)
                 continue
             if ans.status == 307 and ans.location:
