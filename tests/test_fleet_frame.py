@@ -161,6 +161,28 @@ def test_gauge_columns_and_rates_from_the_view() -> None:
     assert first[GPU_COLUMN["hw_slowdown"]] == 0.0
 
 
+def test_gauges_of_several_gpus_at_once_with_nulls_zero_denominators_and_unknown_reasons() -> None:
+    """The gauge columns are computed for all of a node's GPUs together: each GPU's own values
+    land in its own row, a null is NaN, a share over a zero or null denominator is NaN, unknown
+    clock event reasons are NaN flags, and a GPU the report lacks is NaN throughout."""
+    fleet, frames = frames_for()
+    gpus = [
+        gpu(0, temperature_celsius=None, sm_clock_hz=1e9, sm_clock_max_hz=0, clock_event_reasons=None),
+        gpu(3, temperature_celsius=71.5, sm_clock_hz=1e9, sm_clock_max_hz=None, clock_event_reasons=0x40),
+        gpu(1, temperature_celsius=40.0, sm_clock_hz=None, sm_clock_max_hz=2e9, power_watts=700.25),
+    ]
+    frames.record(fleet.add(report(100, "a", gpus=gpus)), POOL)
+    _, values = frames.snapshot("p", 100, 100)
+    g0, g1, g2, g3 = (values[0, 0, i] for i in range(4))
+    col = GPU_COLUMN
+    assert np.isnan(g0[col["temperature_celsius"]]) and g3[col["temperature_celsius"]] == 71.5
+    assert g1[col["temperature_celsius"]] == 40.0 and g1[col["power_watts"]] == 700.25
+    assert np.isnan([g0[col["sm_clock_ratio"]], g3[col["sm_clock_ratio"]], g1[col["sm_clock_ratio"]]]).all()
+    assert np.isnan(g0[col["hw_thermal"]]) and np.isnan(g0[col["sw_power_cap"]])
+    assert (g3[col["hw_thermal"]], g3[col["hw_slowdown"]]) == (1.0, 0.0)
+    assert np.isnan(g2).all()  # no GPU 2 in the report
+
+
 def test_rate_after_a_gap_spreads_over_the_real_interval() -> None:
     fleet, frames = frames_for(frame_seconds=300.0)
     frames.record(fleet.add(report(100, "a", gpus=[gpu(0, pcie_replay_total=0)])), POOL)

@@ -17,6 +17,8 @@ from agent.report import Gpu, Nic, NvLink, Report
 from aggregator.config import FleetConfig
 from aggregator.fleet.history import (
     _MAX_BOOT_CODES,
+    _MAX_PLAN_COLUMNS,
+    _PLANS,
     GPU_COUNTER_FIELDS,
     GPU_FLAG_FIELDS,
     GPU_GAUGE_FIELDS,
@@ -473,10 +475,15 @@ def test_a_nodes_series_are_a_few_objects_for_the_garbage_collector() -> None:
         fleet.add(report(t, gpus=gpus, nics=nics))
     history = fleet.history("gpu-0001")
     assert history is not None
+    for t in range(0, 30, 10):
+        fleet.add(report(t, node="gpu-0002", gpus=gpus, nics=nics))
+    other = fleet.history("gpu-0002")
+    assert other is not None and other._plan is history._plan is not None
     gc.collect()  # tuples of numbers are untracked at a collection
     seen: set[int] = set()
     tracked = visits = 0
-    shared = ("_latest", "_previous", "registry")  # the reports, and the fleet's registry
+    # The reports, the fleet's registry, and the row plan every node with these columns shares.
+    shared = ("_latest", "_previous", "registry", "_plan")
     stack: list[object] = [getattr(history, k) for k in type(history).__slots__ if k not in shared]
     while stack:
         obj = stack.pop()
@@ -603,3 +610,190 @@ def test_a_settled_history_answers_as_one_that_keeps_the_previous_report(seed: i
         history = settled.history(r.node)
         assert history is not None and history.view() is not None
         assert history.view().previous is None  # type: ignore[union-attr]
+
+
+def _repeating_stream(seed: int) -> list[Report]:
+    """In-order reports whose counters creep, reset, go null and repeat exactly (a GPU's links
+    unchanged from one report to the next is what a healthy node sends most of the time), with
+    GPUs, links and NICs that come and go and a reboot now and then."""
+    rng = random.Random(seed)
+    counts: dict[tuple[object, ...], int] = {}
+
+    def value(key: tuple[object, ...], still: bool) -> int | None:
+        if rng.random() < 0.06:
+            return None
+        if not still:
+            counts[key] = 0 if rng.random() < 0.04 else counts.get(key, 0) + rng.choice((0, 1, 7))
+        return counts.get(key, 0)
+
+    out: list[Report] = []
+    t, boot = 0.0, "boot-a"
+    last_gpus: dict[int, Gpu] = {}
+    for _ in range(rng.randint(30, 70)):
+        t += rng.choice((10.0, 10.0, 25.0))
+        if rng.random() < 0.05:
+            boot = f"boot-{rng.randrange(10**6)}"
+        gpus = []
+        for i in range(rng.choice((1, 2, 2, 2))):
+            if i in last_gpus and rng.random() < 0.6:
+                gpus.append(last_gpus[i])  # the very same GPU: nothing counted
+                continue
+            still = rng.random() < 0.5  # links equal to the last report's, the struct new
+            links = [
+                NvLink(
+                    link=k,
+                    crc_flit_errors_total=value((i, k, "crc"), still),
+                    replay_errors_total=value((i, k, "replay"), still),
+                )
+                for k in range(rng.choice((0, 2, 3, 3)))
+            ]
+            gpus.append(
+                gpu(
+                    i, ecc_sbe_volatile_total=value((i, "ecc"), False), temperature_celsius=40.0, nvlink=links
+                )
+            )
+        last_gpus = {g.index: g for g in gpus}
+        nics = [
+            Nic(
+                device=f"mlx5_{i}",
+                link_layer="InfiniBand",
+                port=1,
+                rx_bytes_total=value(("rx", i), False),
+                counters={"symbol_error": c} if (c := value(("se", i), False)) is not None else {},
+            )
+            for i in range(rng.choice((1, 2, 2)))
+        ]
+        out.append(report(t, boot=boot, gpus=gpus, nics=nics))
+    return out
+
+
+class _ReferenceSeries:
+    """One series as the report contract defines it, from first principles: per row, the
+    cumulative reset-safe increase this boot (NaN: no value), the NVLink sums link by link."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float, str, float]] = []  # (time, boot, cumulative or NaN)
+        # A series starts when its GPU or NIC first appears, from the report before (the one the
+        # history still holds in full), and answers only for windows it covers.
+        self.since: float | None = None
+        self.before: float | None = None
+        self.cum = 0.0
+        self.boot: str | None = None
+        self.raw: float | None = None
+        self.links: dict[int, int | None] = {}  # link -> last value this boot (NVLink sums)
+
+    def _start(self, t: float, present: bool) -> None:
+        if present and self.since is None:
+            self.since = t if self.before is None else self.before
+        self.before = t
+
+    def counter(self, t: float, boot: str, v: int | None, present: bool) -> None:
+        self._start(t, present)
+        if v is None:
+            self.rows.append((t, boot, math.nan))
+            return
+        if boot == self.boot and self.raw is not None:
+            d = v - self.raw
+            self.cum += d if d >= 0 else v
+        self.raw, self.boot = v, boot
+        self.rows.append((t, boot, self.cum))
+
+    def links_sum(self, t: float, boot: str, links: dict[int, int | None] | None) -> None:
+        self._start(t, links is not None)
+        before = self.links if boot == self.boot else {}
+        self.links = {}
+        valid = False
+        for k, v in (links or {}).items():
+            p = before.get(k)
+            if v is None:
+                self.links[k] = p
+                continue
+            valid = True
+            if p is not None:
+                self.cum += v - p if v >= p else v
+            self.links[k] = v
+        if valid:
+            self.boot = boot
+        elif boot != self.boot:
+            self.links = {}
+        self.rows.append((t, boot, self.cum if valid else math.nan))
+
+    def rate(self, now: float, window_s: float) -> float | None:
+        rows = self.rows
+        if self.since is None or not rows:
+            return None
+        boot = rows[-1][1]
+        start = len(rows) - 1
+        while start > 0 and rows[start - 1][1] == boot:
+            start -= 1
+        inside = [i for i in range(start, len(rows)) if now - window_s <= rows[i][0] <= now]
+        if not inside or self.since > rows[inside[0]][0]:
+            return None
+        known = [i for i in inside if not math.isnan(rows[i][2])]
+        if len(known) < 2:
+            return None
+        lo, hi = known[0], known[-1]
+        return (rows[hi][2] - rows[lo][2]) / (rows[hi][0] - rows[lo][0])
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_rates_are_what_the_contract_says_from_first_principles(seed: int) -> None:
+    """Every rate the history answers, for counters that creep, reset, go null, repeat exactly,
+    reboot, and GPUs, links and NICs that come and go, equals the rate computed from the reports
+    alone by the contract's definition (the row is built for all series at once, not one by one)."""
+    fleet = Fleet()
+    fleet.registry.track_gpu_counters(ECC)
+    fleet.registry.track_nvlink_counters("crc_flit_errors_total", "replay_errors_total")
+    fleet.registry.track_nic_counters("symbol_error", "rx_bytes_total")
+    ref: dict[tuple[object, ...], _ReferenceSeries] = {}
+    stream = _repeating_stream(seed)
+    gpus_seen = sorted({g.index for r in stream for g in r.gpus})
+    nics_seen = sorted({n.device for r in stream for n in r.nics})
+    for r in stream:
+        view = fleet.add(r)
+        assert view.outcome == "latest"
+        fleet.settle(r.node)
+        gpus = {g.index: g for g in r.gpus}
+        nics = {n.device: n for n in r.nics}
+        for i in gpus_seen:
+            g = gpus.get(i)
+            ref.setdefault(("ecc", i), _ReferenceSeries()).counter(
+                r.time, r.boot_id, None if g is None else g.ecc_sbe_volatile_total, g is not None
+            )
+            for name in ("crc_flit_errors_total", "replay_errors_total"):
+                links = None if g is None else {link.link: getattr(link, name) for link in g.nvlink or ()}
+                ref.setdefault((name, i), _ReferenceSeries()).links_sum(r.time, r.boot_id, links)
+        for d in nics_seen:
+            n = nics.get(d)
+            se = None if n is None or not isinstance(n.counters, dict) else n.counters.get("symbol_error")
+            ref.setdefault(("se", d), _ReferenceSeries()).counter(r.time, r.boot_id, se, n is not None)
+            rx = None if n is None else n.rx_bytes_total
+            ref.setdefault(("rx", d), _ReferenceSeries()).counter(r.time, r.boot_id, rx, n is not None)
+        for window in (10.001, 60.0, 200.0):
+            for (kind, key), series in ref.items():
+                if kind == "ecc":
+                    got = view.gpu_rate(int(key), ECC, window)  # type: ignore[call-overload]
+                elif kind in ("se", "rx"):
+                    counter = "symbol_error" if kind == "se" else "rx_bytes_total"
+                    got = view.nic_rate(str(key), 1, counter, window)
+                else:
+                    got = view.nvlink_rate(int(key), str(kind), window)  # type: ignore[call-overload]
+                want = series.rate(r.time, window)
+                assert got == pytest.approx(want), (r.time, window, kind, key)
+
+
+def test_nodes_with_different_columns_share_no_plan_and_the_shared_ones_stay_bounded() -> None:
+    """Row plans are shared by the nodes whose columns are the same; a fleet (or one sender) with
+    ever new NIC names cannot grow the shared plans past their bound."""
+    fleet = Fleet()
+    fleet.registry.track_nic_counters("symbol_error", "rx_bytes_total")
+    for k in range(300):
+        nics = [
+            Nic(device=f"odd{k}_{i}", link_layer="InfiniBand", port=1, rx_bytes_total=k)
+            for i in range(k % 7 + 1)
+        ]
+        fleet.add(report(10.0, node=f"gpu-{k:04d}", nics=nics))
+        fleet.add(report(20.0, node=f"gpu-{k:04d}", nics=nics))
+    a, b = fleet.history("gpu-0001"), fleet.history("gpu-0002")
+    assert a is not None and b is not None and a._plan is not None and a._plan is not b._plan
+    assert sum(p.width for p in _PLANS.values()) <= _MAX_PLAN_COLUMNS
