@@ -256,7 +256,6 @@ def _gpu_value(gpu: Gpu | None, name: str) -> float | None:
 
 
 _Getter = Callable[[object], tuple[object, ...]]
-_NONE: Final[tuple[None, ...]] = ()
 
 
 def _tuple_getter(names: tuple[str, ...]) -> _Getter:
@@ -316,12 +315,10 @@ class _PushPlan:
         self.value_cols = np.array(cols, dtype=np.intp)
         at = self.value_cols[: self.counters] * _STATE
         self.raw_at, self.cum_at, self.boot_at = at + _RAW, at + _CUM, at + _BOOT
-        links: dict[int, list[tuple[str, Callable[[NvLink], int | None], int]]] = {}
+        links: dict[int, list[tuple[str, int]]] = {}
         for (gi, name), col in nvlinks.items():
-            links.setdefault(gi, []).append((name, _LINK_GETTERS[name], col))
-        self.links = tuple(
-            (gi, tuple(entries), [col for _, _, col in entries]) for gi, entries in links.items()
-        )
+            links.setdefault(gi, []).append((name, col))
+        self.links = tuple((gi, tuple(entries), [col for _, col in entries]) for gi, entries in links.items())
         self.width = width
 
 
@@ -689,7 +686,7 @@ class NodeHistory:
     def _push_links(
         self, plan: _PushPlan, gpus: dict[int, Gpu], boot: float, row: npt.NDArray[np.float64]
     ) -> None:
-        """The NVLink sums of the row: ``_count_links`` per column, its common cases inline.
+        """The NVLink sums of the row: ``_count_links`` per column, its common case at once.
 
         A GPU whose links are equal to those of the report just before (same boot; its row is the
         last one) counted nothing on any link: each of its columns is the last row's value, which
@@ -701,7 +698,6 @@ class NodeHistory:
         if prev_report is not None and len(self._times) >= 2 and self._times[-2] == prev_report.time:
             prev_gpus = {g.index: g for g in prev_report.gpus}
         copy: list[int] = []
-        st, prev_ids, prev = self._state, self._link_ids, self._link_prev
         for gi, entries, cols in plan.links:
             g = gpus.get(gi)
             before = prev_gpus.get(gi)
@@ -709,13 +705,8 @@ class NodeHistory:
                 copy += cols
                 continue
             links, ids = _links(g)
-            for name, get, col in entries:
-                values = tuple(map(get, links))
-                i = col * _STATE
-                if boot == st[i + _BOOT] and ids == prev_ids.get(col) and values == prev.get(col):
-                    row[col] = _NAN if values.count(None) == len(values) else st[i + _CUM]
-                else:
-                    row[col] = self._count_links(col, name, links, ids, boot)
+            for name, col in entries:
+                row[col] = self._count_links(col, name, links, ids, boot)
         if copy:
             w = self._width
             at = np.array(copy, dtype=np.intp)
