@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from aggregator.config import FleetConfig
 from aggregator.fleet.frame import GPU_COLUMN, GPU_FIELDS, NIC_COLUMN, NIC_FIELDS, FleetFrames
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import Placement, gpu_model_pool, label_safe, placement_of
+from aggregator.fleet.view import RateAsks
 
 H100 = "NVIDIA H100 80GB HBM3"
 TEMP = GPU_COLUMN["temperature_celsius"]
@@ -392,6 +394,87 @@ def test_nic_frame_rates_gauges_and_netdev_names() -> None:
     assert eth[NIC_COLUMN["port_rcv_errors_per_second"]] == pytest.approx(2.0)
     assert np.isnan(eth[NIC_COLUMN["symbol_error_per_second"]])
     assert np.isnan(ib0[NIC_COLUMN["symbol_error_per_second"]])
+
+
+# Each NIC rate column's counters in order of preference, written out from the field's meaning
+# (InfiniBand's PMA counter first, then the netdev one), not taken from the frame's own table.
+_NIC_RATE_SOURCES: dict[str, tuple[str, ...]] = {
+    "symbol_error_per_second": ("symbol_error",),
+    "link_downed_per_second": ("link_downed", "carrier_down_count"),
+    "port_rcv_errors_per_second": ("port_rcv_errors", "rx_errors"),
+    "port_xmit_discards_per_second": ("port_xmit_discards", "tx_dropped"),
+    "link_error_recovery_per_second": ("link_error_recovery",),
+    "rx_bytes_per_second": ("rx_bytes_total",),
+    "tx_bytes_per_second": ("tx_bytes_total",),
+}
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_nic_rate_columns_read_the_first_counter_each_nic_has_now(seed: int) -> None:
+    """Each NIC rate column is the rate, since the previous report, of the first of its counters
+    the NIC has in the latest report (the frame caches its asks by which counters each NIC has):
+    with counters that come and go between reports, NICs that do too, counter dicts left out,
+    and reboots. Checked against the history's own single rates."""
+    rng = random.Random(seed)
+    fleet, frames = frames_for()
+    names = sorted(
+        {c for sources in _NIC_RATE_SOURCES.values() for c in sources} - {"rx_bytes_total", "tx_bytes_total"}
+    )
+    keys = [("mlx5_0", 1), ("mlx5_1", 1), ("eth0", None)]
+    value: dict[tuple[str, str], int] = {}
+
+    def count(device: str, name: str) -> int:
+        value[(device, name)] = value.get((device, name), 0) + rng.choice((0, 1, 5))
+        return value[(device, name)]
+
+    t, boot = 100.0, "boot-a"
+    checked = 0
+    for _ in range(40):
+        t += rng.choice((10.0, 10.0, 20.0))
+        if rng.random() < 0.05:
+            boot = f"boot-{rng.randrange(10**6)}"
+        nics = []
+        for device, port in keys:
+            if rng.random() < 0.1:
+                continue  # this NIC left out of the report
+
+            counters = {c: count(device, c) for c in names if rng.random() < 0.6}
+            nics.append(
+                Nic(
+                    device=device,
+                    link_layer="InfiniBand" if port is not None else "Ethernet",
+                    port=port,
+                    rx_bytes_total=count(device, "rx") if rng.random() < 0.8 else None,
+                    tx_bytes_total=count(device, "tx") if rng.random() < 0.8 else None,
+                    **({"counters": counters} if rng.random() < 0.9 else {}),
+                )
+            )
+        view = fleet.add(report(t, "a", gpus=[], nics=nics, boot=boot))
+        frames.record(view, POOL)
+        frame = frames.frame("p")
+        assert frame is not None
+        got_keys, values = frame.nic_keys("a"), frames.nic_snapshot("p", t, t)[1][0, 0]
+        by_key = {(n.device, n.port): n for n in view.report.nics}
+        for i, key in enumerate(got_keys):
+            n = by_key.get(key)
+            for column, sources in _NIC_RATE_SOURCES.items():
+                want = np.nan
+                present = [
+                    s
+                    for s in sources
+                    if n is not None
+                    and (
+                        getattr(n, s, None) is not None or (isinstance(n.counters, dict) and s in n.counters)
+                    )
+                ]
+                if present and view.previous is not None:
+                    window = view.report.time - view.previous.time + 0.001
+                    (want,) = view.rates(RateAsks(nic=((key[0], key[1], present[0]),)), window).tolist()
+                got = values[i, NIC_COLUMN[column]]
+                assert np.array_equal(np.float32(want), got, equal_nan=True), (t, key, column)
+                checked += not np.isnan(want)
+        fleet.settle("a")
+    assert checked > 100
 
 
 def test_more_nics_than_the_frame_keeps_are_ignored_not_an_error(caplog: pytest.LogCaptureFixture) -> None:

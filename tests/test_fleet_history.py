@@ -612,6 +612,58 @@ def test_a_settled_history_answers_as_one_that_keeps_the_previous_report(seed: i
         assert history.view().previous is None  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_rates_over_the_last_interval_are_the_rates_since_the_previous_report(seed: int) -> None:
+    """``last_rates`` (what the pool frames ask each report) answers from the rates it computed once
+    for every column between the two newest rows; each answer must be ``rates`` over the window
+    that reaches back to the previous report, with late reports landing between the two, reboots,
+    series created by the asking itself, views asked again after the next report, and the history
+    settled between reports."""
+    asks = RateAsks(
+        gpu=tuple((i, f) for i in range(3) for f in (ECC, "pcie_replay_total")),
+        nvlink=tuple((i, f) for i in range(3) for f in ("crc_flit_errors_total", "replay_errors_total")),
+        nic=tuple((f"mlx5_{i}", 1, c) for i in range(3) for c in ("symbol_error", "rx_bytes_total")),
+    )
+    other = RateAsks(gpu=((0, ECC),), nic=(("mlx5_1", 1, "rx_bytes_total"),))
+    fleet = Fleet()
+    stream = _random_stream(seed) if seed % 2 else _repeating_stream(seed)
+    before: list[tuple[Any, float]] = []  # views of earlier reports, asked again later
+    fast = 0
+    for r in stream:
+        view = fleet.add(r)
+        history = fleet.history(r.node)
+        assert history is not None
+        if view.previous is None:
+            assert np.isnan(view.last_rates(asks)).all()
+        else:
+            window = view.report.time - view.previous.time + 0.001
+            fast += history._appended == history._rows_version
+            for a in (asks, other, asks):  # the second time from the resolved columns
+                got = view.last_rates(a)
+                assert np.array_equal(got, view.rates(a, window), equal_nan=True), (r.time, a)
+            before.append((view, window))
+        for old, window in before[-3:-1]:
+            assert np.array_equal(old.last_rates(asks), old.rates(asks, window), equal_nan=True)
+        if seed % 3:
+            fleet.settle(r.node)
+    assert fast > len(stream) // 2  # most answers came the fast way
+
+
+def test_a_late_report_dated_as_the_previous_one_leaves_the_last_interval_as_it_was() -> None:
+    """A late report dated as the previous one (another seq) lands in the row just before the
+    latest and becomes its previous, with no counter values (see the module docstring): the rate
+    since then is still counted from the row of the same time that has them, as ``rates`` does."""
+    fleet = Fleet()
+    fleet.registry.track_gpu_counters(ECC)
+    asks = RateAsks(gpu=((0, ECC),))
+    fleet.add(report(10.0, gpus=[gpu(0, ecc_sbe_volatile_total=0)]))
+    fleet.add(report(20.0, gpus=[gpu(0, ecc_sbe_volatile_total=50)]))
+    late = msgspec.structs.replace(report(10.0, gpus=[gpu(0, ecc_sbe_volatile_total=0)]), seq=999)
+    view = fleet.add(late)
+    assert view.outcome == "late" and view.previous is not None and view.previous.time == 10.0
+    assert view.last_rates(asks).tolist() == [5.0]
+
+
 def _repeating_stream(seed: int) -> list[Report]:
     """In-order reports whose counters creep, reset, go null and repeat exactly (a GPU's links
     unchanged from one report to the next is what a healthy node sends most of the time), with

@@ -17,8 +17,10 @@ Columns are named by module constants (``GPU_COLUMN["temperature_celsius"]``) so
 hard-code an index. Gauges come from the node's latest report; counter rates are the view's
 reset-safe rates over the last interval (since the previous report of the same boot; NaN after
 a reboot or for a node's first report), taken from the ``NodeView`` and never recomputed here:
-each block asks all of its rates in one ``NodeView.rates`` call (about a hundred a report for an
-8-GPU, 8-port node), which answers them from the window's two rows at once.
+each block asks all of its rates in one ``NodeView.last_rates`` call (about a hundred a report for
+an 8-GPU, 8-port node), which the history answers from the rates it computed once for every column
+between its two newest rows. The asks themselves are cached per GPU set and per NIC set (with which
+counters each NIC has), so a report builds none.
 
 Memory, and why the frame covers 10 minutes rather than the whole history window
 -------------------------------------------------------------------------------
@@ -48,6 +50,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import operator
 import types
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -84,9 +87,6 @@ _INITIAL_ROWS: Final = 8
 # Row capacity grows by this factor: the frame is a node's largest holder (52 KB at 8 GPUs, 8 NICs),
 # and growing it copies only at node joins, so a small factor costs little CPU.
 _GROWTH: Final = 1.25
-# A rate over exactly the last interval: the window reaches back to the previous report, plus a
-# little so that rounding in ``now - (now - previous)`` cannot leave the previous report out.
-_WINDOW_SLACK_S: Final = 1e-3
 
 
 def _f(v: float | None) -> float:
@@ -269,7 +269,7 @@ def gpu_block(view: NodeView, gpus: int) -> FloatArray:
     block = np.array(rows, dtype=np.float32).reshape(gpus, len(GPU_FIELDS))
     if prev is not None and indices:
         asks, owner, cells = _gpu_rate_plan(tuple(indices))
-        rates = view.rates(asks, report.time - prev.time + _WINDOW_SLACK_S)
+        rates = view.last_rates(asks)
         # A cell sums its fields' rates (the NVLink CRC column: flit and data errors), those
         # known; NaN when none is. Two at most, so adding them in turn rounds as fsum did.
         # (bincount gives integers when nothing is known.)
@@ -280,34 +280,73 @@ def gpu_block(view: NodeView, gpus: int) -> FloatArray:
     return block
 
 
-def nic_block(view: NodeView, keys: Sequence[NicKey]) -> FloatArray:
-    """One node's NIC rows for one slot, in the order of ``keys``: ``(len(keys), len(NIC_FIELDS))``."""
-    report = view.report
-    prev = view.previous
-    by_key = {(n.device, n.port): n for n in report.nics}
-    rows: list[list[float]] = []
+# Which of the NIC rate sources a NIC has: the typed ones (not None) and the keys of its counters.
+_TYPED_SOURCES: Final[tuple[str, ...]] = tuple(
+    dict.fromkeys(name for _, sources in _NIC_SOURCES for name, typed in sources if typed)
+)
+_KEYED_SOURCES: Final[tuple[str, ...]] = tuple(
+    dict.fromkeys(name for _, sources in _NIC_SOURCES for name, typed in sources if not typed)
+)
+_NONES: Final = (None,) * len(_TYPED_SOURCES)
+_NO_COUNTERS: Final[Mapping[str, int]] = types.MappingProxyType({})
+
+
+def _has_sources(n: Nic) -> tuple[bool, ...]:
+    """Per source name (``_TYPED_SOURCES``, then ``_KEYED_SOURCES``): whether ``n`` has it. A
+    tuple of the same few patterns report after report, which ``_nic_rate_plan`` is cached by."""
+    typed = [getattr(n, name) for name in _TYPED_SOURCES]
+    counters = n.counters if isinstance(n.counters, dict) else _NO_COUNTERS
+    return (*map(operator.is_not, typed, _NONES), *map(counters.__contains__, _KEYED_SOURCES))
+
+
+_SOURCE_AT: Final[Mapping[str, int]] = types.MappingProxyType(
+    {name: i for i, name in enumerate(_TYPED_SOURCES + _KEYED_SOURCES)}
+)
+
+
+@functools.lru_cache(maxsize=64)
+def _nic_rate_plan(
+    keys: tuple[NicKey, ...], has: tuple[tuple[bool, ...] | None, ...]
+) -> tuple[RateAsks, npt.NDArray[np.intp]]:
+    """The rate asks of a NIC block for ``keys`` whose NICs have the sources ``has`` (None: the NIC
+    is not in the report), each NIC's rate column reading the first source it has, and each
+    answer's flat position in the block. Cached: a node's NICs and counters stay the same."""
     asks: list[tuple[str, int | None, str]] = []
     cells: list[int] = []
-    for i, key in enumerate(keys):
+    for i, ((device, port), present) in enumerate(zip(keys, has, strict=True)):
+        if present is None:
+            continue
+        for col, sources in _NIC_SOURCES:
+            for name, _ in sources:
+                if present[_SOURCE_AT[name]]:
+                    asks.append((device, port, name))
+                    cells.append(i * len(NIC_FIELDS) + col)
+                    break
+    positions = np.array(cells, dtype=np.intp)
+    positions.flags.writeable = False  # shared by every caller
+    return RateAsks(nic=tuple(asks)), positions
+
+
+def nic_block(view: NodeView, keys: Sequence[NicKey]) -> FloatArray:
+    """One node's NIC rows for one slot, in the order of ``keys``: ``(len(keys), len(NIC_FIELDS))``."""
+    by_key = {(n.device, n.port): n for n in view.report.nics}
+    rows: list[list[float]] = []
+    has: list[tuple[bool, ...] | None] = []
+    for key in keys:
         row = [_NAN] * len(NIC_FIELDS)
         rows.append(row)
         n = by_key.get(key)
         if n is None:
+            has.append(None)
             continue
-        if prev is not None:
-            counters = n.counters if isinstance(n.counters, dict) else {}
-            for col, sources in _NIC_SOURCES:
-                for name, typed in sources:
-                    if (getattr(n, name) is not None) if typed else (name in counters):
-                        asks.append((n.device, n.port, name))
-                        cells.append(i * len(NIC_FIELDS) + col)
-                        break
+        has.append(_has_sources(n))
         for col, (_, value) in enumerate(_NIC_GAUGES, start=len(_NIC_RATES)):
             row[col] = value(n)
     block = np.array(rows, dtype=np.float32).reshape(len(keys), len(NIC_FIELDS))
-    if asks and prev is not None:
-        window = report.time - prev.time + _WINDOW_SLACK_S
-        block.reshape(-1)[cells] = view.rates(RateAsks(nic=tuple(asks)), window)
+    if view.previous is not None:
+        asks, cells = _nic_rate_plan(tuple(keys), tuple(has))
+        if len(cells):
+            block.reshape(-1)[cells] = view.last_rates(asks)
     return block
 
 

@@ -220,6 +220,11 @@ _MAX_BOOT_CODES: Final = 32
 # cumulative value and boot code, in that order.
 _SINCE, _RAW, _CUM, _BOOT = range(4)
 _STATE: Final = 4
+# Ask sets resolved to columns a plan keeps (``last_rates``): a caller has one or two.
+_MAX_RESOLVED: Final = 8
+# ``last_rates`` off its fast path: a window reaching back to the previous report, plus a little so
+# that rounding in ``now - (now - previous)`` cannot leave the previous report out.
+_INTERVAL_SLACK_S: Final = 1e-3
 _NEW_COLUMN_STATE: Final = array("d", [math.inf, 0.0, 0.0, math.nan])
 
 
@@ -285,6 +290,7 @@ class _PushPlan:
         "links",
         "nics",
         "raw_at",
+        "resolved",
         "value_cols",
         "width",
     )
@@ -320,6 +326,10 @@ class _PushPlan:
             links.setdefault(gi, []).append((name, col))
         self.links = tuple((gi, tuple(entries), [col for _, col in entries]) for gi, entries in links.items())
         self.width = width
+        # The columns of rate asks (``NodeHistory.last_rates``), which the column tables decide:
+        # a caller asks the same few sets report after report (the pool frames: one for the GPUs,
+        # one for the NICs), so resolving 100 keys is done once per layout, not once per report.
+        self.resolved: dict[RateAsks, npt.NDArray[np.intp]] = {}
 
 
 def _by_gpu(
@@ -395,6 +405,9 @@ class HistoryView:
     def rates(self, asks: RateAsks, window_s: float) -> npt.NDArray[np.float64]:
         return self._history.rates(asks, window_s, self.report)
 
+    def last_rates(self, asks: RateAsks) -> npt.NDArray[np.float64]:
+        return self._history.last_rates(asks, self.report, self.previous)
+
     def gpu_samples(self, gpu: int, field: str, window_s: float) -> list[tuple[float, float | None]]:
         return self._history.gpu_samples(gpu, field, window_s, self.report)
 
@@ -411,12 +424,14 @@ class NodeHistory:
     # Slots: with this many attributes an instance would carry a dict of its own, one more object a
     # node for the cycle collector to track.
     __slots__ = (
+        "_appended",
         "_boot_codes",
         "_boot_start",
         "_boots",
         "_data",
         "_gauges",
         "_gpu_counters",
+        "_interval",
         "_last_kept_time",
         "_latest",
         "_layout",
@@ -517,6 +532,12 @@ class NodeHistory:
         self._layout: tuple[object, ...] | None = None
         self._plan: _PushPlan | None = None  # built by _push from the column tables
         self._rows_version = 0  # changes whenever rows are added or removed
+        # ``_rows_version`` when the latest report's row was appended and the rows were trimmed:
+        # while it holds, the last two rows are the previous report's and the latest's.
+        self._appended = -1
+        # ``last_rates``' per-column rates since the previous report, with the rows version and
+        # the plan they were computed for; let go at ``settle``.
+        self._interval: tuple[int, _PushPlan, npt.NDArray[np.float64]] | None = None
         self._span_key: tuple[float, float, int] | None = None
         self._span_rows = (0, -1)
 
@@ -554,6 +575,7 @@ class NodeHistory:
         node's latest report is all the history keeps in full, 38 KB an H100 node less. Views
         taken after this have no ``previous`` until the next report of the same boot."""
         self._previous = None
+        self._interval = None
 
     # -- adding ------------------------------------------------------------------------------
 
@@ -624,15 +646,12 @@ class NodeHistory:
         self._evict(report.time)
         self._thin(report.time)
         self._forget_seen(report.time)
+        self._appended = self._rows_version if self._previous is not None else -1
 
     def _push(self, report: Report) -> None:
         """Append the row of ``report`` (its time is already the last of ``_times``)."""
         boot = self._boot_code(report.boot_id)
-        plan = self._plan
-        if plan is None:
-            plan = self._plan = _push_plan(
-                self._gpu_counters, self._nvlinks, self._nic_counters, self._gauges, self._width
-            )
+        plan = self._current_plan()
         gpus = {g.index: g for g in report.gpus}
         values: list[object] = []
         gather = values.extend
@@ -682,6 +701,14 @@ class NodeHistory:
         if plan.links:
             self._push_links(plan, gpus, boot, row)
         self._data.frombytes(row.tobytes())
+
+    def _current_plan(self) -> _PushPlan:
+        plan = self._plan
+        if plan is None:
+            plan = self._plan = _push_plan(
+                self._gpu_counters, self._nvlinks, self._nic_counters, self._gauges, self._width
+            )
+        return plan
 
     def _push_links(
         self, plan: _PushPlan, gpus: dict[int, Gpu], boot: float, row: npt.NDArray[np.float64]
@@ -1125,6 +1152,52 @@ class NodeHistory:
             r = self._rate(int(c[j]), window_s, at)
             out[where[j]] = _NAN if r is None else r
         return out
+
+    def last_rates(self, asks: RateAsks, at: Report, previous: Report | None) -> npt.NDArray[np.float64]:
+        """Each ask's rate since ``previous`` (``NodeView.last_rates``), NaN without one.
+
+        While the last two rows are the previous report's and ``at``'s (the latest), every
+        column's rate between them is computed once (one numpy expression over the two rows:
+        the same float64 operations as ``_rate``) and an ask set's columns are resolved once per
+        layout (``_PushPlan.resolved``), so an answer is one indexing. Otherwise (a late report
+        landed between them, ``at`` is an older view's, a series is not created yet) it is
+        ``rates`` over the window that reaches back to ``previous``."""
+        if previous is None:
+            return np.full(len(asks.gpu) + len(asks.nvlink) + len(asks.nic), _NAN)
+        times = self._times
+        n = len(times)
+        if (
+            at is not self._latest
+            or self._appended != self._rows_version
+            or n < 2
+            or times[n - 2] != previous.time
+        ):
+            return self.rates(asks, at.time - previous.time + _INTERVAL_SLACK_S, at)
+        plan = self._current_plan()
+        cols = plan.resolved.get(asks)
+        if cols is None:
+            resolved = [
+                *map(self._gpu_counters.get, asks.gpu),
+                *map(self._nvlinks.get, asks.nvlink),
+                *map(self._nic_counters.get, asks.nic),
+            ]
+            if None in resolved:  # the general path creates the series
+                return self.rates(asks, at.time - previous.time + _INTERVAL_SLACK_S, at)
+            if len(plan.resolved) >= _MAX_RESOLVED:
+                plan.resolved.clear()
+            cols = plan.resolved[asks] = np.array(resolved, dtype=np.intp)
+        cached = self._interval
+        if cached is not None and cached[0] == self._rows_version and cached[1] is plan:
+            return cached[2][cols]
+        w = self._width
+        # A copy of the two rows (a view would lock the array against the next append). A series
+        # started after the previous report has no value in its row (rows before a series' start
+        # are NaN padding), so it gets no rate, as ``rates`` gives none for a window it misses.
+        two = np.frombuffer(self._data[(n - 2) * w : n * w])
+        dt = times[n - 1] - times[n - 2]
+        every = (two[w:] - two[:w]) / dt if dt > 0 else np.full(w, _NAN)  # NaN: no value at an end
+        self._interval = (self._rows_version, plan, every)
+        return every[cols]
 
     def _single(self, asks: RateAsks, i: int, window_s: float, at: Report) -> float:
         """Ask ``i`` of ``asks`` through its single-rate method, NaN for None."""

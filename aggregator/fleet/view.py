@@ -68,6 +68,12 @@ class NodeView(Protocol):
         for None: what a caller needing a hundred rates a report asks instead (the pool frames)."""
         ...
 
+    def last_rates(self, asks: RateAsks) -> npt.NDArray[np.float64]:
+        """The rates of ``asks`` over the last interval: from ``previous`` to ``report``, NaN for
+        every ask without a previous report and where either report has no value. What the pool
+        frames ask each report, answered from the history's two newest rows."""
+        ...
+
     def gpu_samples(self, gpu: int, field: str, window_s: float) -> list[tuple[float, float | None]]:
         """(time, value) of a GPU gauge or flag over the window, oldest first (flags as 0.0/1.0)."""
         ...
