@@ -185,6 +185,79 @@ def test_gauges_of_several_gpus_at_once_with_nulls_zero_denominators_and_unknown
     assert np.isnan(g2).all()  # no GPU 2 in the report
 
 
+# Each gauge column from the field's meaning, written out here rather than taken from the frame's
+# tables: a value as reported, a share of two (NaN unless the second is positive), a clock event
+# reason's bit (NVML's nvmlClocksEventReason* values).
+_SHARES = {
+    "sm_clock_ratio": ("sm_clock_hz", "sm_clock_max_hz"),
+    "pcie_link_width_ratio": ("pcie_link_width", "pcie_link_width_max"),
+    "pcie_link_gen_ratio": ("pcie_link_gen", "pcie_link_gen_max"),
+}
+_VALUES = (
+    "utilization_ratio",
+    "temperature_celsius",
+    "memory_temperature_celsius",
+    "power_watts",
+    "power_limit_watts",
+)
+_BITS = {"sw_power_cap": 0x4, "hw_slowdown": 0x8, "sw_thermal": 0x20, "hw_thermal": 0x40, "power_brake": 0x80}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_gauge_columns_are_each_gpus_own_fields(seed: int) -> None:
+    """Every gauge column of every GPU, with nulls, zero and negative denominators, bitmasks past
+    2**53 (not exact as floats), GPUs out of order, a GPU named twice (the last one counts) and
+    indices past the frame's height (left out)."""
+    rng = random.Random(seed)
+    fleet, frames = frames_for()
+
+    def maybe(value: float) -> float | None:
+        return None if rng.random() < 0.2 else value
+
+    t = 100.0
+    for _ in range(5):
+        t += 10.0
+        gpus = []
+        for index in rng.sample(range(10), rng.randint(1, 9)) + (
+            [rng.randrange(8)] if rng.random() < 0.3 else []
+        ):
+            fields: dict[str, Any] = {
+                name: maybe(rng.choice((0.0, 0.5, 1.0, rng.uniform(0, 1)))) for name in _VALUES
+            }
+            fields["temperature_celsius"] = maybe(rng.uniform(20, 95))
+            fields["power_watts"] = maybe(rng.uniform(50, 700))
+            for num, den in _SHARES.values():
+                fields[num] = maybe(rng.choice((1, 8, 16, 1.5e9)))
+                fields[den] = maybe(rng.choice((0, 4, 16, 1.98e9)))
+            fields["clock_event_reasons"] = maybe(
+                rng.choice((0, 0x1, 0x8 | 0x80, 0xFF, 2**63 + 0x41, 2**64 - 1 - 0x20, rng.getrandbits(64)))
+            )
+            gpus.append(gpu(index, **fields))
+        frames.record(fleet.add(report(t, "a", gpus=gpus)), POOL)
+        _, values = frames.snapshot("p", t, t)
+        last = {g.index: g for g in gpus}
+        for index in range(8):
+            row = values[0, 0, index]
+            g = last.get(index)
+            want: dict[str, float] = {}
+            for name in _VALUES:
+                v = None if g is None else getattr(g, name)
+                want[name] = np.nan if v is None else v
+            for column, (num, den) in _SHARES.items():
+                n, d = (None, None) if g is None else (getattr(g, num), getattr(g, den))
+                want[column] = n / d if n is not None and d is not None and d > 0 else np.nan
+            for column, bit in _BITS.items():
+                r = None if g is None else g.clock_event_reasons
+                want[column] = np.nan if r is None else float(r & bit != 0)
+            for column, value in want.items():
+                assert np.array_equal(row[GPU_COLUMN[column]], np.float32(value), equal_nan=True), (
+                    t,
+                    index,
+                    column,
+                )
+        fleet.settle("a")
+
+
 def test_rate_after_a_gap_spreads_over_the_real_interval() -> None:
     fleet, frames = frames_for(frame_seconds=300.0)
     frames.record(fleet.add(report(100, "a", gpus=[gpu(0, pcie_replay_total=0)])), POOL)
