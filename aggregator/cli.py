@@ -20,6 +20,7 @@ import msgspec
 from agent.clock import SystemClock
 from agent.errors import ConfigError
 from agent.probes.protocol import read_probe_key
+from aggregator import eventloop
 from aggregator.config import Config
 from aggregator.configload import load_config
 from aggregator.heap import freeze_startup_heap, freeze_when_warm, malloc_trim, trim_periodically
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     )
     admin_tokens = read_admin_tokens(args.admin_token_file) if args.admin_token_file else None
     try:
-        asyncio.run(_serve(args, config, rules, (host, port), admin_tokens))
+        eventloop.run(_serve(args, config, rules, (host, port), admin_tokens), config.server.event_loop)
     except OSError as exc:  # the address is taken or cannot be bound
         raise ConfigError(f"cannot serve on {args.listen}: {exc}") from exc
     return 0

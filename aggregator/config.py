@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
+from aggregator.eventloop import EventLoopKind
+
 PositiveSeconds = Annotated[float, Meta(gt=0)]
 Ratio = Annotated[float, Meta(ge=0, le=1)]
 
@@ -331,6 +333,8 @@ class ServerConfig(_Section, frozen=True):
     # the port is reachable only by those who may see it (the demo on 127.0.0.1 does). Otherwise a
     # browser is asked for a viewer token (HTTP Basic, the token as the password).
     status_page_public: bool = False
+    # The event loop (aggregator/eventloop.py): uvloop where installed (auto), or insist on one.
+    event_loop: EventLoopKind = "auto"
 
 
 class ShardingConfig(_Section, frozen=True):

@@ -40,6 +40,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from agent.errors import ConfigError, GpuwardenError, ReportError
 from agent.report import Report, decode
 from agent.wire import TRACE_MARKERS, decode_compact, read_frames
+from aggregator import eventloop
 from aggregator.config import Config
 from aggregator.decisions import Decision, DecisionLog
 from aggregator.model import IngestOutcome
@@ -456,5 +457,8 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-        asyncio.run(serve_final_state(args.trace, final, config, host, port, on_started=started))
+        eventloop.run(
+            serve_final_state(args.trace, final, config, host, port, on_started=started),
+            config.server.event_loop,
+        )
     return 0

@@ -118,6 +118,7 @@ from aggregator.auth import (
 )
 from aggregator.config import Config, IngestConfig, ServerConfig
 from aggregator.decisions import DecisionLog
+from aggregator.eventloop import loop_name
 from aggregator.listener import Busy, CappedSite, connection_cap, raise_file_limit, tls_context, watch_tls
 from aggregator.metrics import LOOP_LAG_WINDOW_SECONDS, Metrics
 from aggregator.model import IngestOutcome
@@ -1090,6 +1091,7 @@ async def serve(
                 "port": bound_port,
                 "tls": ssl_ctx is not None,
                 "max_connections": cap,
+                "event_loop": loop_name(loop),
             },
         )
         if on_started is not None:

@@ -89,11 +89,13 @@ from agent.clock import SystemClock
 from agent.report import Report, decode
 from agent.shipper import encode_body
 from agent.wire import COMPACT_MEDIA_TYPE, decode_compact
+from aggregator import eventloop
 from aggregator.app import build_pipeline
 from aggregator.auth import StaticTokens
 from aggregator.config import Config
 from aggregator.configload import load_config
 from aggregator.decisions import DecisionLog
+from aggregator.eventloop import EVENT_LOOPS
 from aggregator.metrics import Metrics
 from aggregator.model import IngestOutcome
 from aggregator.rules.model import Rule, default_rules_dir, load_rules
@@ -516,13 +518,14 @@ class NoopPipeline:
         return {}
 
 
-def serve_noop(port: int, tokens: Path) -> int:
+def serve_noop(port: int, tokens: Path, config_file: Path | None) -> int:
     """``gpuwarden aggregator``'s service, as aggregator/cli.py builds it, around ``NoopPipeline``."""
-    config = load_config(None)
+    config = load_config(config_file)
     registry = CollectorRegistry()
     metrics = Metrics(registry)
     app = create_app(NoopPipeline(), StaticTokens(tokens), config, SystemClock(), registry, metrics=metrics)
-    asyncio.run(serve(app, "127.0.0.1", port))
+    # On the loop the service would choose (aggregator/eventloop.py), so that the two compare.
+    eventloop.run(serve(app, "127.0.0.1", port), config.server.event_loop)
     return 0
 
 
@@ -617,9 +620,11 @@ def server_command(
     *,
     noop: bool = False,
     stalls_out: Path | None = None,
+    config: Path | None = None,
 ) -> list[str]:
     if noop:
         cmd = [sys.executable, str(Path(__file__).resolve()), NOOP_SERVER, str(port), str(tokens)]
+        cmd += [str(config)] if config is not None else []
     else:
         cmd = [
             str(GPUWARDEN),
@@ -632,6 +637,7 @@ def server_command(
             str(tokens),
             "--decisions",
             str(decisions),
+            *(["--config", str(config)] if config is not None else []),
         ]
     if profile_out is not None:
         cmd = [sys.executable, "-m", "cProfile", "-o", str(profile_out), *cmd]
@@ -654,8 +660,11 @@ def http_run(
     profile_out: Path | None,
     noop: bool = False,
     stalls_out: Path | None = None,
+    event_loop: str = "auto",
 ) -> HttpRun:
     tokens = tmp / "tokens"
+    config = tmp / "server.yaml"
+    config.write_text(f"server: {{event_loop: {event_loop}}}\n", encoding="utf-8")
     tokens.write_text(token_file_text(work.nodes) + f"viewer:bench {_VIEWER}\n", encoding="utf-8")
     decisions = tmp / f"decisions-{time.monotonic_ns()}.jsonl"
     logfile = tmp / "aggregator.log"
@@ -664,7 +673,14 @@ def http_run(
     with logfile.open("wb") as logf:
         proc = subprocess.Popen(
             server_command(
-                port, tokens, decisions, server_core, profile_out, noop=noop, stalls_out=stalls_out
+                port,
+                tokens,
+                decisions,
+                server_core,
+                profile_out,
+                noop=noop,
+                stalls_out=stalls_out,
+                config=config,
             ),
             stdout=logf,
             stderr=subprocess.STDOUT,
@@ -771,7 +787,8 @@ def render(
         f"{NVLINKS} NVLinks, {NICS} IB ports x {len(IB_COUNTERS)} counters, {params['json_bytes']} B JSON, "
         f"{params['gzip_bytes']:.0f} B on the wire ({_WIRE_NAMES[params['wire']]}). "
         f"{params['nodes']} nodes, {params['measured_reports']} measured "
-        f"reports per run after a warm-up round, {params['concurrency']} keep-alive connections.",
+        f"reports per run after a warm-up round, {params['concurrency']} keep-alive connections; "
+        f"server.event_loop {params.get('event_loop', 'auto')}.",
         "",
         "| measurement | CPU per report | reports/s per core |",
         "|---|---:|---:|",
@@ -832,7 +849,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [NOOP_SERVER]:
         logging.basicConfig(level=logging.WARNING)
-        return serve_noop(int(argv[1]), Path(argv[2]))
+        return serve_noop(int(argv[1]), Path(argv[2]), Path(argv[3]) if len(argv) > 3 else None)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--nodes", type=int, default=2000, help="simulated nodes (each has its own token)")
     p.add_argument("--rounds", type=int, default=5, help="measured rounds (one report per node each)")
@@ -846,6 +863,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--wire", choices=WIRES, default="json", help="gzip'd JSON, or the compact msgpack agents send now"
     )
     p.add_argument("--pool-nodes", type=int, default=0, help="nodes a pool (0: the whole fleet in one)")
+    p.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default="auto",
+        help="the servers' server.event_loop (aggregator/eventloop.py): both the real and the no-op one",
+    )
     p.add_argument("--json", type=Path, help="write the results here too")
     p.add_argument("--profile", action="store_true", help="one run, server and pipeline under cProfile")
     p.add_argument(
@@ -902,6 +925,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "json_bytes": work.json_bytes,
         "gzip_bytes": work.gzip_bytes,
         "wire": work.wire,
+        "event_loop": args.event_loop,
     }
     with tempfile.TemporaryDirectory(prefix="gpuwarden-bench-ingest-") as tmpname:
         tmp = Path(tmpname)
@@ -920,6 +944,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             load_core=load_core,
             concurrency=args.concurrency,
             max_seconds=args.max_seconds,
+            event_loop=args.event_loop,
         )
         results: list[HttpRun] = []
         for i in range(runs):

@@ -145,21 +145,42 @@ class StallSampler:
             self.holds += 1
 
 
+def _loop_classes() -> list[type[asyncio.AbstractEventLoop]]:
+    """asyncio's own loop and, where installed, uvloop's (the service runs on it when it can:
+    aggregator/eventloop.py); uvloop's is no ``BaseEventLoop``."""
+    classes: list[type[asyncio.AbstractEventLoop]] = [asyncio.BaseEventLoop]
+    try:
+        import uvloop  # noqa: PLC0415
+
+        classes.append(uvloop.Loop)
+    except ImportError:
+        pass
+    return classes
+
+
 def install(sampler: StallSampler) -> Callable[[], None]:
     """Make every event loop started from now on beat for ``sampler``; returns the undo."""
-    original = asyncio.BaseEventLoop.run_forever
+    undo_all: list[tuple[type[asyncio.AbstractEventLoop], Callable[..., None] | None]] = []
+    for cls in _loop_classes():
+        original = cls.run_forever
 
-    def run_forever(self: asyncio.BaseEventLoop) -> None:
-        sampler.attach(self)
-        try:
-            original(self)
-        finally:
-            sampler.detach()
+        def run_forever(self: asyncio.AbstractEventLoop, original: Callable[..., None] = original) -> None:
+            sampler.attach(self)
+            try:
+                original(self)
+            finally:
+                sampler.detach()
 
-    asyncio.BaseEventLoop.run_forever = run_forever  # type: ignore[method-assign]
+        # uvloop.Loop inherits run_forever from its compiled base: undone by deleting ours.
+        undo_all.append((cls, original if "run_forever" in vars(cls) else None))
+        cls.run_forever = run_forever  # type: ignore[method-assign]
 
     def undo() -> None:
-        asyncio.BaseEventLoop.run_forever = original  # type: ignore[method-assign]
+        for cls, own in undo_all:
+            if own is None:
+                delattr(cls, "run_forever")
+            else:
+                cls.run_forever = own  # type: ignore[method-assign]
 
     return undo
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import yaml
 
 from agent.report import encode
 from tests.ports import free_port
@@ -49,11 +50,20 @@ def _token(node: str) -> str:
 def start(tmp_path: Path) -> Iterator[Callable[..., Server]]:
     started: list[Server] = []
 
-    def run(*, nodes: int = 2, fd_limit: int | None = None, config: str = "", scheme: str = "http") -> Server:
+    def run(
+        *,
+        nodes: int = 2,
+        fd_limit: int | None = None,
+        config: str = "",
+        scheme: str = "http",
+        event_loop: str = "auto",
+    ) -> Server:
         names = [f"gpu-{i + 1:04d}" for i in range(nodes)]
         tokens = {n: _token(n) for n in names}
         (tmp_path / "tokens").write_text("".join(f"{n} {t}\n" for n, t in tokens.items()))
-        (tmp_path / "config.yaml").write_text(config or "{}\n")
+        settings = yaml.safe_load(config) or {}
+        settings.setdefault("server", {})["event_loop"] = event_loop
+        (tmp_path / "config.yaml").write_text(yaml.safe_dump(settings))
         port = free_port()
         log = tmp_path / "aggregator.log"
 
@@ -108,6 +118,8 @@ def start(tmp_path: Path) -> Iterator[Callable[..., Server]]:
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "the aggregator did not start"
             time.sleep(0.2)
+        if event_loop != "auto":
+            assert f"event_loop={event_loop}" in log.read_text()
         return server
 
     yield run
@@ -189,8 +201,16 @@ def _closed_by_peer(sock: socket.socket) -> bool:
     return False
 
 
-def test_1100_idle_sockets_at_a_1024_file_limit_lock_no_good_node_out(start: Callable[..., Server]) -> None:
-    server = start(fd_limit=1024, config="server: {idle_timeout_seconds: 30}\n")
+# The loops the service can run on (aggregator/eventloop.py): where the connection cap's accept
+# path and TLS meet the loop's own transports, each is tried on both.
+LOOPS = ("uvloop", "asyncio")
+
+
+@pytest.mark.parametrize("event_loop", LOOPS)
+def test_1100_idle_sockets_at_a_1024_file_limit_lock_no_good_node_out(
+    start: Callable[..., Server], event_loop: str
+) -> None:
+    server = start(fd_limit=1024, config="server: {idle_timeout_seconds: 30}\n", event_loop=event_loop)
     idle: list[socket.socket] = []
     try:
         for _ in range(1100):
@@ -248,8 +268,11 @@ def test_idle_slow_header_and_slow_body_clients_are_cut_off_and_good_nodes_stay_
             s.close()
 
 
-def test_2000_reports_at_once_are_answered_within_2s_or_shed(start: Callable[..., Server]) -> None:
-    server = start(nodes=2000)
+@pytest.mark.parametrize("event_loop", LOOPS)
+def test_2000_reports_at_once_are_answered_within_2s_or_shed(
+    start: Callable[..., Server], event_loop: str
+) -> None:
+    server = start(nodes=2000, event_loop=event_loop)
     sel = selectors.DefaultSelector()
     socks = []
     for _ in range(2000):
@@ -295,8 +318,9 @@ def test_2000_reports_at_once_are_answered_within_2s_or_shed(start: Callable[...
     assert max(answered.values()) < 5.0, summary
 
 
+@pytest.mark.parametrize("event_loop", LOOPS)
 def test_tls_from_a_cert_and_key_file_reloaded_when_they_change(
-    start: Callable[..., Server], tmp_path: Path
+    start: Callable[..., Server], tmp_path: Path, event_loop: str
 ) -> None:
     def make_cert(name: str) -> None:
         subprocess.run(
@@ -336,6 +360,7 @@ def test_tls_from_a_cert_and_key_file_reloaded_when_they_change(
         config=f"server: {{tls_cert_file: {tmp_path / 'tls.crt'}, tls_key_file: {tmp_path / 'tls.key'}, "
         "tls_reload_seconds: 0.2}\n",
         scheme="https",
+        event_loop=event_loop,
     )
     assert serves_the_file()
     time.sleep(1.1)  # a new mtime even on coarse clocks

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import stalls
 
 SCRIPT = """
@@ -21,21 +22,29 @@ async def main():
     await asyncio.sleep(0.05)
     sys.exit(int(sys.argv[1]))
 
-asyncio.run(main())
 """
+# Each loop the service may run on (aggregator/eventloop.py).
+RUNS = {
+    "asyncio": "asyncio.run(main())\n",
+    "uvloop": (
+        "import uvloop\nwith asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:\n"
+        "    runner.run(main())\n"
+    ),
+}
 
 
-def run(tmp_path: Path, code: int) -> tuple[int, list[dict[str, object]]]:
+def run(tmp_path: Path, code: int, loop: str = "asyncio") -> tuple[int, list[dict[str, object]]]:
     script = tmp_path / "held.py"
-    script.write_text(SCRIPT)
+    script.write_text(SCRIPT + RUNS[loop])
     out = tmp_path / "holds.jsonl"
     done = subprocess.run([*stalls.wrapped(out, 30.0), str(script), str(code)], timeout=60, check=False)
     lines = out.read_text().splitlines() if out.exists() else []
     return done.returncode, [json.loads(line) for line in lines]
 
 
-def test_a_hold_is_recorded_with_the_stack_that_held_the_loop(tmp_path: Path) -> None:
-    code, holds = run(tmp_path, 3)
+@pytest.mark.parametrize("loop", sorted(RUNS))
+def test_a_hold_is_recorded_with_the_stack_that_held_the_loop(tmp_path: Path, loop: str) -> None:
+    code, holds = run(tmp_path, 3, loop)
     assert code == 3  # the command's exit status comes through
     assert len(holds) == 1
     (hold,) = holds
