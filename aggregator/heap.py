@@ -24,8 +24,12 @@ a node's reports an interval after they came, among the blocks of nodes that sta
 memory builds up in the middle of the heap: with every node's history full it was about a third
 of the pipeline's resident memory (``bench/memory.py``). ``trim_periodically`` hands it back with
 glibc's ``malloc_trim(0)`` once a minute, in a worker thread: the call releases the GIL, and
-holds only malloc's own lock, arena by arena, while it runs (a few ms at 1,000 nodes). Where the
-C library has no ``malloc_trim`` (musl, macOS) there is nothing to trim: not supported, said once.
+holds only malloc's own lock, arena by arena, while it runs (a few ms at 1,000 nodes). The loop's
+thread waits for that lock whenever it allocates meanwhile, but on the pipeline's own heap that
+held the loop for at most 16 ms while trims under load took up to 630 ms (``bench/trim_lag.py``,
+docs/performance.md). Where the C library has no ``malloc_trim`` (musl, macOS), or another
+allocator serves ``malloc`` (a preloaded jemalloc returns freed pages itself), there is nothing to
+trim: said once.
 
 The service calls these (aggregator/cli.py), never a test that builds aggregators in-process.
 """
@@ -92,7 +96,10 @@ async def freeze_when_warm(nodes: Callable[[], int], interval_s: float) -> int:
 
 def malloc_trim() -> Trim | None:
     """glibc's ``malloc_trim(0)``: give every free page of every malloc arena back to the system;
-    None where the C library has none."""
+    None where the C library has none, or where another allocator serves ``malloc`` (a preloaded
+    jemalloc returns freed pages itself; glibc's arenas would be empty)."""
+    if allocator() != "glibc":
+        return None
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
@@ -105,6 +112,20 @@ def malloc_trim() -> Trim | None:
     trim.restype = ctypes.c_int
     # ctypes drops the GIL around a foreign call: the event loop runs while this one does.
     return lambda: trim(0)
+
+
+def allocator() -> str:
+    """The malloc this process runs on: ``jemalloc`` (preloaded, as the image does), ``glibc``, or
+    ``other``. jemalloc is asked first: a preloaded allocator leaves glibc's functions in place."""
+    try:
+        process = ctypes.CDLL(None)
+    except OSError:
+        return "other"
+    if getattr(process, "mallctl", None) is not None:
+        return "jemalloc"
+    if getattr(process, "gnu_get_libc_version", None) is not None:
+        return "glibc"
+    return "other"
 
 
 def resident_bytes() -> int | None:
@@ -122,7 +143,9 @@ async def trim_periodically(
     """Every ``interval_s``, hand the heap's free memory back (see the module docstring), off the
     event loop; its time and the resident memory it released go to ``metrics``."""
     if trim is None:
-        log.info("no malloc_trim in this C library: freed memory stays with the allocator")
+        log.info(
+            "no malloc_trim here: freed memory is the allocator's to return", extra={"allocator": allocator()}
+        )
         return
     while True:
         await asyncio.sleep(interval_s)

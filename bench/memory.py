@@ -53,7 +53,7 @@ import numpy as np
 from _reports import NodeSim, phase_offset, sending_order
 
 import aggregator.pipeline as pipeline_module
-from agent.report import decode, encode
+from agent.report import Report, decode, encode
 from aggregator.app import build_pipeline
 from aggregator.configload import load_config
 from aggregator.heap import malloc_trim
@@ -95,6 +95,31 @@ def deep_size(roots: Iterable[object], seen: set[int]) -> int:
         else:
             stack.extend(gc.get_referents(obj))
     return total
+
+
+class SimulatedFleet:
+    """``nodes`` simulated H100 nodes and the pipeline the server builds (default config and
+    rules); each report goes through the wire format first, as the server receives it."""
+
+    def __init__(self, nodes: int) -> None:
+        self.pipeline = build_pipeline(load_config(None), load_rules([default_rules_dir()]))
+        self.sims = [NodeSim(i, interval=INTERVAL) for i in range(nodes)]
+        self.offsets = [phase_offset(i) for i in range(nodes)]
+        self.order = sending_order(nodes)
+
+    def report(self, i: int, r: int) -> Report:
+        """Node ``i``'s report of round ``r``, as the simulator makes it."""
+        return self.sims[i].report(START + r * INTERVAL + self.offsets[i], r)
+
+    def round(self, r: int) -> list[Report]:
+        """Round ``r``'s reports in sending order, decoded from the wire."""
+        return [decode(encode(self.report(i, r))) for i in self.order]
+
+    def feed(self, r: int) -> None:
+        """Ingest round ``r``, one report at a time as they are made."""
+        for i in self.order:
+            report = decode(encode(self.report(i, r)))
+            self.pipeline.ingest(report, report.time)
 
 
 def holders(pipeline: Pipeline) -> list[tuple[str, int]]:
@@ -174,16 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
 
-    config = load_config(None)
-    pipeline = build_pipeline(config, load_rules([default_rules_dir()]))
-    sims = [NodeSim(i, interval=INTERVAL) for i in range(args.nodes)]
-    offsets = [phase_offset(i) for i in range(args.nodes)]
-    order = sending_order(args.nodes)
-
-    def feed(r: int) -> None:
-        for i in order:
-            report = decode(encode(sims[i].report(START + r * INTERVAL + offsets[i], r)))
-            pipeline.ingest(report, report.time)
+    fleet = SimulatedFleet(args.nodes)
+    pipeline, feed = fleet.pipeline, fleet.feed
 
     t0 = time.perf_counter()
     if args.tracemalloc:
@@ -260,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         parts: dict[str, list[float]] = {}
         spent = _time_parts(pipeline) if args.split else {}
         for r in range(args.rounds, args.rounds + args.time_rounds):
-            reports = [decode(encode(sims[i].report(START + r * INTERVAL + offsets[i], r))) for i in order]
+            reports = fleet.round(r)
             gc.collect()
             for k in spent:
                 spent[k] = 0.0

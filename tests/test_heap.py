@@ -4,15 +4,20 @@ free memory handed back to the system every minute."""
 from __future__ import annotations
 
 import asyncio
+import ctypes.util
 import gc
 import logging
+import os
 import platform
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from aggregator import heap
 from aggregator.heap import freeze_when_warm, malloc_trim, resident_bytes, trim_periodically
 from aggregator.metrics import Metrics
 
@@ -75,6 +80,24 @@ def test_malloc_trim_gives_freed_memory_in_the_middle_of_the_heap_back() -> None
     assert before is not None and after is not None
     assert before - after > 80 * 2**20, (before, after)  # of the ~180 MiB freed
     assert len(kept) == 5_000
+
+
+def test_the_allocator_is_told_apart_and_only_glibcs_is_trimmed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # This process runs on the C library's malloc (no allocator preloaded in the tests).
+    assert heap.allocator() == ("glibc" if platform.libc_ver()[0] == "glibc" else "other")
+    jemalloc = ctypes.util.find_library("jemalloc")  # Debian's libjemalloc2, where installed
+    if jemalloc is not None:
+        preloaded = subprocess.run(
+            [sys.executable, "-c", "from aggregator.heap import allocator; print(allocator())"],
+            env={**os.environ, "LD_PRELOAD": jemalloc},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert preloaded.stdout.strip() == "jemalloc"
+    # A preloaded jemalloc returns freed pages itself: glibc's trim would walk empty arenas.
+    monkeypatch.setattr(heap, "allocator", lambda: "jemalloc")
+    assert heap.malloc_trim() is None
 
 
 class _TrimMetrics:
