@@ -115,7 +115,7 @@ def malloc_trim() -> Trim | None:
 
 
 def allocator() -> str:
-    """The malloc this process runs on: ``jemalloc`` (preloaded, as the image does), ``glibc``, or
+    """The malloc this process runs on: ``jemalloc`` (preloaded with ``LD_PRELOAD``), ``glibc``, or
     ``other``. jemalloc is asked first: a preloaded allocator leaves glibc's functions in place."""
     try:
         process = ctypes.CDLL(None)
