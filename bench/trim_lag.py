@@ -57,6 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=30.0, help="how long the loop runs")
     ap.add_argument("--trim", choices=("thread", "none"), default="thread")
     ap.add_argument("--every", type=float, default=5.0, help="seconds between trims")
+    ap.add_argument(
+        "--collections",
+        action="store_true",
+        help="also time every garbage collection during the loop, by generation, with how many objects "
+        "the youngest held when one began (counting them costs a little)",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
 
@@ -139,7 +145,24 @@ async def _loop(pipeline: Any, bodies: list[bytes], args: argparse.Namespace) ->
             await asyncio.to_thread(trim)
             trims.append((started, time.perf_counter(), before - (resident_bytes() or 0)))
 
-    await asyncio.gather(feed(), probe(), trimmer())
+    collections: list[tuple[int, float, int]] = []  # (generation, ms, objects in generation 0)
+    began: list[float] = [0.0]
+    young: list[int] = [0]
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            young[0] = len(gc.get_objects(0)) if info["generation"] == 0 else -1
+            began[0] = time.perf_counter()
+        else:
+            collections.append((info["generation"], (time.perf_counter() - began[0]) * 1000, young[0]))
+
+    if args.collections:
+        gc.callbacks.append(on_collection)
+    try:
+        await asyncio.gather(feed(), probe(), trimmer())
+    finally:
+        if args.collections:
+            gc.callbacks.remove(on_collection)
 
     def during(t: float) -> bool:
         # A lag is the trim's when the probe woke during it or within its overshoot after it.
@@ -148,7 +171,20 @@ async def _loop(pipeline: Any, bodies: list[bytes], args: argparse.Namespace) ->
     in_trim = [lag for t, lag in lags if during(t)]
     outside = [lag for t, lag in lags if not during(t)]
     ms = [round(lag * 1000, 1) for lag in sorted(outside)]
+    by_generation: dict[str, Any] = {}
+    for g in (0, 1, 2):
+        times = sorted(t for gen, t, _ in collections if gen == g)
+        if times:
+            by_generation[str(g)] = {
+                "count": len(times),
+                "over_5_ms": sum(t > 5 for t in times),
+                "worst_ms": round(times[-1], 2),
+                "median_ms": round(statistics.median(times), 2),
+            }
+    slow_young = [n for gen, t, n in collections if gen == 0 and t > 5]
     return {
+        "collections": by_generation if args.collections else None,
+        "young_objects_at_slow_gen0": sorted(slow_young)[-5:] if args.collections else None,
         "reports_ingested": min(ingested, len(bodies)),
         "reports_left": max(0, len(bodies) - ingested),  # 0: the loop ran out before the end
         "trims_ms": [round((b - a) * 1000, 1) for a, b, _ in trims],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -24,6 +25,21 @@ def test_trims_run_while_the_loop_ingests_and_the_lags_are_split_by_them(
     assert result["reports_ingested"] > 0
     assert result["lag_worst_outside_trim_ms"] is not None
     assert json.loads(capsys.readouterr().out) == result
+
+
+def test_collections_are_timed_by_generation_when_asked(tmp_path: Path) -> None:
+    out = tmp_path / "gc.json"
+    args = ["--nodes", "10", "--rounds", "3", "--seconds", "0.5", "--trim", "none", "--collections"]
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50)  # young collections for sure within half a second (700 may take longer)
+    try:
+        assert trim_lag.main([*args, "--json", str(out)]) == 0
+    finally:
+        gc.set_threshold(*thresholds)
+    result = json.loads(out.read_text())
+    young = result["collections"]["0"]
+    assert young["count"] >= 1 and young["worst_ms"] >= young["median_ms"] >= 0
+    assert isinstance(result["young_objects_at_slow_gen0"], list)
 
 
 def test_without_trims_no_lag_is_counted_as_a_trims(tmp_path: Path) -> None:
