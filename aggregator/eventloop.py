@@ -10,19 +10,16 @@ a socket we bind, signal handlers, thread-safe callbacks, executors, TLS).
 
 ``server.event_loop`` in the configuration chooses: ``auto`` (the default: uvloop if it can be
 imported, else asyncio's), ``uvloop`` (refuse to start without it) or ``asyncio``. This is the
-one module that imports uvloop.
+one module of the service that imports uvloop (bench/stalls.py and the tests name it too).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, Literal, TypeVar
 
 from agent.errors import ConfigError
-
-log = logging.getLogger(__name__)
 
 EventLoopKind = Literal["auto", "uvloop", "asyncio"]
 EVENT_LOOPS: Final[tuple[EventLoopKind, ...]] = ("auto", "uvloop", "asyncio")
@@ -56,5 +53,5 @@ def run(main: Coroutine[Any, Any, T], kind: EventLoopKind) -> T:
 
 
 def loop_name(loop: asyncio.AbstractEventLoop) -> str:
-    """``uvloop`` or ``asyncio``: which implementation ``loop`` is (for the log and /metrics)."""
+    """``uvloop`` or ``asyncio``: which implementation ``loop`` is (for the start-up log line)."""
     return "uvloop" if type(loop).__module__.partition(".")[0] == "uvloop" else "asyncio"

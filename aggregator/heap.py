@@ -26,7 +26,7 @@ of the pipeline's resident memory (``bench/memory.py``). ``trim_periodically`` h
 glibc's ``malloc_trim(0)`` once a minute, in a worker thread: the call releases the GIL, and
 holds only malloc's own lock, arena by arena, while it runs (a few ms at 1,000 nodes). The loop's
 thread waits for that lock whenever it allocates meanwhile, but on the pipeline's own heap that
-held the loop for at most 16 ms while trims under load took up to 630 ms (``bench/trim_lag.py``,
+held the loop for at most 17 ms while trims under load took up to 630 ms (``bench/trim_lag.py``,
 docs/performance.md). Where the C library has no ``malloc_trim`` (musl, macOS), or another
 allocator serves ``malloc`` (a preloaded jemalloc returns freed pages itself), there is nothing to
 trim: said once.

@@ -518,7 +518,7 @@ class NoopPipeline:
         return {}
 
 
-def serve_noop(port: int, tokens: Path, config_file: Path | None) -> int:
+def serve_noop(port: int, tokens: Path, config_file: Path) -> int:
     """``gpuwarden aggregator``'s service, as aggregator/cli.py builds it, around ``NoopPipeline``."""
     config = load_config(config_file)
     registry = CollectorRegistry()
@@ -620,11 +620,11 @@ def server_command(
     *,
     noop: bool = False,
     stalls_out: Path | None = None,
-    config: Path | None = None,
+    config: Path,
 ) -> list[str]:
     if noop:
-        cmd = [sys.executable, str(Path(__file__).resolve()), NOOP_SERVER, str(port), str(tokens)]
-        cmd += [str(config)] if config is not None else []
+        script = str(Path(__file__).resolve())
+        cmd = [sys.executable, script, NOOP_SERVER, str(port), str(tokens), str(config)]
     else:
         cmd = [
             str(GPUWARDEN),
@@ -637,7 +637,8 @@ def server_command(
             str(tokens),
             "--decisions",
             str(decisions),
-            *(["--config", str(config)] if config is not None else []),
+            "--config",
+            str(config),
         ]
     if profile_out is not None:
         cmd = [sys.executable, "-m", "cProfile", "-o", str(profile_out), *cmd]
@@ -788,7 +789,7 @@ def render(
         f"{params['gzip_bytes']:.0f} B on the wire ({_WIRE_NAMES[params['wire']]}). "
         f"{params['nodes']} nodes, {params['measured_reports']} measured "
         f"reports per run after a warm-up round, {params['concurrency']} keep-alive connections; "
-        f"server.event_loop {params.get('event_loop', 'auto')}.",
+        f"server.event_loop {params['event_loop']}.",
         "",
         "| measurement | CPU per report | reports/s per core |",
         "|---|---:|---:|",
@@ -849,7 +850,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [NOOP_SERVER]:
         logging.basicConfig(level=logging.WARNING)
-        return serve_noop(int(argv[1]), Path(argv[2]), Path(argv[3]) if len(argv) > 3 else None)
+        return serve_noop(int(argv[1]), Path(argv[2]), Path(argv[3]))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--nodes", type=int, default=2000, help="simulated nodes (each has its own token)")
     p.add_argument("--rounds", type=int, default=5, help="measured rounds (one report per node each)")

@@ -1,11 +1,10 @@
 """The event loop's lag while freed memory is handed back to the system (aggregator/heap.py).
 
 glibc's ``malloc_trim(0)`` holds each malloc arena's lock while it walks that arena's free chunks
-and releases their pages. The service used to call it once a minute in a worker thread, off the
-event loop; but the loop's own thread allocates from the same arena at every report (a report's
-body, its GPU structs and NIC counter dicts are larger than CPython's small-object allocator
-takes), so it waits for that lock, holding the interpreter lock meanwhile: the whole process
-stands still for as long as the trim walks.
+and releases their pages. The service calls it once a minute in a worker thread, off the event
+loop; but the loop's own thread allocates from the same arena at every report (a report's body,
+its GPU structs and NIC counter dicts are larger than CPython's small-object allocator takes), so
+it may wait for that lock, holding the interpreter lock meanwhile, for as long as the trim walks.
 
 This bench measures it on the pipeline's own heap. ``--nodes`` simulated HGX H100 nodes x
 ``--rounds`` reports go through the pipeline the server builds (``build_pipeline`` with the
@@ -15,8 +14,8 @@ the heap as a running aggregator has it. Then an event loop keeps ingesting the 
 lag probe (a 2 ms sleep, its overshoot), for ``--seconds``, while the heap is trimmed as
 ``--trim`` says:
 
-- ``thread``: ``malloc_trim(0)`` in a worker thread every ``--every`` seconds
-  (``await asyncio.to_thread``), as ``trim_periodically`` did;
+- ``thread``: the service's own ``trim_periodically`` every ``--every`` seconds (``malloc_trim(0)``
+  in a worker thread);
 - ``none``: never.
 
 Printed: the allocator (glibc, or jemalloc when preloaded with ``LD_PRELOAD``), RSS per node
@@ -31,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import math
@@ -44,7 +44,7 @@ from typing import Any
 from memory import SimulatedFleet
 
 from agent.wire import decode_compact, encode_compact
-from aggregator.heap import allocator, malloc_trim, resident_bytes
+from aggregator.heap import allocator, malloc_trim, resident_bytes, trim_periodically
 
 PROBE_S = 0.002
 BATCH = 4  # reports ingested per turn of the loop
@@ -133,17 +133,22 @@ async def _loop(pipeline: Any, bodies: list[bytes], args: argparse.Namespace) ->
             woke = time.perf_counter()
             lags.append((woke, woke - asked - PROBE_S))
 
-    async def trimmer() -> None:
-        if trim is None:
-            return
-        while True:
-            await asyncio.sleep(args.every)
-            if time.perf_counter() > stop:
-                return
-            before = resident_bytes() or 0
-            started = time.perf_counter()
-            await asyncio.to_thread(trim)
-            trims.append((started, time.perf_counter(), before - (resident_bytes() or 0)))
+    class Trims:
+        """What ``trim_periodically`` reports of each trim, dated: it reports as the trim ends."""
+
+        def heap_trim(self, seconds: float, released_bytes: int) -> None:
+            end = time.perf_counter()
+            trims.append((end - seconds, end, released_bytes))
+
+    async def measured() -> None:
+        # The service's trimming, stopped with the feed and the probe.
+        trimming = asyncio.create_task(trim_periodically(Trims(), trim=trim, interval_s=args.every))
+        try:
+            await asyncio.gather(feed(), probe())
+        finally:
+            trimming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await trimming
 
     collections: list[tuple[int, float, int]] = []  # (generation, ms, objects in generation 0)
     began: list[float] = [0.0]
@@ -159,7 +164,7 @@ async def _loop(pipeline: Any, bodies: list[bytes], args: argparse.Namespace) ->
     if args.collections:
         gc.callbacks.append(on_collection)
     try:
-        await asyncio.gather(feed(), probe(), trimmer())
+        await measured()
     finally:
         if args.collections:
             gc.callbacks.remove(on_collection)
