@@ -23,7 +23,13 @@ from agent.probes.protocol import read_probe_key
 from aggregator import eventloop
 from aggregator.config import Config
 from aggregator.configload import load_config
-from aggregator.heap import freeze_startup_heap, freeze_when_warm, malloc_trim, trim_periodically
+from aggregator.heap import (
+    collections_timed,
+    freeze_startup_heap,
+    freeze_when_warm,
+    malloc_trim,
+    trim_periodically,
+)
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.rules.model import Rule
 
@@ -156,7 +162,8 @@ async def _serve(
     )
     host, port = address
     try:
-        await aggregator.serve(host, port)
+        with collections_timed(aggregator.metrics):
+            await aggregator.serve(host, port)
     finally:
         warm.cancel()
         trim.cancel()

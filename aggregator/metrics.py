@@ -72,7 +72,7 @@ NODE_STATES: Final = ("healthy", "suspect", "quarantined", "probation")
 
 TOKEN_REVIEW_RESULTS: Final = ("cached", "authenticated", "denied", "error")
 
-# Ingest is sub-millisecond when healthy; the upper buckets catch a pipeline stall.
+# Ingest, and most collections, are sub-millisecond when healthy; the upper buckets catch a stall.
 _INGEST_BUCKETS: Final = (
     0.0001,
     0.00025,
@@ -324,6 +324,16 @@ class Metrics:
             buckets=_CYCLE_BUCKETS,
             registry=registry,
         )
+        self._collections = Histogram(
+            "gpuwarden_aggregator_gc_collection_seconds",
+            "Time of one cycle-collector collection, by generation (0: youngest, 2: full); the event "
+            "loop waits each one out (aggregator/heap.py).",
+            labelnames=["generation"],
+            buckets=_INGEST_BUCKETS,
+            registry=registry,
+        )
+        for generation in ("0", "1", "2"):
+            self._collections.labels(generation=generation)
         self._heap_released = Counter(
             "gpuwarden_aggregator_heap_trim_released_bytes_total",
             "Resident memory the heap trims gave back to the system.",
@@ -391,6 +401,9 @@ class Metrics:
     def heap_trim(self, seconds: float, released_bytes: int) -> None:
         self._heap_trim.observe(seconds)
         self._heap_released.inc(released_bytes)
+
+    def collection(self, generation: int, seconds: float) -> None:
+        self._collections.labels(generation=str(generation)).observe(seconds)
 
     def token_review(self, result: str) -> None:
         self._token_reviews.labels(result=result).inc()

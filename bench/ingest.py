@@ -349,6 +349,8 @@ class PhaseResult:
     # the difference between a scrape before and one after) and its worst-of-the-last-60-s gauge.
     lag_buckets: dict[str, float] = field(default_factory=dict)
     lag_worst_s: float | None = None
+    # Its cycle collections over the phase, by generation: bucket bound -> count, the same way.
+    collection_buckets: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 async def _post(
@@ -415,21 +417,48 @@ async def _phase(
 _LAG = "gpuwarden_aggregator_event_loop_lag_seconds"
 
 
-async def _scrape_lag(session: aiohttp.ClientSession, port: int) -> tuple[dict[str, float], float | None]:
-    """The server's event-loop lag histogram (cumulative bucket counts by ``le``) and worst-lag gauge."""
+_COLLECTION = "gpuwarden_aggregator_gc_collection_seconds"
+
+
+async def _scrape_lag(
+    session: aiohttp.ClientSession, port: int
+) -> tuple[dict[str, float], float | None, dict[str, dict[str, float]]]:
+    """The server's event-loop lag histogram (cumulative bucket counts by ``le``), its worst-lag
+    gauge, and its cycle collections' histograms by generation (the same, by ``le``)."""
     async with session.get(
         f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {_VIEWER}"}
     ) as resp:
         text = await resp.text()
     buckets: dict[str, float] = {}
     worst: float | None = None
+    collections: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == f"{_LAG}_bucket":
                 buckets[sample.labels["le"]] = sample.value
             elif sample.name == "gpuwarden_aggregator_event_loop_lag_max_seconds":
                 worst = sample.value
-    return buckets, worst
+            elif sample.name == f"{_COLLECTION}_bucket":
+                collections.setdefault(sample.labels["generation"], {})[sample.labels["le"]] = sample.value
+    return buckets, worst, collections
+
+
+def collections_summary(by_generation: dict[str, dict[str, float]]) -> dict[str, dict[str, float | None]]:
+    """Per generation, how many collections a phase held, how many took over 10 and over 50 ms,
+    and the bucket bound of its slowest (ms; None for none, inf past the last bound)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for generation, buckets in sorted(by_generation.items()):
+        bounds = sorted((float(le), n) for le, n in buckets.items())
+        total = bounds[-1][1] if bounds else 0.0
+        slowest = next((le for le, n in bounds if n >= total), None) if total > 0 else None
+        within = dict(bounds)
+        out[generation] = {
+            "count": total,
+            "over_10_ms": total - within.get(0.01, total),
+            "over_50_ms": total - within.get(0.05, total),
+            "slowest_le_ms": None if slowest is None else slowest * 1000,
+        }
+    return out
 
 
 def lag_quantile(buckets: dict[str, float], q: float) -> float | None:
@@ -453,10 +482,14 @@ async def _load_main(
         out = {"warmup": await _phase(session, url, work.warmup, headers, rate=None, **common)}
         out["measured"] = await _phase(session, url, work.measured, headers, rate=None, **common)
         if work.paced and paced_rate > 0:
-            before, _ = await _scrape_lag(session, port)
+            before, _, collected_before = await _scrape_lag(session, port)
             paced = await _phase(session, url, work.paced, headers, rate=paced_rate, **common)
-            after, paced.lag_worst_s = await _scrape_lag(session, port)
+            after, paced.lag_worst_s, collected = await _scrape_lag(session, port)
             paced.lag_buckets = {le: n - before.get(le, 0.0) for le, n in after.items()}
+            paced.collection_buckets = {
+                g: {le: n - collected_before.get(g, {}).get(le, 0.0) for le, n in b.items()}
+                for g, b in collected.items()
+            }
             out["paced"] = paced
     return out
 
@@ -560,6 +593,8 @@ class HttpRun:
     # threads' (the detectors' pool computes, the decision log's fsyncs) per second of wall time.
     server_loop_cpu_us_per_report: float | None = None
     server_threads_cpu_share: float | None = None
+    # The server's cycle collections during the paced phase, by generation (collections_summary).
+    paced_collections: dict[str, dict[str, float | None]] | None = None
 
     @property
     def per_core(self) -> float:
@@ -754,6 +789,7 @@ def http_run(
         server_threads_cpu_share=(m.server_cpu_s - m.server_loop_cpu_s) / m.wall_s,
         server_rss_ready_mb=rss_ready / 1024.0 if rss_ready is not None else None,
         server_rss_end_mb=rss_end / 1024.0 if rss_end is not None else None,
+        paced_collections=collections_summary(paced.collection_buckets) if paced else None,
     )
 
 

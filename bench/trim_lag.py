@@ -18,6 +18,9 @@ lag probe (a 2 ms sleep, its overshoot), for ``--seconds``, while the heap is tr
   in a worker thread);
 - ``none``: never.
 
+``--young-every S`` adds an experiment the service does not make: a collection of the youngest
+generation every S seconds on the loop (CPython's own still run), to see what slicing them buys.
+
 Printed: the allocator (glibc, or jemalloc when preloaded with ``LD_PRELOAD``), RSS per node
 before and after, each trim's time and what it released, and the loop's worst lag while a trim
 ran and while none did.
@@ -63,6 +66,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also time every garbage collection during the loop, by generation, with how many objects "
         "the youngest held when one began (counting them costs a little)",
     )
+    ap.add_argument(
+        "--young-every",
+        type=float,
+        default=0.0,
+        help="an experiment the service does not make: collect the youngest generation every this "
+        "many seconds on the loop, besides CPython's own collections (0: CPython's alone)",
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
 
@@ -99,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nodes=args.nodes,
         rounds=args.rounds,
         trim=args.trim,
+        young_every_s=args.young_every,
         every_s=args.every,
         allocator=allocator(),
         rss_kb_per_node_before=round(rss_built / args.nodes / 1024, 1),
@@ -140,15 +151,23 @@ async def _loop(pipeline: Any, bodies: list[bytes], args: argparse.Namespace) ->
             end = time.perf_counter()
             trims.append((end - seconds, end, released_bytes))
 
+    async def collect_young(every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            gc.collect(0)
+
     async def measured() -> None:
         # The service's trimming, stopped with the feed and the probe.
-        trimming = asyncio.create_task(trim_periodically(Trims(), trim=trim, interval_s=args.every))
+        background = [asyncio.create_task(trim_periodically(Trims(), trim=trim, interval_s=args.every))]
+        if args.young_every > 0:
+            background.append(asyncio.create_task(collect_young(args.young_every)))
         try:
             await asyncio.gather(feed(), probe())
         finally:
-            trimming.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await trimming
+            for task in background:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     collections: list[tuple[int, float, int]] = []  # (generation, ms, objects in generation 0)
     began: list[float] = [0.0]
@@ -185,6 +204,7 @@ async def _loop(pipeline: Any, bodies: list[bytes], args: argparse.Namespace) ->
                 "over_5_ms": sum(t > 5 for t in times),
                 "worst_ms": round(times[-1], 2),
                 "median_ms": round(statistics.median(times), 2),
+                "total_ms": round(sum(times), 1),
             }
     slow_young = [n for gen, t, n in collections if gen == 0 and t > 5]
     return {

@@ -451,6 +451,31 @@ def fleet_overview() -> Json:
             unit="percentunit",
             minimum=0,
         ),
+        _timeseries(
+            "Event loop: worst lag",
+            [_target("max by (instance) (gpuwarden_aggregator_event_loop_lag_max_seconds)", "{{instance}}")],
+            unit="s",
+            description="The longest a short sleep on each aggregator's event loop overslept in the last "
+            "60 s: how long a report or a Lease renewal may have waited behind other work.",
+            minimum=0,
+        ),
+        _timeseries(
+            "Cycle collector: mean pause by generation",
+            [
+                _target(
+                    "sum by (instance, generation) "
+                    f"(rate(gpuwarden_aggregator_gc_collection_seconds_sum[{_RI}]))"
+                    " / sum by (instance, generation) "
+                    f"(rate(gpuwarden_aggregator_gc_collection_seconds_count[{_RI}]))",
+                    "{{instance}} generation {{generation}}",
+                )
+            ],
+            unit="s",
+            description="CPython's cycle collections in each aggregator, by generation (0: youngest, "
+            "2: full); the event loop waits each one out. A full collection walks only what is newer "
+            "than the heap frozen once the fleet is warm (aggregator/heap.py).",
+            minimum=0,
+        ),
         _row("Agents"),
         _timeseries(
             "Shipper",

@@ -52,3 +52,13 @@ def test_without_trims_no_lag_is_counted_as_a_trims(tmp_path: Path) -> None:
     )
     result = json.loads(out.read_text())
     assert result["trims_ms"] == [] and result["lag_worst_during_trim_ms"] is None
+
+
+def test_young_collections_can_be_sliced_as_an_experiment(tmp_path: Path) -> None:
+    out = tmp_path / "sliced.json"
+    args = ["--nodes", "10", "--rounds", "3", "--seconds", "0.6", "--trim", "none", "--collections"]
+    assert trim_lag.main([*args, "--young-every", "0.1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["young_every_s"] == 0.1
+    # One every 0.1 s, whatever CPython's threshold would have made of so few reports.
+    assert result["collections"]["0"]["count"] >= 4

@@ -141,3 +141,42 @@ def test_trims_are_exported() -> None:
     Metrics(registry).heap_trim(0.003, 5 * 2**20)
     assert registry.get_sample_value("gpuwarden_aggregator_heap_trim_seconds_count") == 1
     assert registry.get_sample_value("gpuwarden_aggregator_heap_trim_released_bytes_total") == 5 * 2**20
+
+
+# -- collections timed ------------------------------------------------------------------------------
+
+
+class _CollectionMetrics:
+    def __init__(self) -> None:
+        self.collections: list[tuple[int, float]] = []
+
+    def collection(self, generation: int, seconds: float) -> None:
+        self.collections.append((generation, seconds))
+
+
+@pytest.fixture
+def no_automatic_collections() -> Iterator[None]:
+    """Only the test's own collections: CPython's automatic ones would be timed too."""
+    enabled = gc.isenabled()
+    gc.disable()
+    yield
+    if enabled:
+        gc.enable()
+
+
+def test_collections_are_timed_by_generation_within_the_block_only(no_automatic_collections: None) -> None:
+    metrics = _CollectionMetrics()
+    with heap.collections_timed(metrics):
+        gc.collect(0)
+        gc.collect(2)
+    gc.collect(1)
+    assert [g for g, _ in metrics.collections] == [0, 2]
+    assert all(seconds >= 0 for _, seconds in metrics.collections)
+
+    registry = CollectorRegistry()
+    exported = Metrics(registry)
+    with heap.collections_timed(exported):
+        gc.collect(1)
+    count = "gpuwarden_aggregator_gc_collection_seconds_count"
+    assert registry.get_sample_value(count, {"generation": "1"}) == 1
+    assert registry.get_sample_value(count, {"generation": "2"}) == 0
