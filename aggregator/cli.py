@@ -130,7 +130,10 @@ async def _serve(
     address: tuple[str, int],
     admin_tokens: list[str] | None,
 ) -> None:
-    from aggregator.app import build_aggregator  # noqa: PLC0415 - the service's imports, only here
+    from prometheus_client import ProcessCollector  # noqa: PLC0415 - the service's imports, only here
+    from prometheus_client.registry import CollectorRegistry  # noqa: PLC0415
+
+    from aggregator.app import build_aggregator  # noqa: PLC0415
 
     if args.auth == "static" and args.token_file is None:
         raise ConfigError("--auth static needs --token-file")
@@ -140,9 +143,14 @@ async def _serve(
 
         return await KubeClient.from_environment(kubeconfig=args.kubeconfig)
 
+    # The process's own CPU, memory and file descriptors (process_*), as every Prometheus client
+    # exports them on its default registry; the runbooks read them.
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
     aggregator = await build_aggregator(
         config,
         rules,
+        registry=registry,
         auth=args.token_file if args.auth == "static" else "tokenreview",
         clock=SystemClock(),
         decisions=args.decisions,
@@ -152,18 +160,19 @@ async def _serve(
         admin_tokens=admin_tokens,
         probe_key=read_probe_key(args.probe_key_file) if args.probe_key_file is not None else None,
     )
-    freeze_startup_heap()
-    warm = asyncio.create_task(
-        freeze_when_warm(lambda: len(aggregator.pipeline.fleet), config.fleet.interval_seconds),
-        name="gpuwarden-freeze-when-warm",
-    )
-    trim = asyncio.create_task(
-        trim_periodically(aggregator.metrics, trim=malloc_trim()), name="gpuwarden-heap-trim"
-    )
-    host, port = address
-    try:
-        with collections_timed(aggregator.metrics):
+    # Every collection from here on is timed, the start-up heap's full one first.
+    with collections_timed(aggregator.metrics):
+        freeze_startup_heap()
+        warm = asyncio.create_task(
+            freeze_when_warm(lambda: len(aggregator.pipeline.fleet), config.fleet.interval_seconds),
+            name="gpuwarden-freeze-when-warm",
+        )
+        trim = asyncio.create_task(
+            trim_periodically(aggregator.metrics, trim=malloc_trim()), name="gpuwarden-heap-trim"
+        )
+        host, port = address
+        try:
             await aggregator.serve(host, port)
-    finally:
-        warm.cancel()
-        trim.cancel()
+        finally:
+            warm.cancel()
+            trim.cancel()

@@ -201,6 +201,14 @@ def test_agent_to_aggregator_over_http_quarantines_a_lost_gpu(tmp_path: Path) ->
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             metrics = r.read().decode()
         assert "gpuwarden_aggregator_reports_accepted_total 1.0" in metrics
+        # The process's own figures, which the runbooks read (CPU saturation, memory).
+        assert re.search(r"^process_cpu_seconds_total \d", metrics, re.M), metrics[-2000:]
+        assert re.search(r"^process_resident_memory_bytes \d", metrics, re.M)
+        # Every collection is timed by generation, the start-up heap's full collection first.
+        full = re.search(
+            r'^gpuwarden_aggregator_gc_collection_seconds_count\{generation="2"\} (\S+)', metrics, re.M
+        )
+        assert full and float(full.group(1)) >= 1, metrics[-2000:]
     finally:
         server.terminate()
         server.wait(timeout=15)
