@@ -18,6 +18,7 @@ one per communicator), and name the job, communicator and node that each row is 
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -332,8 +333,8 @@ class Metrics:
             buckets=_INGEST_BUCKETS,
             registry=registry,
         )
-        for generation in ("0", "1", "2"):
-            self._collections.labels(generation=generation)
+        for generation in range(len(gc.get_count())):  # CPython's generations, each exported from 0
+            self._collections.labels(generation=str(generation))
         self._heap_released = Counter(
             "gpuwarden_aggregator_heap_trim_released_bytes_total",
             "Resident memory the heap trims gave back to the system.",

@@ -420,7 +420,7 @@ _LAG = "gpuwarden_aggregator_event_loop_lag_seconds"
 _COLLECTION = "gpuwarden_aggregator_gc_collection_seconds"
 
 
-async def _scrape_lag(
+async def _scrape_loop(
     session: aiohttp.ClientSession, port: int
 ) -> tuple[dict[str, float], float | None, dict[str, dict[str, float]]]:
     """The server's event-loop lag histogram (cumulative bucket counts by ``le``), its worst-lag
@@ -441,6 +441,11 @@ async def _scrape_lag(
             elif sample.name == f"{_COLLECTION}_bucket":
                 collections.setdefault(sample.labels["generation"], {})[sample.labels["le"]] = sample.value
     return buckets, worst, collections
+
+
+def _since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """A histogram's cumulative bucket counts over a phase: the scrape after less the one before."""
+    return {le: n - before.get(le, 0.0) for le, n in after.items()}
 
 
 def collections_summary(by_generation: dict[str, dict[str, float]]) -> dict[str, dict[str, float | None]]:
@@ -482,13 +487,12 @@ async def _load_main(
         out = {"warmup": await _phase(session, url, work.warmup, headers, rate=None, **common)}
         out["measured"] = await _phase(session, url, work.measured, headers, rate=None, **common)
         if work.paced and paced_rate > 0:
-            before, _, collected_before = await _scrape_lag(session, port)
+            before, _, collected_before = await _scrape_loop(session, port)
             paced = await _phase(session, url, work.paced, headers, rate=paced_rate, **common)
-            after, paced.lag_worst_s, collected = await _scrape_lag(session, port)
-            paced.lag_buckets = {le: n - before.get(le, 0.0) for le, n in after.items()}
+            after, paced.lag_worst_s, collected = await _scrape_loop(session, port)
+            paced.lag_buckets = _since(before, after)
             paced.collection_buckets = {
-                g: {le: n - collected_before.get(g, {}).get(le, 0.0) for le, n in b.items()}
-                for g, b in collected.items()
+                g: _since(collected_before.get(g, {}), b) for g, b in collected.items()
             }
             out["paced"] = paced
     return out
