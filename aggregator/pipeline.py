@@ -173,6 +173,7 @@ class _Running:
     name: str
     detector: Detector
     links: LinkHealth
+    every: float  # seconds from one run to the next (``Pipeline.__init__`` says how it is chosen)
     due: float = -math.inf
     switches: list[SwitchAlert] = field(default_factory=list)
     runs: int = 0
@@ -287,7 +288,13 @@ class Pipeline:
                 clear_for_seconds=config.links.link_clear_for_seconds,
                 confirm_for_seconds=det.every_seconds,
             )
-            self._detectors.append(_Running(spec.name, det, links))
+            every = det.every_seconds
+            if isinstance(det, PoolDetector):
+                # A pool detector judges complete slots, and one completes an interval: run more
+                # often, it judges the same slots again (every other run of a 30 s detector at a
+                # 60 s interval, half its CPU).
+                every = max(every, config.fleet.interval_seconds)
+            self._detectors.append(_Running(spec.name, det, links, every))
         self._on_decision = on_decision
         self._on_systemic = on_systemic
         self._nodes: dict[str, _NodeRecord] = {}
@@ -467,7 +474,7 @@ class Pipeline:
         whose run raises keeps what it had; the other pools are judged all the same. An
         offloading detector's pool is prepared, its compute yielded as the step, and finished
         (findings applied) when the generator is resumed."""
-        run.due = tick + detector.every_seconds
+        run.due = tick + run.every
         run.runs += 1
         for pool in list(self.frames.pools()):
             frame = self.frames.frame(pool)
@@ -493,7 +500,7 @@ class Pipeline:
                 yield None
 
     def _run_detector(self, run: _Running, tick: float) -> None:
-        run.due = tick + run.detector.every_seconds
+        run.due = tick + run.every
         run.runs += 1
         verdict = run.attempt(tick, run.detector.run, self.frames, tick)
         if isinstance(verdict, _Failed):

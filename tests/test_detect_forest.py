@@ -15,6 +15,7 @@ from aggregator.detect.forest import (
     distance_gate,
     pool_vectors,
     robust_distance,
+    window_slots,
 )
 from aggregator.fleet.frame import GPU_COLUMN, GPU_FIELDS, FleetFrames, PoolFrame
 from aggregator.model import Finding
@@ -56,6 +57,7 @@ class Pool:
     prefix: str = "node"
     late: tuple[int, ...] = ()  # nodes whose job starts at ``late_start``, heating up from cold
     late_start: float = 500.0
+    interval: float = INTERVAL
 
     def frame(self, until: float = NOW) -> PoolFrame:
         rng = np.random.default_rng(self.seed)
@@ -76,7 +78,7 @@ class Pool:
             slow_p[o.node, o.gpu] = o.slowdown
         # A tenth of the nodes sit idle for a while inside the window: fewer loaded slots, no vector.
         idle_from = np.where(rng.random(self.nodes) < 0.1, rng.uniform(300, 560, self.nodes), np.inf)
-        frame = PoolFrame("h100", interval_s=INTERVAL, slots=SLOTS, gpus=GPUS)
+        frame = PoolFrame("h100", interval_s=self.interval, slots=SLOTS, gpus=GPUS)
         names = [f"{self.prefix}-{i:03d}" for i in range(self.nodes)]
         empty = np.zeros((0, 0), np.float32)
         t = 0.0
@@ -111,8 +113,8 @@ class Pool:
             block[..., C["sw_thermal"]] = thermal
             block[..., C["pcie_replay_per_second"]] = np.where(rng.random(shape) < 0.002, 0.1, 0.0)
             for i, name in enumerate(names):
-                frame.write(name, t + float(rng.uniform(0, INTERVAL - 0.01)), block[i], [], empty)
-            t += INTERVAL
+                frame.write(name, t + float(rng.uniform(0, self.interval - 0.01)), block[i], [], empty)
+            t += self.interval
         return frame
 
 
@@ -161,6 +163,25 @@ def test_gpu_mildly_off_in_several_features_is_flagged_with_the_right_features(s
     )
     assert f.summary.startswith("GPU 3 unlike the ")
     assert "isolation score" in f.summary and "MADs, pool" in f.summary
+
+
+@pytest.mark.parametrize("seed", [21, 22, 23])
+def test_a_pool_reporting_every_minute_is_modelled(seed: int) -> None:
+    # At a 60 s interval the default 300 s window is 5 slots, fewer than the 6 loaded ones a GPU
+    # needs for a vector: the window is never narrower than that (window_slots), or a fleet
+    # reporting every minute would never be modelled at all.
+    config = ForestConfig()
+    assert window_slots(config, 60.0) == config.min_loaded_slots == 6
+    assert window_slots(config, INTERVAL) == 30
+    now = 1800.0
+    healthy = Pool(nodes=64, seed=seed, interval=60.0).frame(until=now)
+    assert len(pool_vectors(healthy, now, config).rows) > 0.8 * 64 * GPUS
+    assert findings(ForestDetector().run_pool(healthy, now)) == []
+    # Six slots say less than thirty: a GPU twice as far off as MILD, in the same features.
+    odd = Odd(node=11, gpu=3, clock=-0.05, temp=16.0, power=-220.0, slowdown=0.26)
+    frame = Pool(nodes=64, seed=seed, odd=[odd], interval=60.0).frame(until=now)
+    out = ForestDetector().run_pool(frame, now)
+    assert [(node, f.key) for node, f in findings(out)] == [("node-011", "forest:gpu3")]
 
 
 def test_findings_are_alerts_from_forest_with_evidence() -> None:

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 from agent.clock import FakeClock
 from agent.report import Report, encode
 from aggregator.app import Aggregator, build_aggregator, build_pipeline
-from aggregator.config import Config, DetectorSettings, PositiveSeconds, SilenceConfig
+from aggregator.config import Config, DetectorSettings, FleetConfig, PositiveSeconds, SilenceConfig
 from aggregator.configload import parse_config
 from aggregator.detect import DETECTORS, SOURCES, DetectorSpec, PoolDetector, Verdict, detectors_section
 from aggregator.fleet.frame import FleetFrames, PoolFrame
@@ -382,6 +382,42 @@ class _FlakyPoolDetector(PoolDetector):
             raise RuntimeError("pool a is broken")
         nodes, _ = frame.snapshot(now - frame.slots * frame.interval_s, now)
         return {n: [Finding("flaky-pool", "seen", "warning", "alert", "seen", since=now)] for n in nodes}
+
+
+class _CountingPoolConfig(DetectorSettings, frozen=True):
+    name: ClassVar[str] = "counting-pool"
+    every_seconds: PositiveSeconds = 10.0
+
+
+class _CountingPoolDetector(PoolDetector):
+    """Notes when it runs; finds nothing."""
+
+    runs: ClassVar[list[float]] = []
+
+    def __init__(self, config: _CountingPoolConfig) -> None:
+        self.every_seconds = config.every_seconds
+
+    def run_pool(self, frame: PoolFrame, now: float) -> dict[str, list[Finding]]:
+        _CountingPoolDetector.runs.append(now)
+        return {}
+
+
+@pytest.mark.parametrize(("interval", "period"), [(5.0, 10.0), (10.0, 10.0), (60.0, 60.0)])
+def test_a_pool_detector_runs_at_most_once_an_interval(interval: float, period: float) -> None:
+    # It judges complete slots, and a slot completes once an interval: a fleet reporting every
+    # minute gives a 10 s pool detector nothing new five runs in six.
+    _CountingPoolDetector.runs.clear()
+    config = Config(
+        fleet=FleetConfig(interval_seconds=interval),
+        silence=SilenceConfig(silent_after_seconds=5 * interval),
+    )
+    spec = DetectorSpec(_CountingPoolConfig, _CountingPoolDetector)
+    pipeline = build_pipeline(config, [], detectors=(spec,))
+    pipeline.advance_on_ingest = False
+    pipeline.ingest(report(T0, seq=0), T0)
+    for k in range(13):
+        list(pipeline.advance_steps(T0 + 10 * k))
+    assert _CountingPoolDetector.runs == [T0 + period * i for i in range(int(120 / period) + 1)]
 
 
 def test_a_pool_detector_runs_pool_by_pool_and_one_failing_pool_spares_the_others() -> None:

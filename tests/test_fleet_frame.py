@@ -11,6 +11,9 @@ import pytest
 
 from agent.report import Gpu, Nic, NvLink, Report
 from aggregator.config import FleetConfig
+from aggregator.detect.forest import ForestConfig, window_slots
+from aggregator.detect.peers import PeerConfig
+from aggregator.detect.trend import TrendConfig
 from aggregator.fleet.frame import GPU_COLUMN, GPU_FIELDS, NIC_COLUMN, NIC_FIELDS, FleetFrames
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import Placement, gpu_model_pool, label_safe, placement_of
@@ -683,3 +686,21 @@ def test_frame_growing_shrinking_and_held_by_windows_reads_as_the_plain_model(se
         frame.write(node, t, np.zeros((gpus, len(GPU_FIELDS)), np.float32), (), np.zeros((0, 0), np.float32))
         live.add(node)
     assert all(g.shape[0] == frame.gpu.shape[1] for g in frame._gpu)
+
+
+@pytest.mark.parametrize(("interval", "slots"), [(5.0, 120), (10.0, 60), (30.0, 60), (60.0, 30), (120.0, 15)])
+def test_frames_keep_600_s_or_60_slots_within_the_history_window(interval: float, slots: int) -> None:
+    assert FleetFrames(FleetConfig(interval_seconds=interval)).slots == slots
+
+
+@pytest.mark.parametrize("interval", [5.0, 10.0, 15.0, 30.0, 60.0])
+def test_frames_hold_what_the_slot_counting_detectors_need(interval: float) -> None:
+    # The trend detector judges a port against its own baseline (the slots older than its
+    # persistence window), the forest needs its window and the settling before it, the peer
+    # detector its quarantine's slots of evidence: at a 60 s interval a 600 s frame (10 slots)
+    # left the trend detector nothing to judge. Complete slots are the frame's less the one filling.
+    complete = FleetFrames(FleetConfig(interval_seconds=interval)).slots - 1
+    trend, forest, peer = TrendConfig(), ForestConfig(), PeerConfig()
+    assert complete >= trend.long_slots + trend.min_baseline_slots
+    assert complete >= window_slots(forest, interval) + round(forest.settle_seconds / interval)
+    assert complete >= peer.min_quarantine_slots

@@ -5,7 +5,8 @@ A GPU a little hot, a little slow, a little braked and drawing a little less pow
 those checks, yet no healthy GPU of its pool looks like that. This detector looks at the whole
 vector at once.
 
-Per pool, every ``every_seconds`` (5 min), over the last ``window_seconds`` of complete slots:
+Per pool, every ``every_seconds`` (5 min), over the last ``window_seconds`` of complete slots (at
+least ``min_loaded_slots`` of them: ``window_slots``):
 
 1. one vector per GPU from the slots where it was under load (utilization >= ``load_threshold``,
    at least ``min_loaded_slots`` of them): the median SM clock ratio, temperature, memory
@@ -179,11 +180,18 @@ class PoolVectors:
     window_start: float
 
 
+def window_slots(config: ForestConfig, interval_s: float) -> int:
+    """The complete slots a run scores: ``window_seconds`` of them, but never fewer than a GPU
+    needs for a vector (``min_loaded_slots``): at a 60 s interval the default 300 s is 5 slots,
+    and a window of 5 could never hold the 6 a GPU needs."""
+    return max(config.min_loaded_slots, round(config.window_seconds / interval_s))
+
+
 def window_copy(frame: PoolFrame, now: float, config: ForestConfig) -> FrameWindow:
-    """The slots a run at ``now`` looks at (``window_seconds`` of complete slots and the
+    """The slots a run at ``now`` looks at (``window_slots`` of complete slots and the
     ``settle_seconds`` before them), frozen (``PoolFrame.window``) so that the rest of the run may
     go on while the frame takes new reports and forgets nodes (rows move then)."""
-    slots = max(1, round(config.window_seconds / frame.interval_s))
+    slots = window_slots(config, frame.interval_s)
     settle = max(0, round(config.settle_seconds / frame.interval_s))
     return frame.window(now - (slots + settle) * frame.interval_s, now - frame.interval_s)
 
@@ -196,7 +204,7 @@ def pool_vectors(frame: PoolFrame, now: float, config: ForestConfig) -> PoolVect
 def vectors_of(window: FrameWindow, now: float, config: ForestConfig) -> PoolVectors:
     """``pool_vectors`` of a copied window (any thread: it reads nothing else)."""
     interval = window.interval_s
-    slots = max(1, round(config.window_seconds / interval))
+    slots = window_slots(config, interval)
     settle = max(0, round(config.settle_seconds / interval))
     t0 = now - slots * interval
     nodes, history, all_starts = list(window.nodes), window.gpu, window.starts

@@ -30,7 +30,7 @@ fields x 4 bytes that is 778 MB, plus the NIC frame (7,500 x 8 NICs x 9 fields x
 asks "is this node, now and for the last few minutes, unlike its pool?": it compares nodes at the
 same moments and needs a persistence of minutes, not half an hour. A node's own longer past is in
 its ``NodeHistory`` (rates over any window, ``gpu_samples``). So the frame covers ``frame_seconds``
-(default ``min(window_seconds, 600)``: 60 slots at 10 s):
+(default 600 s: 60 slots at 10 s):
 
     GPU: 7,500 nodes x 8 GPUs x 18 fields x 60 slots x 4 B = 259 MB
     NIC: 7,500 nodes x 8 NICs x  9 fields x 60 slots x 4 B = 130 MB
@@ -39,6 +39,12 @@ its ``NodeHistory`` (rates over any window, ``gpu_samples``). So the frame cover
 of a big pool grew (doubling leaves a quarter of the capacity unused on average, up to half).
 float16 would halve it but cannot hold bytes per second (max 65,504) and has 3 significant digits,
 which peer comparisons of power or clocks need; float32 is kept.
+
+At a longer interval the frame keeps 60 slots rather than 600 s, up to the history window
+(``FRAME_SLOTS``): the detectors count slots (the trend detector's baseline and persistence
+windows need 24 of them, the peer detector's quarantine 6 slots of evidence), and at a 60 s
+interval 600 s would be 10 slots, in which the trend detector could never judge anything. At 60 s
+the frame holds 30 slots (the 1,800 s history window), half the bytes of the 10 s frame.
 
 Slots use the report's own time unless ``record(..., at=...)`` passes another clock: a node whose
 clock runs far ahead would otherwise move its pool's newest slot forward and clear the frame, so the
@@ -82,6 +88,9 @@ FloatArray = npt.NDArray[np.float32]
 
 _NAN: Final = math.nan
 DEFAULT_FRAME_SECONDS: Final = 600.0
+# ... or this many slots where the interval is longer than 10 s, up to the history window (the
+# module docstring): detectors count slots, and too few leave them nothing to judge.
+FRAME_SLOTS: Final = 60
 DEFAULT_MAX_NICS: Final = 16
 _INITIAL_ROWS: Final = 8
 # Row capacity grows by this factor: the frame is a node's largest holder (52 KB at 8 GPUs, 8 NICs),
@@ -746,7 +755,10 @@ class FleetFrames:
         seconds = (
             frame_seconds
             if frame_seconds is not None
-            else min(self.config.window_seconds, DEFAULT_FRAME_SECONDS)
+            else min(
+                self.config.window_seconds,
+                max(DEFAULT_FRAME_SECONDS, FRAME_SLOTS * self.config.interval_seconds),
+            )
         )
         if not seconds > 0 or max_nics <= 0:
             raise ConfigError(f"frames need frame_seconds > 0 and max_nics > 0; got {seconds}, {max_nics}")
