@@ -10,7 +10,7 @@ from aggregator.config import Config, FleetConfig, HealthConfig
 from aggregator.decisions import Reason
 from aggregator.detect import DETECTORS, PeerDetector
 from aggregator.detect.cusum import cusum
-from aggregator.detect.peers import FEATURES, PeerConfig, thresholds
+from aggregator.detect.peers import FEATURES, PeerConfig, complete_slots, thresholds
 from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import Placement
@@ -434,3 +434,27 @@ def test_a_run_prepared_before_the_frame_moves_on_judges_what_was_prepared() -> 
     expected = detector.run_pool(still.frame, t)
     assert found == expected
     assert any(f.key == "peer-sm-clock:gpu3" for f in found["node-002"])
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_slots_never_written_change_no_judgement(seed: int) -> None:
+    """A run skips the complete slots before the pool's first written one (all NaN: a pool's first
+    frame-length): at every run the findings, evidence and all, are those of the whole range."""
+    sim = PoolSim(nodes=32, seed=seed, faults=[Fault(node=7, gpu=5, start=120.0, slow=0.12)])
+    sim.busy_until[7] = 1e9
+    detector = PeerDetector()
+    t, trimmed_runs, findings = 0.0, 0, 0
+    while t < 720.0:
+        sim.step(t)
+        t += INTERVAL
+        if t % 30.0:
+            continue
+        t0, t1 = complete_slots(sim.frame, t)
+        start = sim.frame.written_since(t0)
+        whole = detector.judge(sim.frame.window(t0, t1), t)
+        assert detector.judge(sim.frame.window(start, t1), t) == whole
+        assert detector.run_pool(sim.frame, t) == whole
+        trimmed_runs += start > t0
+        findings += sum(len(fs) for fs in whole.values())
+    assert trimmed_runs >= 18  # the first 600 s of runs skipped slots ...
+    assert findings > 0  # ... and the slow GPU's findings were among those compared

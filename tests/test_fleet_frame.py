@@ -14,7 +14,7 @@ from aggregator.config import FleetConfig
 from aggregator.detect.forest import ForestConfig, window_slots
 from aggregator.detect.peers import PeerConfig
 from aggregator.detect.trend import TrendConfig
-from aggregator.fleet.frame import GPU_COLUMN, GPU_FIELDS, NIC_COLUMN, NIC_FIELDS, FleetFrames
+from aggregator.fleet.frame import GPU_COLUMN, GPU_FIELDS, NIC_COLUMN, NIC_FIELDS, FleetFrames, PoolFrame
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import Placement, gpu_model_pool, label_safe, placement_of
 from aggregator.fleet.view import RateAsks
@@ -704,3 +704,16 @@ def test_frames_hold_what_the_slot_counting_detectors_need(interval: float) -> N
     assert complete >= trend.long_slots + trend.min_baseline_slots
     assert complete >= window_slots(forest, interval) + round(forest.settle_seconds / interval)
     assert complete >= peer.min_quarantine_slots
+
+
+def test_written_since_skips_the_slots_never_written() -> None:
+    frame = PoolFrame("p", interval_s=10.0, slots=6, gpus=1)
+    block, empty = np.zeros((1, len(GPU_FIELDS)), np.float32), np.zeros((0, 0), np.float32)
+    assert frame.written_since(0.0) == 0.0  # nothing written: nothing to say
+    frame.write("a", 125.0, block, [], empty)  # slot 12
+    assert frame.written_since(70.0) == 120.0 and frame.written_since(130.0) == 130.0
+    frame.write("a", 135.0, block, [], empty)
+    frame.write("b", 101.0, block, [], empty)  # late, for slot 10, still in the ring
+    assert frame.written_since(70.0) == 100.0
+    frame.write("a", 300.0, block, [], empty)  # a gap longer than the ring: it starts over
+    assert frame.written_since(250.0) == 300.0

@@ -461,6 +461,9 @@ class PoolFrame:
         # Per position: the windows holding its arrays (copy on write while one of them lives).
         self._readers: list[list[weakref.ref[FrameWindow]]] = [[] for _ in range(slots)]
         self.head: int | None = None  # newest slot number written
+        # Oldest slot number written since the ring last started over: the slots before it in the
+        # ring were never written (all NaN), which a reader may skip (``written_since``).
+        self.first: int | None = None
         self._names: list[str] = []
         self._rows: dict[str, int] = {}
         # Per node its NICs in column order. Tuples: a tuple of strings and numbers is not an
@@ -649,6 +652,7 @@ class PoolFrame:
         if head is None or k - head >= self.slots:
             for p in range(self.slots):
                 self._clear(p)
+            self.first = k
         else:
             for m in range(head + 1, k + 1):
                 self._clear(m % self.slots)
@@ -662,6 +666,12 @@ class PoolFrame:
         k1 = min(self.slot_number(t1), self.head)
         return k0, k1
 
+    def written_since(self, t0: float) -> float:
+        """``t0``, or the start of the oldest slot written since the ring last started over if that
+        is later: a reader of ``[t0, t1]`` that ignores slots without values may start there, and
+        skip slots that only hold NaN (a pool's first frame-length, or after a gap as long)."""
+        return t0 if self.first is None else max(t0, self.first * self.interval_s)
+
     def _positions(self, t0: float, t1: float) -> list[int]:
         k0, k1 = self._slot_range(t0, t1)
         return [k % self.slots for k in range(k0, k1 + 1)]
@@ -673,6 +683,8 @@ class PoolFrame:
             self._advance(k)
         elif k <= self.head - self.slots:
             return False
+        if self.first is None or k < self.first:
+            self.first = k  # a late report for a slot before the first one written
         p = k % self.slots
         row = self._row(node)
         self._writable(p)
