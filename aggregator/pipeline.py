@@ -283,17 +283,17 @@ class Pipeline:
         self._detectors: list[_Running] = []
         for spec in detectors:
             det = spec.build(config.detectors)
-            links = LinkHealth(
-                suspect_for_seconds=config.health.suspect_for_seconds,
-                clear_for_seconds=config.links.link_clear_for_seconds,
-                confirm_for_seconds=det.every_seconds,
-            )
             every = det.every_seconds
             if isinstance(det, PoolDetector):
                 # A pool detector judges complete slots, and one completes an interval: run more
                 # often, it judges the same slots again (every other run of a 30 s detector at a
                 # 60 s interval, half its CPU).
                 every = max(every, config.fleet.interval_seconds)
+            links = LinkHealth(
+                suspect_for_seconds=config.health.suspect_for_seconds,
+                clear_for_seconds=config.links.link_clear_for_seconds,
+                confirm_for_seconds=every,  # two of its own runs
+            )
             self._detectors.append(_Running(spec.name, det, links, every))
         self._on_decision = on_decision
         self._on_systemic = on_systemic

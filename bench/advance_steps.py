@@ -44,8 +44,7 @@ from _common import cpu_model
 from _reports import NodeSim, phase_offset
 
 from aggregator.app import build_pipeline
-from aggregator.config import Config
-from aggregator.configload import load_config
+from aggregator.config import Config, FleetConfig, SilenceConfig
 from aggregator.decisions import DecisionLog
 from aggregator.detect.base import OffloadingPoolDetector, PoolDetector
 from aggregator.fleet.frame import FleetFrames
@@ -80,18 +79,14 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write the steps and the steady shares here too")
     args = p.parse_args()
     interval_s: float = args.interval
-    cycle_rounds = max(1, round(CYCLE_S / interval_s))
-    with tempfile.TemporaryDirectory() as tmp:
-        # As bench/shards.py configures a fleet of another interval: silence after five of them.
-        config_file = Path(tmp) / "aggregator.yaml"
-        config_file.write_text(
-            f"fleet:\n  interval_seconds: {interval_s}\nsilence:\n  silent_after_seconds: {5 * interval_s}\n",
-            encoding="utf-8",
-        )
-        config = load_config(config_file)
-        if args.rounds is None:
-            args.rounds = full_frame_rounds(config)
-        return measure(args, config, interval_s, cycle_rounds)
+    # The defaults, but for the fleet's interval: silence after five of them, as bench/shards.py.
+    config = Config(
+        fleet=FleetConfig(interval_seconds=interval_s),
+        silence=SilenceConfig(silent_after_seconds=5 * interval_s),
+    )
+    if args.rounds is None:
+        args.rounds = full_frame_rounds(config)
+    return measure(args, config, interval_s, max(1, round(CYCLE_S / interval_s)))
 
 
 def measure(args: argparse.Namespace, config: Config, interval_s: float, cycle_rounds: int) -> int:
