@@ -5,7 +5,7 @@ Each part owns its section's type here so that a newcomer finds every knob in on
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Final, Literal
 
 import msgspec
 from msgspec import Meta
@@ -56,14 +56,30 @@ class HealthConfig(_Section, frozen=True):
     lemon_window_seconds: PositiveSeconds = 7 * 86400.0
 
 
+# A node silent this many report intervals is suspect, unless ``silence.silent_after_seconds``
+# says otherwise: one late or lost report (two intervals' gap) is ordinary on a busy network, six
+# in a row are not. It follows the interval so a fleet that reports every minute is not all called
+# silent between two of its reports (60 s at the default 10 s interval).
+SILENT_AFTER_INTERVALS: Final = 6
+
+
 class SilenceConfig(_Section, frozen=True):
-    silent_after_seconds: PositiveSeconds = 60.0  # no report for this long: the node is suspect
+    # No report for this long: the node is suspect. Default: SILENT_AFTER_INTERVALS report
+    # intervals (``after``), whatever fleet.interval_seconds is.
+    silent_after_seconds: PositiveSeconds | None = None
     # A failure domain (rack/leaf) with at least this many silent nodes, or a pool with at least
     # this share silent, is one systemic problem, not many node problems.
     domain_min_nodes: Annotated[int, Meta(ge=2)] = 3
     pool_share: Ratio = 0.2
     # A node silent this long (and not taken out) is forgotten: decommissioned or renamed.
     forget_after_seconds: PositiveSeconds = 86400.0
+
+    def after(self, interval_s: float) -> float:
+        """Seconds without a report after which a node is silent, for a fleet reporting every
+        ``interval_s``: the configured value, else ``SILENT_AFTER_INTERVALS`` intervals."""
+        if self.silent_after_seconds is not None:
+            return self.silent_after_seconds
+        return SILENT_AFTER_INTERVALS * interval_s
 
 
 class AuthConfig(_Section, frozen=True):

@@ -20,7 +20,7 @@ import yaml
 from agent.errors import ConfigError
 from aggregator.config import Config, detectors_config
 
-__all__ = ["load_config", "parse_config"]
+__all__ = ["configured", "load_config", "parse_config"]
 
 # msgspec ends a ValidationError with "- at `$.health.probation_seconds`" (or "`key` in `$`").
 _AT_PATH = re.compile(r"\s+-\s+at\s+`([^`]*)`(?:\s+in\s+`([^`]*)`)?$")
@@ -132,3 +132,16 @@ def load_config(path: Path | None) -> Config:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
     return parse_config(text, str(path))
+
+
+def configured(path: Path | None, key: str) -> bool:
+    """Whether the file at ``path`` (already loaded by ``load_config``) sets the dotted ``key``
+    (``fleet.interval_seconds``) itself, rather than leaving it to its default."""
+    if path is None:
+        return False
+    data: Any = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)
+    for part in key.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return False
+        data = data[part]
+    return True

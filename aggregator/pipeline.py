@@ -273,7 +273,7 @@ class Pipeline:
         self._cluster = cluster
         # Active probes (aggregator/probes): given when probes are on, never in replay.
         self.probes = probes
-        self.silence = SilenceDetector(config.silence)
+        self.silence = SilenceDetector(config.silence, config.fleet.interval_seconds)
         self.decisions = decisions
         names = [spec.name for spec in detectors]
         if len(set(names)) != len(names) or set(names) & set(BUILTIN_SOURCES):
@@ -426,7 +426,7 @@ class Pipeline:
         # the fleet at all: one pass over 25,000 nodes' receive times every second was a few
         # percent of a shard's core. Once the floor could be quiet, one pass finds the true
         # oldest, and the silence check runs only if that one is.
-        quiet_after = tick - self.config.silence.silent_after_seconds
+        quiet_after = tick - self.silence.silent_after_seconds
         per_node: dict[str, list[Finding]] = {}
         events: list[SystemicEvent] = []
         busy = bool(self._silent) or bool(self.silence.active_events())

@@ -6,7 +6,10 @@ records, each one compact report); either may be gzip'd. The first byte tells th
 
 The clock is the reports' own ``time`` (no sleeping), remediation is in dry-run (decisions say
 what would be done), and the result is deterministic. Reports a little out of order across nodes,
-as live ingestion sees them, are put back in time order through a short reorder buffer.
+as live ingestion sees them, are put back in time order through a short reorder buffer. The
+report interval is the one the trace's reports declare (``interval_seconds``) unless the
+configuration sets ``fleet.interval_seconds``: a trace recorded every 30 s judged as a 10 s fleet
+would have two empty frame slots in three.
 
 With ``--serve``, the replayed pipeline's final state is then served read-only (the status page
 and the JSON API ``gpuwarden status`` and ``explain`` read) with the clock frozen at the trace's
@@ -76,6 +79,8 @@ class ReplaySummary:
     duplicates: int = 0
     decisions: Counter[str] = field(default_factory=Counter)
     skew: dict[str, float] = field(default_factory=dict)  # node clocks corrected, seconds ahead
+    interval: float | None = None  # the report interval the replay used (fleet.interval_seconds)
+    declared: float | None = None  # the one the trace's reports declare, if any does
 
     def reject(self, reason: str, lineno: int, error: str) -> None:
         """Count a skipped line. Each is logged only at INFO (``-v``): a damaged stream can yield
@@ -94,6 +99,15 @@ class ReplaySummary:
             for why, n in sorted(self.rejected.items())
         ]
         lines += [f"  clock of {who} corrected by {-off:+.0f} s" for who, off in self.skew.items()]
+        if self.interval is not None and self.declared is not None:
+            if self.interval == self.declared:
+                lines.append(f"report interval: {self.interval:g} s, as the trace's reports declare")
+            else:
+                lines.append(
+                    f"report interval: {self.interval:g} s as configured (fleet.interval_seconds), "
+                    f"but the trace's reports declare {self.declared:g} s: the frames' slots and "
+                    "silence follow the configuration"
+                )
         lines.append(
             "decisions: "
             + (", ".join(f"{state} {n}" for state, n in sorted(self.decisions.items())) or "none")
@@ -119,6 +133,7 @@ class _Stamp(msgspec.Struct):
     node: str
     boot_id: str
     time: float
+    interval_seconds: float | None = None
 
 
 _STAMP = msgspec.json.Decoder(_Stamp)
@@ -143,8 +158,19 @@ def _records(stream: IO[bytes] | gzip.GzipFile, compact: bool) -> Iterator[bytes
         raise OSError(str(exc)) from exc
 
 
-def estimate_skew(path: Path) -> dict[tuple[str, str], float]:
-    """Each node's clock offset from the fleet's, per boot, where it is over ``SKEW_MIN_SECONDS``.
+@dataclass(frozen=True)
+class TraceClock:
+    """What one cheap pass over a trace says about its time: each node's clock offset from the
+    fleet's, per boot, where it is over ``SKEW_MIN_SECONDS``, and the report interval its reports
+    declare (the median of those that do; None when none does)."""
+
+    offsets: dict[tuple[str, str], float]
+    interval: float | None
+
+
+def trace_clock(path: Path) -> TraceClock:
+    """Each node's clock offset from the fleet's, per boot, where it is over ``SKEW_MIN_SECONDS``,
+    and the trace's declared report interval.
 
     Live, the aggregator judges time by its own receive clock, so a node whose clock is an hour
     off is judged like any other. A trace has only the reports' own times; used as they are, a
@@ -167,7 +193,9 @@ def estimate_skew(path: Path) -> dict[tuple[str, str], float]:
         except (OSError, EOFError, gzip.BadGzipFile):
             pass  # likewise
     if not stamps:
-        return {}
+        return TraceClock({}, None)
+    declared = [s.interval_seconds for s in stamps if s.interval_seconds is not None]
+    interval = float(statistics.median(declared)) if declared else None
     # The fleet's time at each line: the median report time of the lines centred on it (a
     # sliding window, in blocks so memory stays bounded on a long trace).
     times = np.fromiter((s.time for s in stamps), dtype=np.float64, count=len(stamps))
@@ -186,7 +214,7 @@ def estimate_skew(path: Path) -> dict[tuple[str, str], float]:
         offset = statistics.median(values)
         if abs(offset) > SKEW_MIN_SECONDS:
             offsets[key] = offset
-    return offsets
+    return TraceClock(offsets, interval)
 
 
 def read_trace(path: Path, summary: ReplaySummary, progress: Progress | None = None) -> Iterator[Report]:
@@ -246,9 +274,17 @@ def _ordered(
 
 
 def replay(
-    trace: Path, out: Path | None, config: Config, rules: list[Rule], *, progress: Progress | None = None
+    trace: Path,
+    out: Path | None,
+    config: Config,
+    rules: list[Rule],
+    *,
+    progress: Progress | None = None,
+    trace_interval: bool = False,
 ) -> tuple[list[Decision], ReplaySummary]:
-    produced, summary, _ = replayed(trace, out, config, rules, progress=progress)
+    produced, summary, _ = replayed(
+        trace, out, config, rules, progress=progress, trace_interval=trace_interval
+    )
     return produced, summary
 
 
@@ -258,12 +294,21 @@ class FinalState:
 
     pipeline: Pipeline
     at: float
+    config: Config  # the one the pipeline ran with (the trace's interval, if it was followed)
 
 
 def replayed(
-    trace: Path, out: Path | None, config: Config, rules: list[Rule], *, progress: Progress | None = None
+    trace: Path,
+    out: Path | None,
+    config: Config,
+    rules: list[Rule],
+    *,
+    progress: Progress | None = None,
+    trace_interval: bool = False,
 ) -> tuple[list[Decision], ReplaySummary, FinalState]:
-    """``replay``, and the final state it leaves (for ``--serve``)."""
+    """``replay``, and the final state it leaves (for ``--serve``). With ``trace_interval``, the
+    report interval is the one the trace's reports declare (when they declare one), not
+    ``config.fleet.interval_seconds``: the CLI asks for it unless its file sets that key."""
     # Imported here, not at the top: the pipeline loads scikit-learn (seconds), which `--help`
     # and a refused argument must not wait for.
     from aggregator.app import build_pipeline  # noqa: PLC0415
@@ -277,8 +322,14 @@ def replayed(
         summary.decisions[d.state] += 1
 
     _refuse_the_trace_as_out(trace, out)
-    offsets = estimate_skew(trace)
+    clock = trace_clock(trace)
+    offsets = clock.offsets
     summary.skew = {f"{node} (boot {boot[:8]})": off for (node, boot), off in sorted(offsets.items())}
+    if trace_interval and clock.interval is not None and clock.interval != config.fleet.interval_seconds:
+        config = msgspec.structs.replace(
+            config, fleet=msgspec.structs.replace(config.fleet, interval_seconds=clock.interval)
+        )
+    summary.interval, summary.declared = config.fleet.interval_seconds, clock.interval
     decisions = DecisionLog(out, truncate=True)  # a replay's output is its own, not appended
     pipeline = build_pipeline(config, rules, decisions, on_decision=_record)
     try:
@@ -301,7 +352,7 @@ def replayed(
         pipeline.advance(last)
     finally:
         decisions.close()
-    return produced, summary, FinalState(pipeline, last)
+    return produced, summary, FinalState(pipeline, last, config)
 
 
 def _refuse_the_trace_as_out(trace: Path, out: Path | None) -> None:
@@ -420,7 +471,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from aggregator.configload import load_config  # noqa: PLC0415
+    from aggregator.configload import configured, load_config  # noqa: PLC0415
     from aggregator.rules.model import default_rules_dir, load_rules  # noqa: PLC0415
 
     if not args.verbose:
@@ -435,7 +486,14 @@ def run(args: argparse.Namespace) -> int:
         )
         _refuse_the_trace_as_out(args.trace, args.out)
         with _written_on_success(args.out) as tmp:
-            _, summary, final = replayed(args.trace, tmp, config, rules, progress=progress)
+            _, summary, final = replayed(
+                args.trace,
+                tmp,
+                config,
+                rules,
+                progress=progress,
+                trace_interval=not configured(args.config, "fleet.interval_seconds"),
+            )
     except TraceError as exc:
         if progress is not None:
             progress.clear()
@@ -458,7 +516,7 @@ def run(args: argparse.Namespace) -> int:
             )
 
         eventloop.run(
-            serve_final_state(args.trace, final, config, host, port, on_started=started),
+            serve_final_state(args.trace, final, final.config, host, port, on_started=started),
             config.server.event_loop,
         )
     return 0

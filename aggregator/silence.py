@@ -1,8 +1,9 @@
 """Nodes that stop reporting, and the difference between one silent node and a silent rack.
 
-A node silent for ``silent_after_seconds`` (by the aggregator's receive clock, so a node's clock
-skew does not matter) becomes suspect. It is never quarantined for silence alone: silence says
-the agent, the node or the network is gone, not that the GPUs are bad.
+A node silent for ``silent_after_seconds`` (by default six report intervals; by the aggregator's
+receive clock, so a node's clock skew does not matter) becomes suspect. It is never quarantined
+for silence alone: silence says the agent, the node or the network is gone, not that the GPUs
+are bad.
 
 When many nodes of one failure domain (rack, leaf switch, zone) or a large share of a pool go
 silent together, the cause is shared (a switch, a PDU, the aggregator's own network): that is one
@@ -97,8 +98,9 @@ def _within_wider(
 
 
 class SilenceDetector:
-    def __init__(self, config: SilenceConfig) -> None:
+    def __init__(self, config: SilenceConfig, interval_s: float) -> None:
         self.config = config
+        self.silent_after_seconds = config.after(interval_s)
         self._active: dict[tuple[str, str], SystemicEvent] = {}
 
     def active_events(self) -> list[SystemicEvent]:
@@ -113,7 +115,7 @@ class SilenceDetector:
         """Silence findings of the silent nodes, and the systemic events that started or ended at
         ``now``. Nodes that report have no entry."""
         cfg = self.config
-        silent = {n for n, t in last_received.items() if now - t > cfg.silent_after_seconds}
+        silent = {n for n, t in last_received.items() if now - t > self.silent_after_seconds}
 
         members: dict[tuple[str, str], list[str]] = defaultdict(list)
         for node in last_received:

@@ -44,7 +44,7 @@ from _common import cpu_model
 from _reports import NodeSim, phase_offset
 
 from aggregator.app import build_pipeline
-from aggregator.config import Config, FleetConfig, SilenceConfig
+from aggregator.config import Config, FleetConfig
 from aggregator.decisions import DecisionLog
 from aggregator.detect.base import OffloadingPoolDetector, PoolDetector
 from aggregator.fleet.frame import FleetFrames
@@ -67,7 +67,7 @@ def main() -> int:
         "--interval",
         type=float,
         default=10.0,
-        help="the fleet's report interval, s (fleet.interval_seconds: the frames' slot; silence after five)",
+        help="the fleet's report interval, s (fleet.interval_seconds: the frames' slot; silence after six)",
     )
     p.add_argument(
         "--rounds",
@@ -79,11 +79,8 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write the steps and the steady shares here too")
     args = p.parse_args()
     interval_s: float = args.interval
-    # The defaults, but for the fleet's interval: silence after five of them, as bench/shards.py.
-    config = Config(
-        fleet=FleetConfig(interval_seconds=interval_s),
-        silence=SilenceConfig(silent_after_seconds=5 * interval_s),
-    )
+    # The defaults, but for the fleet's interval (silence follows it).
+    config = Config(fleet=FleetConfig(interval_seconds=interval_s))
     if args.rounds is None:
         args.rounds = full_frame_rounds(config)
     return measure(args, config, interval_s, max(1, round(CYCLE_S / interval_s)))

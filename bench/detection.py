@@ -486,7 +486,9 @@ def run_job(job: Job) -> dict[str, Any]:
             reports = perturb_trace(trace, job.perturb, job.seed)
         config = Config()
         rules = load_rules([Path(config.rules_dir) if config.rules_dir else default_rules_dir()])
-        replay(trace, decisions_path, config, rules)
+        # The defaults at the trace's own interval, as `gpuwarden replay` with no --config does
+        # (scenarios/small.yaml reports every 30 s).
+        replay(trace, decisions_path, config, rules, trace_interval=True)
         mine = sorted(sim_eval.load_decisions(decisions_path), key=lambda d: d.time)
         base = sorted(sim_eval.baseline(trace), key=lambda d: d.time)
         visible, loaded = visibility(trace, truth) if job.cell is not None else ({}, None)

@@ -16,7 +16,7 @@ What it does:
    paced round on.
 2. Starts ``--shards`` ``gpuwarden aggregator`` processes on 127.0.0.1 (default rules, static
    tokens, no Kubernetes), each with ``sharding.shards``/``shard``/``peers`` set and the fleet's
-   interval in ``fleet.interval_seconds`` (silence after five intervals; ``shard_config`` says
+   interval in ``fleet.interval_seconds`` (silence follows it: six intervals; ``shard_config`` says
    which two limits differ from the defaults, and why), not pinned: the shards and this process
    share the machine's cores.
 3. The warm-up round, as fast as the shards take it: each node's first report goes to shard
@@ -362,7 +362,6 @@ def shard_config(index: int, ports: Sequence[int], interval: float) -> str:
     peers = ", ".join(f'"http://127.0.0.1:{p}"' for p in ports)
     return (
         f"fleet:\n  interval_seconds: {interval}\n"
-        f"silence:\n  silent_after_seconds: {5 * interval}\n"
         "server:\n  max_wait_seconds: 1.0\n"
         f"sharding:\n  shards: {len(ports)}\n  shard: {index}\n  peers: [[{peers}]]\n"
         "  fanout_timeout_seconds: 60\n"

@@ -46,7 +46,7 @@ H100_TREE = REPO / "tests" / "fixtures" / "sysfs" / "h100" / "sys"
 
 def demo_config(interval: float) -> str:
     """Shorter periods than production so the demo shows a whole life cycle in a minute or two;
-    silence waits four report intervals, as production's 60 s does for 10 s reports."""
+    silence waits four report intervals (at least 8 s), where production's default waits six."""
     return f"""
 fleet: {{interval_seconds: {interval}}}
 health: {{suspect_for_seconds: 20, clear_for_seconds: 10, probation_seconds: 30}}

@@ -407,10 +407,7 @@ def test_a_pool_detector_runs_at_most_once_an_interval(interval: float, period: 
     # It judges complete slots, and a slot completes once an interval: a fleet reporting every
     # minute gives a 10 s pool detector nothing new five runs in six.
     _CountingPoolDetector.runs.clear()
-    config = Config(
-        fleet=FleetConfig(interval_seconds=interval),
-        silence=SilenceConfig(silent_after_seconds=5 * interval),
-    )
+    config = Config(fleet=FleetConfig(interval_seconds=interval))
     spec = DetectorSpec(_CountingPoolConfig, _CountingPoolDetector)
     pipeline = build_pipeline(config, [], detectors=(spec,))
     pipeline.advance_on_ingest = False

@@ -342,7 +342,7 @@ def test_a_silent_node_is_suspect_and_healthy_again_once_it_reports() -> None:
     assert [d.node for d in result.decisions] == [node, node]
     assert transitions(decisions) == [("healthy", "suspect", "none"), ("suspect", "healthy", "none")]
     suspect, healthy = decisions
-    silent_after = SHORT.silence.silent_after_seconds
+    silent_after = SHORT.silence.after(SHORT.fleet.interval_seconds)
     assert last_before + silent_after < suspect.time <= last_before + silent_after + TICK_SLACK_S
     (reason,) = suspect.reasons
     assert (reason.detector, reason.severity) == ("silence", "warning")

@@ -9,9 +9,11 @@ node silent long enough to be forgotten while the rest of the fleet reports.
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 
-from aggregator.config import Config, SilenceConfig
+from aggregator.config import Config, FleetConfig, SilenceConfig
 from aggregator.decisions import DecisionLog
 from aggregator.pipeline import Pipeline
 from aggregator.rules import default_rules_dir, load_rules
@@ -93,3 +95,36 @@ def test_a_node_silent_past_the_forget_horizon_is_forgotten_while_the_rest_repor
     _run(p, STEADY, T0 + 100.0, T0 + 19.0 + FORGET_AFTER + 3.0)  # b's last: T0 + 19
     assert p.node("b") is None  # forgotten: no longer listed
     assert all(p.node(n) is not None for n in STEADY)
+
+
+def test_silence_follows_the_report_interval_unless_configured() -> None:
+    # A fleet reporting every minute: a fixed 60 s would call every node silent just before each
+    # of its reports. By default silence waits six intervals, whatever the interval.
+    config = Config(fleet=FleetConfig(interval_seconds=60.0))
+    assert config.silence.after(60.0) == 360.0 and Config().silence.after(10.0) == 60.0
+    assert SilenceConfig(silent_after_seconds=90.0).after(60.0) == 90.0  # a set value wins
+    p = Pipeline(config, load_rules([default_rules_dir()]), DecisionLog(None))
+    rng = random.Random(7)
+    nodes = [f"m{i}" for i in range(8)]
+    stop_at = T0 + 1200.0  # m0 stops reporting
+    last: dict[str, float] = {}
+    suspect: dict[str, float] = {}
+    due = {n: T0 + rng.uniform(0.0, 60.0) for n in nodes}
+    seqs = dict.fromkeys(nodes, 0)
+    t = T0
+    while t < T0 + 1800.0:
+        for n in nodes:
+            if due[n] <= t and not (n == "m0" and t > stop_at):
+                p.ingest(report(t, node=n, seq=seqs[n]), t)
+                seqs[n] += 1
+                last[n] = t
+                # 60 s apart, up to 20 s late or early: a busy network, a slow collection
+                due[n] = t + 60.0 + rng.uniform(-20.0, 20.0)
+        p.advance(t)
+        for n in nodes:
+            h = p.health.get(n)
+            if h is not None and h.state == "suspect":
+                suspect.setdefault(n, t)
+        t += 1.0
+    assert suspect.keys() == {"m0"}
+    assert last["m0"] + 360.0 < suspect["m0"] <= last["m0"] + 362.0

@@ -30,6 +30,7 @@ from aggregator.auth import StaticTokens
 from aggregator.configload import parse_config
 from aggregator.decisions import Decision, DecisionLog, read_decisions
 from aggregator.replay import replay
+from aggregator.replay import replayed as replayed_state
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.service import REPORTS_PATH, SERVER_KWARGS, create_app
 from sim.cli import write_trace
@@ -465,3 +466,36 @@ def test_out_that_is_the_trace_itself_is_refused_and_the_trace_kept(work: Path, 
     assert proc.returncode == 2
     assert "--out is the trace itself" in proc.stderr
     assert trace.read_bytes() == before
+
+
+# -- the report interval --------------------------------------------------------------------------
+
+
+def test_replay_judges_a_trace_at_the_interval_its_reports_declare(tmp_path: Path) -> None:
+    # Recorded every 30 s: judged as a 10 s fleet, two frame slots in three would be empty and a
+    # node silent after two missed reports. With no --config, the trace's interval is used.
+    scenario = dataclasses.replace(fleet(8, duration_s=600.0, seed=8, jitter_s=0.0), interval_s=30.0)
+    trace = tmp_path / "every-30s.jsonl"
+    write_trace(scenario, trace)
+    proc = gpuwarden("replay", trace, "--out", tmp_path / "d.jsonl")
+    assert proc.returncode == 0, proc.stderr
+    [line] = own_lines(proc.stderr, "report interval: ")
+    assert line == "report interval: 30 s, as the trace's reports declare"
+    config = parse_config("", "empty")
+    _, _, final = replayed_state(trace, tmp_path / "d2.jsonl", config, RULES, trace_interval=True)
+    assert final.config.fleet.interval_seconds == 30.0
+    assert final.pipeline.frames.config.interval_seconds == 30.0
+    assert final.pipeline.silence.silent_after_seconds == 180.0
+
+
+def test_a_configured_interval_wins_and_the_summary_says_the_trace_disagrees(tmp_path: Path) -> None:
+    scenario = dataclasses.replace(fleet(4, duration_s=300.0, seed=9, jitter_s=0.0), interval_s=30.0)
+    trace = tmp_path / "every-30s.jsonl"
+    write_trace(scenario, trace)
+    config = tmp_path / "config.yaml"
+    config.write_text("fleet: {interval_seconds: 10}\n")
+    proc = run_replay(trace, tmp_path / "d.jsonl", config)
+    assert proc.returncode == 0, proc.stderr
+    [line] = own_lines(proc.stderr, "report interval: ")
+    assert line.startswith("report interval: 10 s as configured (fleet.interval_seconds)")
+    assert "declare 30 s" in line

@@ -23,7 +23,7 @@ def test_one_silent_node_is_suspect_evidence_without_systemic_event() -> None:
     placements = _fleet()
     last = dict.fromkeys(placements, 1000.0)
     last["n0-3"] = 900.0
-    findings, events = SilenceDetector(CFG).check(last, placements, 1000.0)
+    findings, events = SilenceDetector(CFG, 10.0).check(last, placements, 1000.0)
     assert events == []
     [f] = findings["n0-3"]
     assert (f.detector, f.action) == ("silence", "alert")
@@ -33,7 +33,7 @@ def test_one_silent_node_is_suspect_evidence_without_systemic_event() -> None:
 
 def test_silent_rack_is_one_systemic_event_that_ends() -> None:
     placements = _fleet()
-    det = SilenceDetector(CFG)
+    det = SilenceDetector(CFG, 10.0)
     last = dict.fromkeys(placements, 1000.0)
     for i in range(8):
         last[f"n2-{i}"] = 900.0
@@ -54,7 +54,7 @@ def test_two_silent_nodes_in_a_rack_are_not_systemic() -> None:
     placements = _fleet()
     last = dict.fromkeys(placements, 1000.0)
     last["n1-0"] = last["n1-1"] = 800.0
-    _, events = SilenceDetector(CFG).check(last, placements, 1000.0)
+    _, events = SilenceDetector(CFG, 10.0).check(last, placements, 1000.0)
     assert events == []
 
 
@@ -64,7 +64,7 @@ def test_dead_leaf_switch_is_one_event_for_the_leaf() -> None:
     for r in (2, 3):  # leaf1 holds racks 2 and 3
         for i in range(8):
             last[f"n{r}-{i}"] = 900.0
-    _, events = SilenceDetector(CFG).check(last, placements, 1000.0)
+    _, events = SilenceDetector(CFG, 10.0).check(last, placements, 1000.0)
     assert [(e.domain_kind, e.domain, len(e.silent_nodes)) for e in events] == [("leaf", "leaf1", 16)]
 
 
@@ -74,7 +74,7 @@ def test_silence_spread_over_the_pool_is_one_pool_event() -> None:
     for r in range(4):
         for i in range(3):  # 3 of 8 in every rack: no rack is mostly silent
             last[f"n{r}-{i}"] = 900.0
-    _, events = SilenceDetector(CFG).check(last, placements, 1000.0)
+    _, events = SilenceDetector(CFG, 10.0).check(last, placements, 1000.0)
     assert [(e.domain_kind, e.domain, len(e.silent_nodes)) for e in events] == [("pool", "h100", 12)]
 
 
@@ -120,7 +120,7 @@ def test_a_mass_outage_is_one_event_per_dead_leaf() -> None:
     last = dict.fromkeys(placements, 1000.0)
     for i in range(60 * 32):
         last[f"n{i}"] = 900.0
-    findings, events = SilenceDetector(CFG).check(last, placements, 1000.0)
+    findings, events = SilenceDetector(CFG, 10.0).check(last, placements, 1000.0)
     assert sorted((e.domain_kind, e.domain) for e in events) == sorted(
         ("leaf", f"leaf{k}") for k in range(60)
     )
