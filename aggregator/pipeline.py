@@ -50,6 +50,7 @@ from aggregator.fleet.frame import FleetFrames
 from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import UNKNOWN_POOL, Placement, gpu_model_pool, place
 from aggregator.fleet.recent import RecentReports
+from aggregator.fleet.sendtime import SendTime
 from aggregator.health import HealthMachine, NodeHealth, carried_over, finding_of_snapshot
 from aggregator.links import LinkHealth
 from aggregator.metrics import DetectorStats, JobTable, ReportsJobs
@@ -231,6 +232,8 @@ class _NodeRecord:
     # did not answer once says nothing about who holds the GPUs), and when it was received.
     pods: tuple[GpuAllocation, ...] | None = None
     pods_received: float | None = None
+    # When its reports were measured on our clock (the frames' slot time); new with each boot.
+    sent: SendTime = field(default_factory=SendTime)
 
 
 class Pipeline:
@@ -339,6 +342,8 @@ class Pipeline:
         rec.last_received = max(rec.last_received, received)
         rec.last_report_time = max(rec.last_report_time, report.time)
         rec.recent.add(report, received)
+        if rec.boot_id != report.boot_id:
+            rec.sent = SendTime()  # a reboot may have set the clock
         rec.boot_id = report.boot_id
         rec.gpu_uuids = {g.index: g.uuid for g in report.gpus if g.uuid}
         if report.pods is not msgspec.UNSET:
@@ -347,9 +352,10 @@ class Pipeline:
         self._restored_boot.pop(report.node, None)
 
         view = self.fleet.add(report)
-        # The aggregator's clock places the sample: a node whose clock runs ahead must not move
-        # its pool's newest slot forward and clear everyone's data.
-        self.frames.record(view, placement, at=received)
+        # The aggregator's clock places the sample, at when it was measured rather than when it
+        # was taken off the queue (aggregator/fleet/sendtime.py): a node whose clock runs ahead
+        # must not move its pool's newest slot forward, and a backlog must not shift the slots.
+        self.frames.record(view, placement, at=rec.sent.place(report.time, received))
         if self.probes is not None:
             self.probes.observe(
                 report.node,

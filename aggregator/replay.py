@@ -342,11 +342,16 @@ def replayed(
                 while tick < at:
                     pipeline.advance(tick)
                     tick += TICK_SECONDS
-            if pipeline.ingest(report, at) is IngestOutcome.DUPLICATE:
+            # The receipt clock never runs back. A report later than the reorder buffer holds (an
+            # agent's spool flushed after an outage) was received now, as live; taken at its own
+            # time it would step the pipeline's clock back and make the whole fleet look silent.
+            # Its frame slot still comes from its own time (aggregator/fleet/sendtime.py).
+            received = at if last is None else max(last, at)
+            if pipeline.ingest(report, received) is IngestOutcome.DUPLICATE:
                 summary.duplicates += 1
             else:
                 summary.reports_replayed += 1
-            last = at if last is None else max(last, at)
+            last = received
         if last is None:
             raise TraceError(f"{trace}: no reports in the trace")
         pipeline.advance(last)

@@ -458,3 +458,26 @@ def test_slots_never_written_change_no_judgement(seed: int) -> None:
         findings += sum(len(fs) for fs in whole.values())
     assert trimmed_runs >= 18  # the first 600 s of runs skipped slots ...
     assert findings > 0  # ... and the slow GPU's findings were among those compared
+
+
+@pytest.mark.parametrize("stop", [150.0, 270.0, 300.0, 450.0])
+def test_a_pool_judged_behind_a_backlog_is_judged_as_when_its_data_were_new(stop: float) -> None:
+    # Behind a backlog the newest slots are minutes old when the detector runs (reports are
+    # slotted when they were measured: aggregator/fleet/sendtime.py). The run must judge what an
+    # on-time run judged of the same slots: the newest slot written is still filling, so it is
+    # left out, the frame's older slots stay in, and a run's "how long" is read against the data,
+    # or a slow GPU's alert would escalate to quarantine on minutes no slot showed.
+    sim = PoolSim(nodes=64, seed=91, faults=[Fault(node=8, gpu=6, start=0.0, slow=0.10)])
+    sim.idle_until[8], sim.busy_until[8] = 0.0, 1e9
+    config = _escalating_config()
+    t = 0.0
+    while t < stop:
+        sim.step(t)
+        t += INTERVAL
+    on_time = PeerDetector(config).run_pool(sim.frame, t - INTERVAL)  # as the last slot filled
+    behind = PeerDetector(config).run_pool(sim.frame, t + 240.0)  # four minutes later, no newer data
+    assert on_time["node-008"]  # the slow GPU, alert or escalated
+    assert behind == on_time
+    head = sim.frame.head
+    assert head is not None
+    assert complete_slots(sim.frame, t + 240.0)[1] == (head - 1) * INTERVAL

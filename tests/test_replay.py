@@ -35,6 +35,7 @@ from aggregator.rules import default_rules_dir, load_rules
 from aggregator.service import REPORTS_PATH, SERVER_KWARGS, create_app
 from sim.cli import write_trace
 from tests.conftest import REPO
+from tests.rulekit import report as healthy_report
 from tests.simfleet import fault, fleet, generate
 
 CONFIG_YAML = """
@@ -499,3 +500,28 @@ def test_a_configured_interval_wins_and_the_summary_says_the_trace_disagrees(tmp
     [line] = own_lines(proc.stderr, "report interval: ")
     assert line.startswith("report interval: 10 s as configured (fleet.interval_seconds)")
     assert "declare 30 s" in line
+
+
+def test_a_spool_flushed_after_an_outage_leaves_the_rest_of_the_fleet_reporting(tmp_path: Path) -> None:
+    # Live, a node back from an outage sends its spooled reports at once: received now, measured
+    # minutes ago. The trace holds them where they were received; replay must not take their old
+    # times as its clock (which stepped the pipeline's clock back and made every node silent).
+    t0 = 1_800_000_000.0
+    lines: list[bytes] = []
+    spool: list[bytes] = []
+    for k in range(60):  # 10 minutes at 10 s
+        for i in range(8):
+            rep = encode(healthy_report(t0 + k * 10.0 + i, node=f"n{i}", seq=k))
+            if i == 7 and 20 <= k < 40:
+                spool.append(rep)  # n7 cannot reach the aggregator from 200 s to 400 s
+                continue
+            if i == 7 and k == 40:
+                lines += spool  # back: the spool first, then this report
+            lines.append(rep)
+    trace = tmp_path / "flush.jsonl"
+    trace.write_bytes(b"\n".join(lines) + b"\n")
+    decisions, summary = replay(trace, None, CONFIG, RULES)
+    assert summary.reports_replayed == 480
+    suspects = {d.node for d in decisions if d.state == "suspect"}
+    assert suspects == {"n7"}  # silent for 200 s, over silence.silent_after_seconds (30 s here)
+    assert [d.state for d in decisions if d.node == "n7"][-1] in ("healthy", "probation")

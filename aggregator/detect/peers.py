@@ -303,9 +303,15 @@ def complete_slots(frame: PoolFrame, now: float) -> tuple[float, float]:
     """The ``(t0, t1)`` range for ``frame.snapshot`` of the frame's complete slots before ``now``.
 
     The slot ``now`` falls in is still filling: a partial slot has fewer peers and a skewed median,
-    so only complete slots are compared.
+    so only complete slots are compared. Behind a backlog (reports slotted when they were measured,
+    aggregator/fleet/sendtime.py, and nothing yet in the slot before ``now``'s), the newest slot
+    written is the one filling: it is left out too, and the range ends at the slot before it (on
+    time, ``[now - frame length, now - one slot]``).
     """
-    return now - frame.slots * frame.interval_s, now - frame.interval_s
+    last = now - frame.interval_s
+    if frame.head is not None and frame.head < frame.slot_number(now) - 1:
+        last = min(last, (frame.head - 1) * frame.interval_s)
+    return last - (frame.slots - 1) * frame.interval_s, last
 
 
 def _node_relative(x: Float, min_gpus: int) -> Float:
@@ -437,8 +443,21 @@ class PeerDetector(OffloadingPoolDetector):
         c = self.config
         loaded = under_load(gpu, c.load_threshold)
         capped = gpu[..., GPU_COLUMN["sw_power_cap"]] > 0  # NaN (not reported) compares False
+        # How long a run has lasted is read against the data, not the clock: behind a backlog the
+        # newest complete slot is minutes old, and a run would otherwise escalate on time that no
+        # slot showed. On time (the newest complete slot just before ``now``'s) it is ``now``;
+        # behind, the start of the slot after the newest complete one, the earliest an on-time
+        # run could have judged the same slots (so a backlog never escalates sooner).
+        after_last = float(starts[-1]) + window.interval_s
+        seen_until = now if now < after_last + window.interval_s else after_last
         context = _Context(
-            pool=window.pool, nodes=nodes, starts=starts, gpu=gpu, loaded=loaded, capped=capped, now=now
+            pool=window.pool,
+            nodes=nodes,
+            starts=starts,
+            gpu=gpu,
+            loaded=loaded,
+            capped=capped,
+            now=seen_until,
         )
         for feature in self.features:
             cols = [GPU_COLUMN[col] for col in feature.columns]
@@ -629,7 +648,7 @@ class _Context:
     gpu: npt.NDArray[np.float32]  # (slots, nodes, gpus, GPU_FIELDS)
     loaded: npt.NDArray[np.bool_]  # (slots, nodes, gpus)
     capped: npt.NDArray[np.bool_]  # (slots, nodes, gpus): held at the power limit (SW power cap)
-    now: float
+    now: float  # as far as the data reach (``judge``): what a run's "how long" is measured to
 
 
 # A power limit is a setting in whole watts, enforced against a reading nvidia-smi states accurate to
