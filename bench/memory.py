@@ -1,10 +1,10 @@
 """Memory per node of the detection pipeline: RSS growth, Python objects, and who holds what.
 
-Feeds ``--nodes`` simulated HGX H100 nodes (bench/_reports.py) x ``--rounds`` reports, 10 s
-apart, through the pipeline the server builds (``aggregator.app.build_pipeline`` with the
-default config and rules). Each report goes through the wire format first (``encode`` then
-``decode``), as the server receives it: a decoded report owns its strings, a simulated one
-shares them with the simulator.
+Feeds ``--nodes`` simulated HGX H100 nodes (bench/_reports.py) x ``--rounds`` reports,
+``--interval`` apart (10 s), through the pipeline the server builds
+(``aggregator.app.build_pipeline`` with the default config and rules, at that interval). Each
+report goes through the wire format first (``encode`` then ``decode``), as the server receives
+it: a decoded report owns its strings, a simulated one shares them with the simulator.
 
 Reported, per node, between a baseline taken before the first report (the simulators and the
 pipeline's fixed state exist by then) and the end:
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import statistics
 import sys
 import time
@@ -55,6 +56,7 @@ from _reports import NodeSim, phase_offset, sending_order
 import aggregator.pipeline as pipeline_module
 from agent.report import Report, decode, encode
 from aggregator.app import build_pipeline
+from aggregator.config import FleetConfig
 from aggregator.configload import load_config
 from aggregator.heap import malloc_trim
 from aggregator.pipeline import Pipeline
@@ -101,15 +103,18 @@ class SimulatedFleet:
     """``nodes`` simulated H100 nodes and the pipeline the server builds (default config and
     rules); each report goes through the wire format first, as the server receives it."""
 
-    def __init__(self, nodes: int) -> None:
-        self.pipeline = build_pipeline(load_config(None), load_rules([default_rules_dir()]))
-        self.sims = [NodeSim(i, interval=INTERVAL) for i in range(nodes)]
+    def __init__(self, nodes: int, interval: float = INTERVAL) -> None:
+        # The defaults, at the fleet's interval (the frames' slot; silence follows it).
+        config = msgspec.structs.replace(load_config(None), fleet=FleetConfig(interval_seconds=interval))
+        self.pipeline = build_pipeline(config, load_rules([default_rules_dir()]))
+        self.interval = interval
+        self.sims = [NodeSim(i, interval=interval) for i in range(nodes)]
         self.offsets = [phase_offset(i) for i in range(nodes)]
         self.order = sending_order(nodes)
 
     def report(self, i: int, r: int) -> Report:
         """Node ``i``'s report of round ``r``, as the simulator makes it."""
-        return self.sims[i].report(START + r * INTERVAL + self.offsets[i], r)
+        return self.sims[i].report(START + r * self.interval + self.offsets[i], r)
 
     def round(self, r: int) -> list[Report]:
         """Round ``r``'s reports in sending order, decoded from the wire."""
@@ -184,7 +189,14 @@ def _time_parts(pipeline: Pipeline) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=100)
-    ap.add_argument("--rounds", type=int, default=185, help="reports per node, 10 s apart")
+    ap.add_argument(
+        "--interval", type=float, default=INTERVAL, help="the fleet's report interval, s (default 10)"
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        help="reports per node, --interval apart (default: the history window full, and 5 more: 185 at 10 s)",
+    )
     ap.add_argument("--holders", action="store_true", help="walk the pipeline: who holds what")
     ap.add_argument("--tracemalloc", type=int, default=0, metavar="N", help="top N allocation sites")
     ap.add_argument("--tracked", type=int, default=0, metavar="N", help="top N tracked types grown")
@@ -198,8 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split", action="store_true", help="with --time-rounds: time each part too")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = math.ceil(FleetConfig().window_seconds / args.interval) + 5
 
-    fleet = SimulatedFleet(args.nodes)
+    fleet = SimulatedFleet(args.nodes, args.interval)
     pipeline, feed = fleet.pipeline, fleet.feed
 
     t0 = time.perf_counter()
@@ -225,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.nodes
     out: dict[str, Any] = {
         "nodes": n,
+        "interval_s": args.interval,
         "rounds": args.rounds,
         "seconds": round(elapsed, 1),
         "tracemalloc": bool(args.tracemalloc),
@@ -234,7 +249,10 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rss_kb_per_node_trimmed": round(trimmed / n / 1024, 1) if trimmed is not None else None,
     }
-    print(f"{n} nodes x {args.rounds} rounds in {elapsed:.1f} s (growth from before the first report)")
+    print(
+        f"{n} nodes x {args.rounds} rounds {args.interval:g} s apart in {elapsed:.1f} s "
+        "(growth from before the first report)"
+    )
     for k, (rss, objs) in checkpoints.items():
         print(
             f"  after {k:4d} reports/node: RSS {rss / n / 1024:8.1f} KB/node"

@@ -18,11 +18,12 @@ is the offset plus the shortest delivery, which a backlog only adds to (NTP's mi
 two blocks so it needs three numbers). The result is never after the receipt. A report that this
 would place more than ``MEMORY_SECONDS`` before its receipt (an agent's spool flushed after a
 long outage, or a clock stepped back, which one report cannot tell apart) is slotted at its
-receipt, as every report was before this module; once the old deliveries leave the filter, a
-stepped clock's reports are placed by its new offset.
+receipt; once the old deliveries have left the filter, a stepped clock's reports are placed by
+its new offset.
 
 Replay passes a clock-corrected report time as the receipt, so the offset is constant and the slot
-time is exactly what it passed.
+time is exactly what it passed; a report later than its reorder buffer holds (a flushed spool) is
+received at the replay's clock, as live, and slotted here like a live one.
 """
 
 from __future__ import annotations
