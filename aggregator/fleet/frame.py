@@ -48,7 +48,8 @@ the frame holds 30 slots (the 1,800 s history window), half the bytes of the 10 
 
 Slots use the report's own time unless ``record(..., at=...)`` passes another clock: a node whose
 clock runs far ahead would otherwise move its pool's newest slot forward and clear the frame, so the
-live service should pass the time it received the report (replay passes report times anyway).
+pipeline passes when the report was measured on its own clock, never after its receipt
+(``aggregator.fleet.sendtime``).
 """
 
 from __future__ import annotations
