@@ -352,10 +352,12 @@ class Pipeline:
         self._restored_boot.pop(report.node, None)
 
         view = self.fleet.add(report)
-        # The aggregator's clock places the sample, at when it was measured rather than when it
-        # was taken off the queue (aggregator/fleet/sendtime.py): a node whose clock runs ahead
-        # must not move its pool's newest slot forward, and a backlog must not shift the slots.
-        self.frames.record(view, placement, at=rec.sent.place(report.time, received))
+        # When it was measured, on the aggregator's clock, rather than when it was taken off the
+        # queue (aggregator/fleet/sendtime.py): a node whose clock runs ahead must not move its
+        # pool's newest slot forward, and a backlog must not shift the slots, nor date the probe
+        # results and job samples the detectors keep.
+        measured = rec.sent.place(report.time, received)
+        self.frames.record(view, placement, at=measured)
         if self.probes is not None:
             self.probes.observe(
                 report.node,
@@ -376,7 +378,7 @@ class Pipeline:
             observed = msgspec.structs.replace(report, probes=tuple(kept) if kept else msgspec.UNSET)
         for run in self._detectors:
             try:
-                run.detector.observe_report(observed, placement, received)
+                run.detector.observe_report(observed, placement, measured)
             except Exception:
                 run.failed("observe_report", received)
         findings = self.engine.evaluate(view)

@@ -352,3 +352,19 @@ def test_a_split_run_judges_the_window_as_it_was_when_prepared() -> None:
     split = work.finish(work.compute())
     assert [(n, f.key) for n, f in findings(split)] == [("node-011", "forest:gpu3")]
     assert split == whole
+
+
+@pytest.mark.parametrize("behind", [30.0, 120.0, 240.0])
+def test_a_pool_judged_behind_a_backlog_is_judged_as_when_its_data_were_new(behind: float) -> None:
+    # Behind a backlog the newest slot written is minutes old when the forest runs (reports are
+    # slotted when they were measured: aggregator/fleet/sendtime.py), it is the one still filling,
+    # and the slots after it hold nothing yet. The run must score what an on-time run scored as
+    # that slot filled: a window that ended at the clock would be partly empty slots, leave every
+    # GPU fewer loaded ones, and score other vectors.
+    frame = Pool(nodes=64, seed=21, odd=[MILD]).frame()
+    filling = NOW - INTERVAL  # the frame's newest slot, [590, 600), as it filled
+    on_time = ForestDetector().run_pool(frame, filling)
+    assert [(node, f.key) for node, f in findings(on_time)] == [("node-011", "forest:gpu3")]
+    assert ForestDetector().run_pool(frame, NOW + behind) == on_time
+    z = pool_vectors(frame, NOW + behind, ForestConfig()).z
+    assert np.array_equal(z, pool_vectors(frame, filling, ForestConfig()).z)

@@ -189,11 +189,13 @@ def replay(
     det: JobLocalizer | None = None,
     pods: bool | Callable[[str], list[GpuAllocation]] = False,
     rename: Mapping[str, str] | None = None,
+    behind: float = 0.0,
 ) -> list[tuple[float, Verdict]]:
     """Every node reports every 10 s (at its own phase); the detector runs every minute. With
     ``pods`` each report carries the node's attribution (``pods_of``, or the function given, of
     the reported node's name); ``rename`` reports a node under another's name (two jobs' pods on
-    one node)."""
+    one node); ``behind``: the aggregator is that many seconds behind a backlog (each run that
+    much later on its clock than the reports it has were measured)."""
     fleet = JobFleet(seed=seed, start=T0, jobs=JOBS, hardware={j.name: H100 for j in JOBS}, faults=faults)
     det = det or JobLocalizer()
     attribution = pods if callable(pods) else pods_of
@@ -211,7 +213,7 @@ def replay(
             det.observe_report(r, POOL, t + 0.5)
         t = T0 + k * 10.0 + 9.9
         if t >= next_run:
-            out.append((t, det.run(FRAMES, t)))
+            out.append((t, det.run(FRAMES, t + behind)))
             next_run += 60.0
     return out
 
@@ -282,6 +284,23 @@ def test_a_job_slow_everywhere_is_blamed_on_nothing() -> None:
     assert nodes == {} and links == set()
     # It is slow (its bus bandwidth is 40 % under the others'), and that is all.
     assert det.job_busbw["sweep-d"] < 0.7 * det.job_busbw["llm-a"]
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [
+        [fault("slow_nic", "gpu-0013", ratio=0.7)],
+        [fault("degraded_link", "gpu-0006", peer="gpu-0007", ratio=0.65)],
+        [fault("slow_gpu", "gpu-0007", gpu=5, ratio=0.88, busbw_ratio=0.9)],
+    ],
+    ids=["slow-nic", "degraded-link", "slow-gpu"],
+)
+def test_behind_a_backlog_longer_than_the_window_the_same_blame(faults: list[NodeFaults]) -> None:
+    # Four minutes behind (the window is three): the samples are dated when they were measured,
+    # so a window ending at the clock would hold none of them, and nothing would be judged.
+    on_time = blamed(replay(faults))
+    assert on_time != ({}, set())
+    assert blamed(replay(faults, behind=240.0)) == on_time
 
 
 def test_a_blame_waits_for_consecutive_runs() -> None:

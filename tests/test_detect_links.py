@@ -60,7 +60,7 @@ def feed(
             pt = t + rng.uniform(0, 60)
             for me, peer in ((a, b), (b, a)):
                 p = Probe(kind="nccl_allreduce_pair", time=pt, ok=True, peer=peer, busbw_bytes_per_second=bw)
-                loc.observe(report(me, pt + 5, [p]), PLACE[me], received=pt + 5 + rng.uniform(0, 2))
+                loc.observe(report(me, pt + 5, [p]), PLACE[me], measured=pt + 5 + rng.uniform(0, 2))
     return t + 120
 
 
@@ -169,17 +169,17 @@ def test_both_ends_copies_count_once_even_with_a_skewed_clock() -> None:
     loc = LinkLocalizer()
     p = Probe(kind="nccl_allreduce_pair", time=T0, ok=True, peer="gpu-0001", busbw_bytes_per_second=BW)
     q = Probe(kind="nccl_allreduce_pair", time=T0 + 45, ok=True, peer="gpu-0000", busbw_bytes_per_second=BW)
-    assert loc.observe(report("gpu-0000", T0 + 5, [p]), PLACE["gpu-0000"], received=T0 + 5) == 1
+    assert loc.observe(report("gpu-0000", T0 + 5, [p]), PLACE["gpu-0000"], measured=T0 + 5) == 1
     # gpu-0001's clock runs 45 s ahead: its report time and probe time both carry the skew.
-    assert loc.observe(report("gpu-0001", T0 + 6, [q], skew=45), PLACE["gpu-0001"], received=T0 + 6) == 0
+    assert loc.observe(report("gpu-0001", T0 + 6, [q], skew=45), PLACE["gpu-0001"], measured=T0 + 6) == 0
     # A redelivered report is the same probe again.
-    assert loc.observe(report("gpu-0000", T0 + 5, [p]), PLACE["gpu-0000"], received=T0 + 7) == 0
+    assert loc.observe(report("gpu-0000", T0 + 5, [p]), PLACE["gpu-0000"], measured=T0 + 7) == 0
     # A failed probe or one without a peer has no bandwidth to localize.
     bad = [
         Probe(kind="nccl_allreduce_pair", time=T0 + 600, ok=False, peer="gpu-0001", error="NCCL WARN"),
         Probe(kind="nccl_allreduce_local", time=T0 + 600, ok=True, busbw_bytes_per_second=BW),
     ]
-    assert loc.observe(report("gpu-0000", T0 + 605, bad), PLACE["gpu-0000"], received=T0 + 605) == 0
+    assert loc.observe(report("gpu-0000", T0 + 605, bad), PLACE["gpu-0000"], measured=T0 + 605) == 0
 
 
 def test_a_node_no_longer_probed_is_cleared() -> None:
@@ -207,7 +207,7 @@ def _sparse(samples: list[tuple[int, int, float, float]]) -> LinkLocalizer:
     for a, b, t, mbps in samples:
         for me, peer in ((SIX[a], SIX[b]), (SIX[b], SIX[a])):
             p = Probe(kind="tcp_pair", time=T0 + t, ok=True, peer=peer, busbw_bytes_per_second=mbps * 1e6)
-            loc.observe(report(me, T0 + t, [p]), SIX_PLACE, received=T0 + t + 0.1)
+            loc.observe(report(me, T0 + t, [p]), SIX_PLACE, measured=T0 + t + 0.1)
     return loc
 
 
@@ -264,7 +264,7 @@ def test_a_fixed_nodes_last_slow_pair_is_no_link_once_its_other_slow_results_age
     for a, b, t, mbps in [s for s in after + others if s[2] > 116]:
         for me, peer in ((SIX[a], SIX[b]), (SIX[b], SIX[a])):
             p = Probe(kind="tcp_pair", time=T0 + t, ok=True, peer=peer, busbw_bytes_per_second=mbps * 1e6)
-            loc.observe(report(me, T0 + t, [p]), SIX_PLACE, received=T0 + t + 0.1)
+            loc.observe(report(me, T0 + t, [p]), SIX_PLACE, measured=T0 + t + 0.1)
     verdict = loc.run(FRAMES, T0 + 149)  # (1, 2) at 108 has aged out; (0, 2) at 112 and 115 not
     assert not quarantined(verdict)
     assert not verdict.links
@@ -283,7 +283,7 @@ def test_an_end_busy_until_just_before_is_judged_on_the_partners_that_follow() -
             mbps = 78.0 if (a, b) == (0, 1) else 120.0
             for me, peer in ((SIX[a], SIX[b]), (SIX[b], SIX[a])):
                 p = Probe(kind="tcp_pair", time=T0 + t, ok=True, peer=peer, busbw_bytes_per_second=mbps * 1e6)
-                loc.observe(report(me, T0 + t, [p]), SIX_PLACE, received=T0 + t + 1.0)
+                loc.observe(report(me, T0 + t, [p]), SIX_PLACE, measured=T0 + t + 1.0)
         return loc
 
     verdict = fed(LinkLocalizer()).run(FRAMES, T0 + 330)
@@ -307,7 +307,7 @@ def test_a_node_that_recovers_soon_after_its_first_slow_pair_does_not_make_it_a_
         mbps = 78.0 if (a, b, t) in bad else 120.0
         for me, peer in ((SIX[a], SIX[b]), (SIX[b], SIX[a])):
             p = Probe(kind="tcp_pair", time=T0 + t, ok=True, peer=peer, busbw_bytes_per_second=mbps * 1e6)
-            loc.observe(report(me, T0 + t, [p]), SIX_PLACE, received=T0 + t + 1.0)
+            loc.observe(report(me, T0 + t, [p]), SIX_PLACE, measured=T0 + t + 1.0)
     verdict = loc.run(FRAMES, T0 + 450)
     assert (SIX[1], SIX[4]) not in verdict.links
 
@@ -325,7 +325,7 @@ def sparse(loc: LinkLocalizer, factor: Factor, pairs: list[tuple[float, str, str
         bw = BW * factor(a, b, pt) * rng.gauss(1.0, 0.015)
         for me, peer in ((a, b), (b, a)):
             p = Probe(kind="nccl_allreduce_pair", time=pt, ok=True, peer=peer, busbw_bytes_per_second=bw)
-            loc.observe(report(me, pt + 5, [p]), PLACE[me], received=pt + 5 + rng.uniform(0, 2))
+            loc.observe(report(me, pt + 5, [p]), PLACE[me], measured=pt + 5 + rng.uniform(0, 2))
     return T0 + max(dt for dt, _, _ in pairs) + 60
 
 
@@ -530,7 +530,7 @@ def first_flag(
                 p = Probe(
                     kind="nccl_allreduce_pair", time=T0 + pt, ok=True, peer=peer, busbw_bytes_per_second=bw
                 )
-                loc.observe(report(me, T0 + pt + 5, [p]), PLACE[me], received=T0 + pt + 5)
+                loc.observe(report(me, T0 + pt + 5, [p]), PLACE[me], measured=T0 + pt + 5)
             i += 1
         if want(loc.run(FRAMES, T0 + t)):
             return t
@@ -606,7 +606,7 @@ def test_a_healthy_noisy_pool_over_hundreds_of_node_hours_decides_nothing(thresh
                     p = Probe(
                         kind="nccl_allreduce_pair", time=pt, ok=True, peer=peer, busbw_bytes_per_second=bw
                     )
-                    loc.observe(report(me, pt + 5, [p]), PLACE[me], received=pt + 5)
+                    loc.observe(report(me, pt + 5, [p]), PLACE[me], measured=pt + 5)
         v = loc.run(FRAMES, start + 120)
         decided += len(quarantined(v)) + len(v.links or {})
     assert decided == 0

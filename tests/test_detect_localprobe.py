@@ -44,7 +44,7 @@ def feed(
             t = start + k * every + rng.uniform(0, every)
             bw = BW * factor.get(node, 1.0) * rng.gauss(1.0, noise)
             p = Probe(kind="nccl_allreduce_local", time=t, ok=True, busbw_bytes_per_second=bw)
-            det.observe(report(node, t, [p]), POOL, received=t + 1)
+            det.observe(report(node, t, [p]), POOL, measured=t + 1)
     return start + rounds * every
 
 
@@ -76,7 +76,7 @@ def test_one_slow_result_is_not_enough() -> None:
     det = LocalProbeDetector()
     end = feed(det, {}, rounds=3)
     p = Probe(kind="nccl_allreduce_local", time=end, ok=True, busbw_bytes_per_second=BW * 0.8)
-    det.observe(report("gpu-0003", end, [p]), POOL, received=end)
+    det.observe(report("gpu-0003", end, [p]), POOL, measured=end)
     assert flagged(det.run(FRAMES, end + 1).nodes) == set()
 
 
@@ -103,7 +103,7 @@ def test_failed_and_single_gpu_results_are_not_bandwidth() -> None:
         Probe(kind="nccl_allreduce_local", time=end, ok=False, error="stepped aside: a job started"),
         Probe(kind="nccl_allreduce_local", time=end + 1, ok=True, busbw_bytes_per_second=None),
     ]
-    det.observe(report("gpu-0002", end, bad), POOL, received=end)
+    det.observe(report("gpu-0002", end, bad), POOL, measured=end)
     assert flagged(det.run(FRAMES, end + 2).nodes) == set()
 
 
@@ -125,7 +125,7 @@ def test_a_healthy_pool_over_two_thousand_node_hours_decides_nothing() -> None:
                     node, t, [Probe(kind="nccl_allreduce_local", time=t, ok=True, busbw_bytes_per_second=bw)]
                 ),
                 POOL,
-                received=t + 1,
+                measured=t + 1,
             )
         decided += len(flagged(det.run(FRAMES, start + 300.0).nodes))
     assert decided == 0
@@ -153,7 +153,7 @@ def test_a_slow_node_is_decided_within_ten_minutes_of_local_probes_every_five(ra
                     [Probe(kind="nccl_allreduce_local", time=pt, ok=True, busbw_bytes_per_second=bw)],
                 ),
                 POOL,
-                received=pt + 1,
+                measured=pt + 1,
             )
         if at is None and bad in flagged(det.run(FRAMES, t + 300.0).nodes):
             at = t + 300.0

@@ -55,7 +55,7 @@ class HotDetector:
         self.every_seconds = config.every_seconds
         self.hottest: dict[str, float] = {}
 
-    def observe_report(self, report: Report, placement: Placement, received: float) -> None:
+    def observe_report(self, report: Report, placement: Placement, measured: float) -> None:
         self.hottest[report.node] = max((g.temperature_celsius or 0.0) for g in report.gpus)
 
     def forget(self, node: str) -> None:
@@ -88,7 +88,7 @@ class BrokenDetector:
         self.every_seconds = config.every_seconds
         self.calls = 0
 
-    def observe_report(self, report: Report, placement: Placement, received: float) -> None:
+    def observe_report(self, report: Report, placement: Placement, measured: float) -> None:
         self.calls += 1
         raise RuntimeError("observe_report is broken")
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import math
 import random
 
+import msgspec
 import numpy as np
 
+from agent.report import Probe
 from aggregator.config import Config
 from aggregator.decisions import DecisionLog
 from aggregator.fleet.sendtime import MEMORY_SECONDS, SendTime
@@ -115,3 +117,32 @@ def test_a_pool_frame_holds_the_same_values_behind_a_backlog_as_on_time() -> Non
     behind = _frames_after([0.05 + 2.0 * k for k in range(40)])
     assert on_time[0] == behind[0]
     assert np.array_equal(on_time[1], behind[1], equal_nan=True)
+
+
+def test_both_ends_copies_of_a_probe_count_once_when_one_end_waits_behind_a_backlog() -> None:
+    # Two nodes report every 10 s. They ran one pair probe together; a's report of it arrives on
+    # time, b's a minute late (the aggregator fell behind just then), more than the localizer's
+    # dedupe window (30 s). Dated by receipt, b's copy was a second measurement of the pair a
+    # minute later; dated when measured, it is the same one.
+    p = Pipeline(Config(), load_rules([default_rules_dir()]), DecisionLog(None))
+    p.advance_on_ingest = False
+    late = {"b": 60.0}
+    items = []
+    for k in range(12):
+        for node, phase in (("a", 0.4), ("b", 3.1)):
+            t = T0 + k * INTERVAL + phase
+            items.append((t + 0.05 + (late.get(node, 0.0) if k == 11 else 0.0), t, node, k))
+    probe_time = T0 + 10 * INTERVAL + 5.0
+    for received, t, node, k in sorted(items):
+        rep = report(t, node=node, seq=k)
+        if k == 11:
+            peer = "b" if node == "a" else "a"
+            probe = Probe(
+                kind="nccl_allreduce_pair", time=probe_time, ok=True, peer=peer, busbw_bytes_per_second=380e9
+            )
+            rep = msgspec.structs.replace(rep, probes=[probe])
+        p.ingest(rep, received)
+    (row,) = p.link_matrix()
+    assert (row["a"], row["b"]) == ("a", "b")
+    # One sample: the newest is a's copy, dated when it was measured on the aggregator's clock.
+    assert math.isclose(row["time"], probe_time + 0.05)

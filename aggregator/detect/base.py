@@ -4,8 +4,11 @@ The pipeline builds one detector of each entry of ``aggregator.detect.DETECTORS`
 ``DetectorSpec``: the settings type, whose ``name`` is the detector's, and the factory), with the
 settings the ``detectors:`` section of the config file gives it. Then, for every detector alike:
 
-- ``observe_report(report, placement, received)`` for every report ingested (a detector that reads
-  only the pool frames does nothing here; the probe detectors keep the report's probe results);
+- ``observe_report(report, placement, measured)`` for every report ingested, ``measured`` being
+  when the report was measured on the aggregator's clock (``aggregator/fleet/sendtime.py``: its
+  own time plus its node's clock offset, never after its receipt; a backlog does not move it). A
+  detector that reads only the pool frames does nothing here; the probe detectors keep the
+  report's probe results, the jobs detector its collectives;
 - ``run(frames, now)`` every ``every_seconds`` of the aggregator's clock (a ``PoolDetector``'s
   ``run_pool(frame, now)`` for each pool instead, one pool per step of the cycle), returning a ``Verdict``:
   findings per node, handed to the health machine (``HealthMachine.update(node, name, findings,
@@ -75,8 +78,8 @@ class Detector(Protocol):
         """How often the pipeline runs it, in seconds of the aggregator's clock."""
         ...
 
-    def observe_report(self, report: Report, placement: Placement, received: float) -> None:
-        """A report was ingested (``received`` on the aggregator's clock)."""
+    def observe_report(self, report: Report, placement: Placement, measured: float) -> None:
+        """A report was ingested; it was measured at ``measured`` on the aggregator's clock."""
         ...
 
     def run(self, frames: FleetFrames, now: float) -> Verdict:
@@ -104,7 +107,7 @@ class PoolDetector(abc.ABC):
 
     every_seconds: float
 
-    def observe_report(self, report: Report, placement: Placement, received: float) -> None:  # noqa: B027
+    def observe_report(self, report: Report, placement: Placement, measured: float) -> None:  # noqa: B027
         """The frames already hold what it needs."""
 
     def forget(self, node: str) -> None:  # noqa: B027 - a hook it does not need, not an abstract one

@@ -52,7 +52,7 @@ from aggregator.config import DetectorSettings, PositiveSeconds, Ratio
 from aggregator.detect.base import Offload, OffloadingPoolDetector
 from aggregator.detect.load import settled
 from aggregator.detect.nanstats import nanmean, nanmedian
-from aggregator.detect.peers import MAD_SCALE, median_mad, under_load
+from aggregator.detect.peers import MAD_SCALE, complete_slots, median_mad, under_load
 from aggregator.fleet.frame import GPU_COLUMN, SLOWDOWN_COLUMNS, FrameWindow, PoolFrame
 from aggregator.model import Finding
 
@@ -187,26 +187,37 @@ def window_slots(config: ForestConfig, interval_s: float) -> int:
     return max(config.min_loaded_slots, round(config.window_seconds / interval_s))
 
 
-def window_copy(frame: PoolFrame, now: float, config: ForestConfig) -> FrameWindow:
-    """The slots a run at ``now`` looks at (``window_slots`` of complete slots and the
-    ``settle_seconds`` before them), frozen (``PoolFrame.window``) so that the rest of the run may
-    go on while the frame takes new reports and forgets nodes (rows move then)."""
+def judged_until(frame: PoolFrame, now: float) -> float:
+    """Where the complete slots a run at ``now`` judges end: ``now`` on time; behind a backlog the
+    start of the slot still filling, as the peer and trend detectors judge (``complete_slots``).
+    A slot a backlog has not reached yet holds nothing, and would leave every GPU fewer loaded
+    slots than it had."""
+    last = complete_slots(frame, now)[1]
+    return now if last == now - frame.interval_s else last + frame.interval_s
+
+
+def window_copy(frame: PoolFrame, end: float, config: ForestConfig) -> FrameWindow:
+    """The slots a run judging up to ``end`` (``judged_until``) looks at (``window_slots`` of
+    complete slots and the ``settle_seconds`` before them), frozen (``PoolFrame.window``) so that
+    the rest of the run may go on while the frame takes new reports and forgets nodes (rows move
+    then)."""
     slots = window_slots(config, frame.interval_s)
     settle = max(0, round(config.settle_seconds / frame.interval_s))
-    return frame.window(now - (slots + settle) * frame.interval_s, now - frame.interval_s)
+    return frame.window(end - (slots + settle) * frame.interval_s, end - frame.interval_s)
 
 
 def pool_vectors(frame: PoolFrame, now: float, config: ForestConfig) -> PoolVectors:
     """The per-GPU robust feature vectors of one pool over the window ending at the last complete slot."""
-    return vectors_of(window_copy(frame, now, config), now, config)
+    end = judged_until(frame, now)
+    return vectors_of(window_copy(frame, end, config), end, config)
 
 
-def vectors_of(window: FrameWindow, now: float, config: ForestConfig) -> PoolVectors:
-    """``pool_vectors`` of a copied window (any thread: it reads nothing else)."""
+def vectors_of(window: FrameWindow, end: float, config: ForestConfig) -> PoolVectors:
+    """``pool_vectors`` of a copied window, judged up to ``end`` (any thread: it reads nothing else)."""
     interval = window.interval_s
     slots = window_slots(config, interval)
     settle = max(0, round(config.settle_seconds / interval))
-    t0 = now - slots * interval
+    t0 = end - slots * interval
     nodes, history, all_starts = list(window.nodes), window.gpu, window.starts
     busy = under_load(history, config.load_threshold)
     # A slot counts as loaded once the GPU has been busy for ``settle_seconds`` before it: a GPU
@@ -330,9 +341,10 @@ class ForestDetector(OffloadingPoolDetector):
         self.every_seconds = self.config.every_seconds
 
     def prepare_pool(self, frame: PoolFrame, now: float) -> Offload[_Outcome]:
-        window = window_copy(frame, now, self.config)
+        end = judged_until(frame, now)
+        window = window_copy(frame, end, self.config)
         config, pool = self.config, frame.name  # frozen settings and a str: safe to share
-        return Offload(compute=lambda: _judge(window, now, config, pool), finish=_finish)
+        return Offload(compute=lambda: _judge(window, end, config, pool), finish=_finish)
 
 
 def _finish(outcome: _Outcome) -> dict[str, list[Finding]]:
@@ -341,10 +353,10 @@ def _finish(outcome: _Outcome) -> dict[str, list[Finding]]:
     return outcome.nodes
 
 
-def _judge(window: FrameWindow, now: float, c: ForestConfig, pool: str) -> _Outcome:
-    """Findings for every node of the copied window (empty lists where nothing stands out). Reads
-    nothing but its arguments: it runs in the service's worker thread."""
-    v = vectors_of(window, now, c)
+def _judge(window: FrameWindow, end: float, c: ForestConfig, pool: str) -> _Outcome:
+    """Findings for every node of the copied window, judged up to ``end`` (empty lists where
+    nothing stands out). Reads nothing but its arguments: it runs in the service's worker thread."""
+    v = vectors_of(window, end, c)
     out: dict[str, list[Finding]] = {n: [] for n in v.nodes}
     outliers: list[dict[str, object]] = []
     n = v.rows.shape[0]

@@ -283,6 +283,9 @@ class JobLocalizer:
         self._streaks: dict[tuple[str, ...], tuple[int, float]] = {}  # blame -> (runs, first run)
         self._judged: set[str] = set()
         self._workload: set[str] = set()  # jobs slow everywhere at the last run (logged on change)
+        # When the newest report (any report, with jobs or not) was measured: how far the data
+        # reach, which behind a backlog is short of the clock (``run``).
+        self._newest = -math.inf
         # What the last run saw, for metrics: per job its level and inter-node bandwidth.
         self.job_busbw: dict[str, float] = {}
         self.job_level: dict[str, float] = {}  # job -> its level (not log)
@@ -291,7 +294,8 @@ class JobLocalizer:
 
     # -- input ----------------------------------------------------------------------------------
 
-    def observe_report(self, report: Report, placement: Placement, received: float) -> None:
+    def observe_report(self, report: Report, placement: Placement, measured: float) -> None:
+        self._newest = max(self._newest, measured)
         if report.pods is not UNSET:
             # Which pod each Inspector hostname is (a pod's hostname is its name, cut as the
             # kubelet cuts it); a name two namespaces share on this node says nothing.
@@ -329,10 +333,12 @@ class JobLocalizer:
                     None if c.gpu is UNSET else c.gpu,
                     deque(maxlen=cfg.max_samples),
                 )
-            if rank.samples and abs(rank.samples[-1][0] - received) < 1.0:
+            # Dated when measured: behind a backlog a rank's samples still fall in the window
+            # of the moment they describe, beside those of the job's other ranks.
+            if rank.samples and abs(rank.samples[-1][0] - measured) < 1.0:
                 continue  # the same cycle again (a redelivered report)
-            rank.samples.append((received, c.busbw_gbs.p50, c.exec_time_us.p50))
-            row.last = max(row.last, received)
+            rank.samples.append((measured, c.busbw_gbs.p50, c.exec_time_us.p50))
+            row.last = max(row.last, measured)
 
     def forget(self, node: str) -> None:
         self._placements.pop(node, None)
@@ -367,7 +373,12 @@ class JobLocalizer:
 
     def run(self, frames: FleetFrames, now: float) -> Verdict:
         cfg = self.config
-        views = self._views(now)
+        # The window ends at ``now``, unless the newest report was measured more than a run's
+        # period before it: then the aggregator is behind a backlog (samples are dated when they
+        # were measured), and the window ends where the data do, so a backlog longer than the
+        # window does not leave it empty, and the ranks are compared over the same minutes.
+        behind = now - self._newest > cfg.every_seconds
+        views = self._views(self._newest if behind else now)
         jobs = _components(views, self._pods)
         refs = self._references(views, jobs)
         out: dict[str, list[Finding]] = {n: [] for v in views for n in v.nodes}

@@ -25,8 +25,10 @@ and decomposed robustly (weighted median polish, so one bad node or pair cannot 
 
 The noise (run to run, path to path, node to node) is estimated from the pool's own results
 (``_noise``). A single probe never decides: each result adds at most half the threshold.
-Probe times are moved to the aggregator's clock (``received - report.time``), so both ends' copies
-of one measurement are recognized as one even when a node's clock is off.
+Probe times are moved to the aggregator's clock by the node's clock offset (the report's
+measured time on our clock less its own, ``aggregator/fleet/sendtime.py``), so both ends' copies
+of one measurement are recognized as one even when a node's clock is off or the aggregator is
+behind.
 """
 
 from __future__ import annotations
@@ -209,16 +211,20 @@ class LinkLocalizer:
 
     # -- input ----------------------------------------------------------------------------------
 
-    def observe_report(self, report: Report, placement: Placement, received: float) -> None:
+    def observe_report(self, report: Report, placement: Placement, measured: float) -> None:
         if report.probes:  # a node's placement is learnt from the reports that carry its probes
-            self.observe(report, placement, received)
+            self.observe(report, placement, measured)
 
-    def observe(self, report: Report, placement: Placement, received: float) -> int:
-        """Take the report's pair probes; returns how many were new (not the other end's copy)."""
+    def observe(self, report: Report, placement: Placement, measured: float) -> int:
+        """Take the report's pair probes (the report measured at ``measured`` on our clock);
+        returns how many were new (not the other end's copy)."""
         self._placements[report.node] = placement
         if report.probes is UNSET:
             return 0
-        offset = received - report.time  # the node's clock to ours
+        # The node's clock to ours. From when the report was measured, not its receipt: the two
+        # ends' copies of one probe are matched by time, and behind a backlog each end's report
+        # waits its own while (a receipt-based offset would date the copies apart).
+        offset = measured - report.time
         added = 0
         for p in report.probes:
             if p.kind not in PAIR_KINDS or p.peer is None or p.peer == report.node:

@@ -82,15 +82,15 @@ class LocalProbeDetector:
         self._placements: dict[str, Placement] = {}
         self._judged: set[str] = set()
 
-    def observe_report(self, report: Report, placement: Placement, received: float) -> None:
+    def observe_report(self, report: Report, placement: Placement, measured: float) -> None:
         if report.probes:  # a node's placement is learnt from the reports that carry its probes
-            self.observe(report, placement, received)
+            self.observe(report, placement, measured)
 
-    def observe(self, report: Report, placement: Placement, received: float) -> None:
+    def observe(self, report: Report, placement: Placement, measured: float) -> None:
         self._placements[report.node] = placement
         if report.probes is UNSET:
             return
-        offset = received - report.time  # the node's clock to ours
+        offset = measured - report.time  # the node's clock to ours (a backlog does not enter it)
         for p in report.probes:
             if p.kind not in LOCAL_KINDS or not p.ok:
                 continue
