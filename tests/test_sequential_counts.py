@@ -572,3 +572,38 @@ def test_through_the_fleet_history_late_and_duplicate_reports_change_nothing() -
     assert any(clean.values())
     later = [t for t in clean if t >= reports[23].time]
     assert [messy[t] for t in later] == [clean[t] for t in later]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_idle_shortcut_leaves_the_evidence_as_observe_would(seed: int) -> None:
+    # The engine takes a clean port's report with ``idle`` (no design built) and falls back on
+    # ``observe``; over random streams (quiet stretches, bursts, resets, saturation, repeated and
+    # backward times) the evidence must be exactly what ``observe`` alone leaves.
+    rng = random.Random(seed)
+    design = PoissonCusum.design(1e-3, 4.0, 24.0)
+    saturates = 1_000
+    plain, fast = CountEvidence(), CountEvidence()
+    value, at = 0, T0
+    shortcuts = decided = 0
+    for _ in range(3_000):
+        r = rng.random()
+        if r < 0.6:
+            pass  # quiet: the counter stays
+        elif r < 0.85:
+            value += rng.choice([1, 2, 5, 40])
+        elif r < 0.9:
+            value = rng.randrange(0, 3)  # reset
+        elif r < 0.93:
+            value = saturates + rng.randrange(0, 3)
+        step = rng.choice([10.0, 10.0, 10.0, 0.0, -5.0, -3_600.0])
+        at += step
+        seen = None if rng.random() < 0.03 else value
+        plain.observe(seen, at, design, saturates)
+        if fast.idle(seen, at, saturates):
+            shortcuts += 1
+        else:
+            fast.observe(seen, at, design, saturates)
+        assert fast == plain
+        decided += plain.decided
+    # Both ways were taken, and the streams reached decisions (where the shortcut must not apply).
+    assert shortcuts > 300 and decided > 0

@@ -775,12 +775,15 @@ class RuleEngine:
         else:
             assert rule.value is not None
             budget = rule.value / rc.per_s
-        design = rc.designs.get(budget)
-        if design is None:
-            design = rc.designs[budget] = PoissonCusum.design(budget, rule.design_ratio, rule.arl_hours)
         key = (rc.rid, subject)
         counts = run.state.counts
         evidence_state = counts.get(key)
+        value = _counter_value(rc.source, rc.field, entity)
+        if evidence_state is not None and evidence_state.idle(value, run.now, rc.saturates_at):
+            return  # nothing counted, nothing standing: only the time moved (not decided)
+        design = rc.designs.get(budget)
+        if design is None:
+            design = rc.designs[budget] = PoissonCusum.design(budget, rule.design_ratio, rule.arl_hours)
         if evidence_state is None:
             # A new subject: first drop the ones no report has carried for a while (a port
             # renamed or gone). Without it a node naming new ports in every report would grow
@@ -800,7 +803,7 @@ class RuleEngine:
                     evidence_state.observe(
                         _counter_value(rc.source, rc.field, before), previous.time, design, rc.saturates_at
                     )
-        evidence_state.observe(_counter_value(rc.source, rc.field, entity), run.now, design, rc.saturates_at)
+        evidence_state.observe(value, run.now, design, rc.saturates_at)
         if not evidence_state.decided:
             return
         since = run.hold(rc.rid, subject, rule.for_s)
