@@ -729,6 +729,16 @@ class KubeApiDouble:
         gone["metadata"]["resourceVersion"] = str(self._rv)
         self._emit(_Change(self._rv, "DELETED", gone, current))
 
+    def seed_lease(self, body: dict[str, Json]) -> None:
+        """A Lease as another tool created it (a chart, an operator), stored as the API would."""
+        body = copy.deepcopy(body)
+        body.update(kind="Lease", apiVersion="coordination.k8s.io/v1")
+        self._store_lease(body)
+
+    def delete_lease(self, namespace: str, name: str) -> None:
+        """What ``kubectl delete lease`` does (KeyError when there is none)."""
+        del self._leases[(namespace, name)]
+
     def lease(self, namespace: str, name: str) -> dict[str, Json] | None:
         found = self._leases.get((namespace, name))
         return copy.deepcopy(found) if found is not None else None

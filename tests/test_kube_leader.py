@@ -389,6 +389,95 @@ async def leader_and_follower(
     return a, b
 
 
+@pytest.mark.parametrize("offset_steps", range(8))
+async def test_a_lease_deleted_under_its_leader_never_gives_two_leaders(
+    cluster: Cluster, offset_steps: int
+) -> None:
+    # ``kubectl delete lease`` while a leads, at every phase of its renewals. The follower that
+    # finds no Lease must not create one and lead while a still acts: a recreates it on its next
+    # renewal and goes on. (The harness asserts at most one leader after every step.)
+    a = await cluster.add("a", rng=NoJitter())
+    b = await cluster.add("b", rng=NoJitter())
+    await cluster.start(a)
+    await cluster.advance(1.0)  # b polls half-way between a's renewals
+    await cluster.start(b)
+    await cluster.advance(6.0 + offset_steps * STEP)
+    assert a.elector.is_leader
+    cluster.double.delete_lease(NS, NAME)
+    await cluster.advance(30.0)
+    assert cluster.leaders() == ["a"] and a.stopped == 0 and b.started == 0
+    assert lease_spec(cluster.double)["holderIdentity"] == "a"
+
+
+async def test_a_lease_deleted_under_a_paused_leader_is_taken_after_a_lease_duration(
+    cluster: Cluster,
+) -> None:
+    # The leader is paused (a long GC, SIGSTOP) and its Lease deleted: the follower treats the
+    # deletion as a change of the record and waits a lease duration from when it saw it, by
+    # which time the paused leader has stopped acting by its own deadline.
+    a, b = await leader_and_follower(cluster, steady=True)
+    a.frozen = True
+    cluster.double.delete_lease(NS, NAME)
+    deleted = cluster.elapsed
+    await cluster.advance(40.0, until=lambda: b.elector.is_leader)
+    assert b.elector.is_leader
+    waited = cluster.elapsed - deleted
+    lease_s, retry_s = CONFIG.lease_duration_seconds, CONFIG.retry_period_seconds
+    assert lease_s <= waited <= lease_s + 2 * retry_s
+    assert lease_spec(cluster.double)["holderIdentity"] == "b"
+
+
+async def test_annotations_do_not_recreate_a_lease_deleted_under_a_holder(cluster: Cluster) -> None:
+    # A holderless Lease reads as released, and whoever saw it would lead at once: so an
+    # annotation write (the breaker) never creates one while a holder may be acting. The
+    # election recreates the Lease; the write then goes through.
+    _, b = await leader_and_follower(cluster, steady=True)
+    cluster.double.delete_lease(NS, NAME)
+    with pytest.raises(KubeUnavailable):
+        await b.elector.update_annotations({"gpuwarden.io/breaker": "open"})
+    assert cluster.double.lease(NS, NAME) is None
+    await cluster.advance(4.0)
+    await b.elector.update_annotations({"gpuwarden.io/breaker": "open"})
+    lease = cluster.double.lease(NS, NAME)
+    assert lease is not None and lease["spec"]["holderIdentity"] == "a"
+    assert lease["metadata"]["annotations"] == {"gpuwarden.io/breaker": "open"}
+    assert cluster.leaders() == ["a"]
+
+
+async def test_renewals_annotations_and_release_keep_what_others_put_on_the_lease(cluster: Cluster) -> None:
+    # A Lease made by the chart, with labels, a finalizer, an owner and spec fields newer than this
+    # code (coordination.k8s.io/v1 preferredHolder and strategy, Kubernetes 1.31+). Every write of
+    # ours is a PUT of the whole object: it must change only the election fields and annotations.
+    others_meta = {
+        "labels": {"app.kubernetes.io/name": "gpuwarden"},
+        "finalizers": ["example.com/keep"],
+        "ownerReferences": [
+            {"apiVersion": "apps/v1", "kind": "Deployment", "name": "gpuwarden", "uid": "u-1"}
+        ],
+    }
+    others_spec = {"preferredHolder": "a", "strategy": "OldestEmulationVersion"}
+    cluster.double.seed_lease(
+        {"metadata": {"name": NAME, "namespace": NS, **others_meta}, "spec": others_spec}
+    )
+    a, b = await leader_and_follower(cluster, steady=True)
+    assert a.elector.is_leader
+    await b.elector.update_annotations({"gpuwarden.io/breaker": "open"})
+    await cluster.advance(6.0)
+    assert a.task is not None
+    a.task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await a.task
+    await cluster.advance(4.0, until=lambda: b.elector.is_leader)
+    assert b.elector.is_leader
+    lease = cluster.double.lease(NS, NAME)
+    assert lease is not None
+    for key, value in others_meta.items():
+        assert lease["metadata"][key] == value, key
+    assert {k: lease["spec"][k] for k in others_spec} == others_spec
+    assert lease["metadata"]["annotations"] == {"gpuwarden.io/breaker": "open"}
+    assert lease["spec"]["holderIdentity"] == "b"
+
+
 async def test_graceful_shutdown_releases_so_the_follower_takes_over_at_once(cluster: Cluster) -> None:
     a, b = await leader_and_follower(cluster)
 

@@ -686,17 +686,35 @@ def _lease(obj: Json) -> Lease:
         renew_time=spec.get("renewTime"),
         transitions=int(spec.get("leaseTransitions") or 0),
         annotations=dict(meta.get("annotations") or {}),
+        raw=obj,
     )
 
 
+# The Lease fields gpuwarden writes; every other field of the object as read goes back unchanged.
+_LEASE_SPEC_FIELDS: Final = (
+    "holderIdentity",
+    "leaseDurationSeconds",
+    "acquireTime",
+    "renewTime",
+    "leaseTransitions",
+)
+
+
 def _lease_json(lease: Lease, *, with_version: bool) -> Json:
-    metadata: Json = {"name": lease.name, "namespace": lease.namespace}
+    raw_meta = lease.raw.get("metadata")
+    raw_spec = lease.raw.get("spec")
+    metadata: Json = dict(raw_meta) if isinstance(raw_meta, Mapping) and with_version else {}
+    metadata.update(name=lease.name, namespace=lease.namespace)
+    metadata.pop("resourceVersion", None)
+    metadata.pop("annotations", None)
     if with_version:
         metadata["resourceVersion"] = lease.resource_version
     if lease.annotations:
         metadata["annotations"] = dict(lease.annotations)
+    kept = dict(raw_spec) if isinstance(raw_spec, Mapping) and with_version else {}
+    spec = {k: v for k, v in kept.items() if k not in _LEASE_SPEC_FIELDS}
     spec = _with_optional(
-        {"leaseTransitions": lease.transitions},
+        {**spec, "leaseTransitions": lease.transitions},
         {
             "holderIdentity": lease.holder,
             "leaseDurationSeconds": lease.lease_duration_seconds,

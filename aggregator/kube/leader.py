@@ -16,9 +16,17 @@ as client-go has them:
   Annotations are not part of the record: a breaker state written by a follower does not look
   like a renewal.
 - **Acquire** when the Lease is absent (create it), has no holder (released), is held by us (a
-  restart under the same identity), or has expired as above. Taking it from another holder (or
+  restart under the same identity), or has expired as above. Unlike client-go, a Lease that
+  vanished (``kubectl delete lease``) after we saw another replica hold it is not created at
+  once: the deletion counts as a change of the record, and we wait a lease duration from when we
+  saw it, by which time the holder has recreated it (it renews every retry period: a deleted
+  Lease is recreated by its own leader) or stopped acting. A leader whose recreation loses to
+  another replica's steps down at once, and ``update_annotations`` never creates a holderless
+  Lease (which reads as released) while a holder may be acting. Taking it from another holder (or
   from nobody) increments ``leaseTransitions`` and sets ``acquireTime``. Every write is a PUT with
-  the ``resourceVersion`` we read, so of two candidates racing for an expired lease only one wins.
+  the ``resourceVersion`` we read, so of two candidates racing for an expired lease only one wins;
+  it is the object as read with only the election fields and annotations changed, so what others
+  put on the Lease (labels, finalizers, owners, newer spec fields) stays.
 - **Renew** every retry period: first optimistically by a PUT of the copy we last wrote (the
   resourceVersion precondition makes a stale copy fail with a conflict instead of overwriting
   what someone else wrote, such as annotations), then by re-reading and writing again.
@@ -141,6 +149,8 @@ class LeaderElector:
         self._lease: Lease | None = None  # last read or written: its resourceVersion is our precondition
         self._observed: _Record | None = None
         self._observed_at = 0.0  # monotonic time the record last changed in our eyes
+        # The Lease was absent when last read, after a record naming another holder (``_create``).
+        self._absent = False
         self._leading = False
         self._renewed_at = -math.inf  # monotonic start of the last successful acquire/renew
         # One lease operation at a time from this replica, so our own annotation writes and
@@ -264,20 +274,7 @@ class LeaderElector:
         try:
             current = await self._api.get_lease(self._config.namespace, self._config.lease_name)
         except KubeNotFound:
-            created = await self._api.create_lease(
-                Lease(
-                    name=self._config.lease_name,
-                    namespace=self._config.namespace,
-                    resource_version="",
-                    holder=self._identity,
-                    lease_duration_seconds=self._lease_seconds,
-                    acquire_time=now,
-                    renew_time=now,
-                    transitions=0,
-                )
-            )
-            self._observe(created)
-            return True
+            return await self._create(now)
 
         self._observe(current)
         holder = current.holder or None
@@ -302,6 +299,46 @@ class LeaderElector:
             )
         )
         self._observe(written)
+        return True
+
+    async def _create(self, now: str) -> bool:
+        """The Lease is absent: create it holding it, unless another replica's term may not be
+        over.
+
+        Someone deleted the Lease (``kubectl delete lease``), or it never existed. If the record
+        we last saw named another holder, that holder may still be leading: it acts until its
+        own renew deadline, and a follower that created the Lease at once would lead beside it.
+        So the deletion counts as a change of the record, seen now: we create only once a lease
+        duration has passed since, by which time that holder has recreated the Lease (it is
+        alive) or stopped acting (``renew_deadline < lease_duration``). A leader whose Lease was
+        deleted recreates it and goes on; if another replica created it first, it steps down at
+        once."""
+        observed = self._observed
+        if observed is not None and observed.holder not in (None, self._identity):
+            if not self._absent:
+                self._absent = True
+                self._observed_at = self._clock.monotonic()
+                log.warning("the lease was deleted; waiting out its holder's term", extra=self._extra())
+            if self._observed_valid():
+                return False
+        try:
+            created = await self._api.create_lease(
+                Lease(
+                    name=self._config.lease_name,
+                    namespace=self._config.namespace,
+                    resource_version="",
+                    holder=self._identity,
+                    lease_duration_seconds=self._lease_seconds,
+                    acquire_time=now,
+                    renew_time=now,
+                    transitions=0,
+                )
+            )
+        except KubeConflict:
+            # Another replica created it between our read and our write: it may lead now.
+            self._step_down("another replica created the lease")
+            raise
+        self._observe(created)
         return True
 
     async def _release(self) -> None:
@@ -352,7 +389,8 @@ class LeaderElector:
 
     async def update_annotations(self, changes: Mapping[str, str | None]) -> None:
         """Set (or, for None, delete) annotations of the Lease, keeping its election fields as
-        read; creates a holderless Lease if there is none yet. Retries on conflict and raises
+        read; creates a holderless Lease if there is none yet and none was seen held (if one was,
+        ``KubeUnavailable``: the election recreates it). Retries on conflict and raises
         ``KubeConflict`` after ``ANNOTATION_ATTEMPTS``; other ``KubeError``s propagate at once."""
         last: KubeConflict | None = None
         for _ in range(ANNOTATION_ATTEMPTS):
@@ -365,6 +403,16 @@ class LeaderElector:
                     current = None
                 try:
                     if current is None:
+                        observed = self._observed
+                        if observed is not None and observed.holder is not None:
+                            # Deleted under a holder (maybe us): a holderless Lease would read as
+                            # released, and a follower would lead at once beside the holder. The
+                            # election recreates it (``_create``); the caller tries again later.
+                            raise KubeUnavailable(
+                                f"lease {self._config.namespace}/{self._config.lease_name} is absent "
+                                f"while {observed.holder} may hold it; the election recreates it",
+                                status=404,
+                            )
                         written = await self._api.create_lease(
                             Lease(
                                 name=self._config.lease_name,
@@ -406,6 +454,7 @@ class LeaderElector:
 
     def _observe(self, lease: Lease) -> None:
         self._lease = lease
+        self._absent = False
         record = _Record.of(lease)
         if record == self._observed:
             return

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from agent.errors import GpuwardenError
 
@@ -85,6 +85,11 @@ class Lease:
     renew_time: str | None
     transitions: int = 0
     annotations: Mapping[str, str] = field(default_factory=dict)
+    # The object as the API server returned it ({} for one not read yet). A write starts from it
+    # and changes only the fields above, as client-go's LeaseLock.Update does: what others put
+    # on the Lease (labels, finalizers, ownerReferences, spec fields newer than this code, such
+    # as preferredHolder and strategy) is kept, never wiped by a renewal.
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
