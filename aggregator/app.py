@@ -247,6 +247,7 @@ async def build_aggregator(
     ``advance_interval_s``: the periodic detection cycle (None: the caller drives ``advance``).
     """
     shards = ShardMap.of(config.sharding) if config.sharding.shards > 1 else None
+    base_lease = config.remediation.leader.lease_name  # each shard's Lease adds its suffix
     if shards is not None:
         config = _sharded(config, shards)
     registry = registry if registry is not None else CollectorRegistry()
@@ -311,6 +312,8 @@ async def build_aggregator(
             audit=audit_log,
             admin_tokens=admin_tokens,
             intents=owned,
+            shards=shards.shards if shards is not None else 1,
+            base_lease=base_lease,
         )
         if owned is not None:
             owned.bind(remediation.actuator.restore_into, remediation.actuator.settled)

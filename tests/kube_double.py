@@ -1471,6 +1471,10 @@ class Intercepted:
         self.before("get lease")
         return await self.inner.get_lease(namespace, name)
 
+    async def list_leases(self, namespace: str) -> list[Lease]:
+        self.before("list leases")
+        return await self.inner.list_leases(namespace)
+
     async def create_lease(self, lease: Lease) -> Lease:
         self.before("create lease")
         return await self.inner.create_lease(lease)

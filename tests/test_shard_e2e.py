@@ -320,3 +320,34 @@ async def test_a_quarantined_node_relabelled_into_another_shards_pool_stays_out(
         view = await fleet_nodes(two[0])
         assert {n["node"]: n["shard"] for n in view["nodes"]}[FAULTY] == 1
         every_report_delivered(agents)
+
+
+async def test_while_two_counts_of_shards_run_neither_writes_until_the_old_is_gone(tmp_path: Path) -> None:
+    # A roll from two shards to three, the old replicas still running when the new one starts:
+    # the moved pool would have two leaders, old shard 0 and new shard 2 (aggregator/shard/fence.py).
+    # Both hold back while both are live; once the old replicas are gone, the new one acts, and
+    # the quarantine it restored from the cluster stands throughout.
+    two = [free_port(), free_port()]
+    three = [free_port(), free_port(), free_port()]
+    async with a_fleet(tmp_path, two[1]) as (double, agents), shards(double, tmp_path, two) as (s0, s1):
+        await quarantine_on_shard_0(double, agents, s0)
+        old = s0.agg.remediation
+        assert old is not None and old.acting
+        new = await start(double, tmp_path, 2, three)
+        try:
+            assert new.agg.remediation is not None
+            fenced = new.agg.remediation
+            await eventually(lambda: not old.acting, "the old count holding back")
+            assert not fenced.acting and fenced.elector.is_leader
+            assert fenced.status()["fenced_by"] == [f"{LEASE}-shard-0", f"{LEASE}-shard-1"]
+            async with watching_taint(double, FAULTY) as taint:
+                await s0.shutdown()
+                await s1.shutdown()
+                await eventually(lambda: fenced.acting, "the new count acting once the old is gone")
+                await asyncio.sleep(2.5)  # resyncs of its actuator
+                assert new.state(FAULTY) == "quarantined"
+            assert taint and all(taint), "the taint was lifted during the roll"
+            lease = double.lease(NS, f"{LEASE}-shard-2")
+            assert lease is not None and lease["metadata"]["annotations"]["gpuwarden.io/shards"] == "3"
+        finally:
+            await new.shutdown()

@@ -57,6 +57,10 @@ class KubeApi(Protocol):
         """``KubeNotFound`` when there is none yet."""
         ...
 
+    async def list_leases(self, namespace: str) -> list[Lease]:
+        """Every Lease of ``namespace``, in one LIST (a namespace holds a handful: no paging)."""
+        ...
+
     async def create_lease(self, lease: Lease) -> Lease:
         """``KubeConflict`` when another replica created it first."""
         ...

@@ -394,6 +394,14 @@ class KubeClient:
         what = f"get lease {namespace}/{name}"
         return _lease(await self._call(what, self._coordination.read_namespaced_lease, name, namespace))
 
+    async def list_leases(self, namespace: str) -> list[Lease]:
+        what = f"list leases in {namespace}"
+        body = await self._call(what, self._coordination.list_namespaced_lease, namespace)
+        items = body.get("items")
+        if not isinstance(items, list):
+            raise KubeUnavailable(f"{what}: the answer has no items list")
+        return [_lease(item) for item in items if isinstance(item, dict)]
+
     async def create_lease(self, lease: Lease) -> Lease:
         what = f"create lease {lease.namespace}/{lease.name}"
         body = _lease_json(lease, with_version=False)

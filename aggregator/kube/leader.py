@@ -83,7 +83,7 @@ def format_micro_time(unix_seconds: float) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _Record:
+class LeaseRecord:
     """The election part of a Lease (client-go's LeaderElectionRecord): what a change of means
     that the holder is alive. Annotations and resourceVersion are deliberately left out."""
 
@@ -94,7 +94,7 @@ class _Record:
     transitions: int
 
     @classmethod
-    def of(cls, lease: Lease) -> _Record:
+    def of(cls, lease: Lease) -> LeaseRecord:
         return cls(
             holder=lease.holder or None,
             lease_duration_seconds=lease.lease_duration_seconds,
@@ -120,7 +120,10 @@ class LeaderElector:
         on_stopped: Callable[[], None] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
+        stamp: Mapping[str, str] | None = None,
     ) -> None:
+        """``stamp``: annotations every election write of ours puts on the Lease (a shard's
+        count of shards, which ``aggregator.shard.fence`` reads)."""
         if not identity:
             raise ConfigError("leader election: identity must not be empty")
         if config.lease_duration_seconds <= config.renew_deadline_seconds:
@@ -146,8 +149,9 @@ class LeaderElector:
         self._rng = rng if rng is not None else random.Random(identity)
         # The Lease carries whole seconds; rounding up keeps lease_duration > renew_deadline.
         self._lease_seconds = math.ceil(config.lease_duration_seconds)
+        self._stamp = dict(stamp or {})
         self._lease: Lease | None = None  # last read or written: its resourceVersion is our precondition
-        self._observed: _Record | None = None
+        self._observed: LeaseRecord | None = None
         self._observed_at = 0.0  # monotonic time the record last changed in our eyes
         # The Lease was absent when last read, after a record naming another holder (``_create``).
         self._absent = False
@@ -260,7 +264,12 @@ class LeaderElector:
             # Fast path: a leader assumes nobody wrote since its own last write.
             try:
                 written = await self._api.replace_lease(
-                    replace(cached, renew_time=now, lease_duration_seconds=self._lease_seconds)
+                    replace(
+                        cached,
+                        renew_time=now,
+                        lease_duration_seconds=self._lease_seconds,
+                        annotations=self._stamped(cached.annotations),
+                    )
                 )
             except KubeError as exc:
                 log.debug(
@@ -296,6 +305,7 @@ class LeaderElector:
                 acquire_time=acquire_time,
                 renew_time=now,
                 transitions=transitions,
+                annotations=self._stamped(current.annotations),
             )
         )
         self._observe(written)
@@ -332,6 +342,7 @@ class LeaderElector:
                     acquire_time=now,
                     renew_time=now,
                     transitions=0,
+                    annotations=dict(self._stamp),
                 )
             )
         except KubeConflict:
@@ -449,13 +460,18 @@ class LeaderElector:
 
     # -- bookkeeping ---------------------------------------------------------------------------------
 
+    def _stamped(self, annotations: Mapping[str, str]) -> Mapping[str, str]:
+        if all(annotations.get(k) == v for k, v in self._stamp.items()):
+            return annotations
+        return {**annotations, **self._stamp}
+
     def _deadline(self) -> float:
         return self._renewed_at + self._config.renew_deadline_seconds
 
     def _observe(self, lease: Lease) -> None:
         self._lease = lease
         self._absent = False
-        record = _Record.of(lease)
+        record = LeaseRecord.of(lease)
         if record == self._observed:
             return
         previous = self._observed.holder if self._observed is not None else None

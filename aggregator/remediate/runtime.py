@@ -43,6 +43,7 @@ from aggregator.pipeline import Pipeline
 from aggregator.remediate.actuator import Actuator, ActuatorMetrics
 from aggregator.remediate.limits import BreakerState, decode_breaker, encode_breaker
 from aggregator.remediate.model import IntentSource
+from aggregator.shard.fence import SHARDS_ANNOTATION, ShardFence
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,14 @@ class Remediation:
         admin_tokens: list[str] | None = None,
         sleep: Callable[[float], Any] = asyncio.sleep,
         intents: IntentSource | None = None,
+        shards: int = 1,
+        base_lease: str | None = None,
     ) -> None:
         """``intents``: what the actuator restores and reconciles (default: the pipeline; with
-        sharding, the nodes of the shard's pools: aggregator/shard/owned.py)."""
+        sharding, the nodes of the shard's pools: aggregator/shard/owned.py). ``shards`` above 1:
+        this is one of that many shards, whose Leases are ``base_lease`` with the shard suffix;
+        its leader then writes only while no other count of shards is live
+        (aggregator/shard/fence.py)."""
         self.pipeline = pipeline
         self.config = config
         self.api = api
@@ -114,7 +120,19 @@ class Remediation:
             clock=clock,
             on_started=self._leadership_changed,
             on_stopped=self._leadership_changed,
+            stamp={SHARDS_ANNOTATION: str(shards)} if shards > 1 else None,
         )
+        self.fence: ShardFence | None = None
+        if shards > 1:
+            self.fence = ShardFence(
+                api,
+                config.leader,
+                base=base_lease if base_lease is not None else config.leader.lease_name,
+                shards=shards,
+                clock=clock,
+                on_change=self._leadership_changed,
+                sleep=sleep,
+            )
         # State first, decisions second: until the cluster view is rebuilt (``_rebuild``), no
         # limit is judged and nothing is written to a Node.
         self._ready = asyncio.Event()
@@ -124,8 +142,8 @@ class Remediation:
             config,
             intents if intents is not None else pipeline,
             clock=clock,
-            is_leader=lambda: self.elector.is_leader,
-            leadership_left=self.elector.time_left,
+            is_leader=lambda: self.acting,
+            leadership_left=self._time_left,
             metrics=ActuatorMetrics(registry),
             ready=self._ready.wait,
         )
@@ -146,7 +164,7 @@ class Remediation:
         )
         self._held_gauge.set_function(lambda: sum(1 for h in self.pipeline.health.nodes().values() if h.held))
         self._breaker_gauge.set_function(lambda: 1.0 if self.pipeline.limits.open else 0.0)
-        self._leader_gauge.set_function(lambda: 1.0 if self.elector.is_leader else 0.0)
+        self._leader_gauge.set_function(lambda: 1.0 if self.acting else 0.0)
         self._written: BreakerState | None = None  # the breaker as we last wrote or adopted it
         self._wake = asyncio.Event()
         self._leadership_hooks: list[Callable[[], None]] = []
@@ -178,8 +196,17 @@ class Remediation:
         """Call ``hook`` whenever this replica gains the lead (e.g. re-send the firing alerts)."""
         self._leadership_hooks.append(hook)
 
+    @property
+    def acting(self) -> bool:
+        """This replica writes to Nodes: it leads, and no other count of shards is live."""
+        return self.elector.is_leader and (self.fence is None or self.fence.clear)
+
+    def _time_left(self) -> float:
+        left = self.elector.time_left()
+        return left if self.fence is None else min(left, self.fence.time_left())
+
     def _leadership_changed(self) -> None:
-        leading = self.elector.is_leader
+        leading = self.acting
         log.info("leadership changed", extra={"leader": leading})
         if leading and self._ready.is_set():
             # The Lease was just read to acquire it: its breaker is the newest there is, and the
@@ -275,6 +302,8 @@ class Remediation:
             "identity": self.elector.identity,
             "leader": self.elector.leader,
             "is_leader": self.elector.is_leader,
+            "acting": self.acting,
+            "fenced_by": list(self.fence.others) if self.fence is not None else [],
             "ready": self.ready,
             "breaker": {"open": self.pipeline.limits.open, **msgspec.to_builtins(self.pipeline.limits.state)},
             "held_nodes": held,
@@ -332,6 +361,8 @@ class Remediation:
             asyncio.create_task(self.elector.run(), name="remediation-leader"),
             asyncio.create_task(self._breaker_loop(), name="remediation-breaker"),
         ]
+        if self.fence is not None:
+            tasks.append(asyncio.create_task(self.fence.run(), name="remediation-shard-fence"))
         try:
             yield
         finally:

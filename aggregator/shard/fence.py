@@ -1,0 +1,183 @@
+"""One count of shards writes to Nodes at a time: the fence for a roll that changes N.
+
+A change of ``sharding.shards`` rolls the StatefulSets, so for a while replicas with the old N and
+replicas with the new N run side by side. Each shard elects on its own Lease, and the Lease of
+shard i is the same object under both counts, but a pool moved by the change is owned by shard i
+under the old N and by shard j under the new one: two Leases, two leaders, and both would write
+the pool's Nodes, each from its own part of the reports (one lifting a taint the other just put
+on). The same holds from one aggregator to N (the unsharded one elects on the base Lease, which
+no shard uses) and back.
+
+So every shard's leader writes its count on its Lease (the annotation ``SHARDS_ANNOTATION``), and
+before it acts, each leader checks the namespace's Leases of the aggregator (the base name and
+``<base>-shard-<i>``): while any of them is held, under another count, by a holder whose term is
+not over, it holds back. A Lease without the annotation (an unsharded aggregator's, or one from
+before the annotation) counts as the base name says: the base Lease as one shard; ``-shard-<i>``
+as a count above i, so as ours unless i is past our shards. Terms are judged as the election
+judges them (``aggregator.kube.leader``): by our own clock, from when we saw the record change,
+for its ``leaseDurationSeconds``; a Lease that vanished counts as changed when we saw it gone.
+
+Both sides of a roll hold back while both are live: a new leader reads the Leases before its
+first write and sees the old count's (held, renewed); an old leader sees the new count's at its
+next check, a retry period later, and the new one has not written meanwhile. Once the old
+replicas are gone (their Leases released, or not renewed for a lease duration) the new ones act,
+and their first act is the resync every gain of leadership does. Decisions made meanwhile are in
+the decision log and are written then. A check that fails (the API unreachable, RBAC without
+``list`` on Leases) leaves the fence closed after the renew deadline, as a leader that cannot
+renew stops writing: it cannot tell that no other count is live.
+
+With one shard (the default) there is no fence: nothing is built and nothing is listed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Final
+
+from agent.clock import Clock
+from aggregator.config import LeaderConfig
+from aggregator.kube.api import KubeApi
+from aggregator.kube.leader import LeaseRecord
+from aggregator.kube.objects import KubeError, Lease
+from aggregator.ratelog import RateLimitedLog
+
+log = logging.getLogger(__name__)
+_ratelog = RateLimitedLog(log)
+
+SHARDS_ANNOTATION: Final = "gpuwarden.io/shards"
+
+
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    record: LeaseRecord | None  # None: the Lease is gone
+    shards: int  # the count it was held under
+    changed_at: float  # monotonic time we saw the record change (or the Lease vanish)
+    duration: float  # the holder's term from then
+
+
+class ShardFence:
+    """Whether this shard's leader may write now (``clear``); ``run`` is the checking loop."""
+
+    def __init__(
+        self,
+        api: KubeApi,
+        leader: LeaderConfig,
+        *,
+        base: str,
+        shards: int,
+        clock: Clock,
+        on_change: Callable[[], None] | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        """``leader``: the shard's election settings (its namespace and timings); ``base``: the
+        Lease name without the shard suffix; ``on_change``: called when ``clear`` flips at a
+        check (the actuator's resync on gaining the right to write)."""
+        self._api = api
+        self._namespace = leader.namespace
+        self._retry_s = leader.retry_period_seconds
+        self._valid_s = leader.renew_deadline_seconds
+        self._base = base
+        self._pattern = re.compile(re.escape(base) + r"-shard-(\d+)")
+        self.shards = shards
+        self._clock = clock
+        self._on_change = on_change
+        self._sleep = sleep
+        self._seen: dict[str, _Seen] = {}
+        self._open = False  # the last check found no other count live
+        self._confirmed_at = -math.inf  # monotonic start of that check
+        self.others: tuple[str, ...] = ()  # the Leases the last check held back for
+
+    # -- what the actuator reads ------------------------------------------------------------------
+
+    @property
+    def clear(self) -> bool:
+        """No other count of shards was live at a check within the renew deadline."""
+        return self._open and self._clock.monotonic() < self._confirmed_at + self._valid_s
+
+    def time_left(self) -> float:
+        """Seconds ``clear`` stays True without another check (0 when it is False)."""
+        if not self.clear:
+            return 0.0
+        return max(0.0, self._confirmed_at + self._valid_s - self._clock.monotonic())
+
+    # -- checking -----------------------------------------------------------------------------------
+
+    def count_of(self, lease: Lease) -> int | None:
+        """The count of shards ``lease`` is held under; None for a Lease not the aggregator's."""
+        if lease.name == self._base:
+            named = 1
+        elif (m := self._pattern.fullmatch(lease.name)) is not None:
+            index = int(m[1])
+            named = self.shards if index < self.shards else index + 1
+        else:
+            return None
+        stamp = lease.annotations.get(SHARDS_ANNOTATION, "")
+        return int(stamp) if stamp.isdecimal() and int(stamp) > 0 else named
+
+    async def check(self) -> bool:
+        """Read the Leases once; returns ``clear``. ``KubeError`` propagates (``clear`` then
+        lapses by the clock)."""
+        started = self._clock.monotonic()
+        leases = await self._api.list_leases(self._namespace)
+        present: set[str] = set()
+        for lease in leases:
+            count = self.count_of(lease)
+            if count is None:
+                continue
+            present.add(lease.name)
+            record = LeaseRecord.of(lease)
+            before = self._seen.get(lease.name)
+            changed_at = started if before is None or before.record != record else before.changed_at
+            duration = float(record.lease_duration_seconds or 0)
+            self._seen[lease.name] = _Seen(record, count, changed_at, duration)
+        for name, seen in list(self._seen.items()):
+            if name in present:
+                continue
+            if seen.record is not None:
+                # Deleted under its holder: its term runs from now, as the election counts it.
+                self._seen[name] = _Seen(None, seen.shards, started, seen.duration)
+            elif seen.changed_at + seen.duration <= started:
+                del self._seen[name]
+        others = tuple(
+            sorted(
+                name
+                for name, seen in self._seen.items()
+                if seen.shards != self.shards
+                and (seen.record is None or seen.record.holder is not None)
+                and seen.changed_at + seen.duration > started
+            )
+        )
+        was = self.clear
+        self._open = not others
+        self._confirmed_at = started if self._open else -math.inf
+        if others != self.others:
+            if others:
+                log.warning(
+                    "another count of shards is live: not writing to Nodes until it is gone",
+                    extra={"shards": self.shards, "leases": list(others)},
+                )
+            else:
+                log.info("no other count of shards is live", extra={"shards": self.shards})
+        self.others = others
+        if self.clear != was and self._on_change is not None:
+            self._on_change()
+        return self.clear
+
+    async def run(self) -> None:
+        """Check every retry period until cancelled."""
+        while True:
+            try:
+                await self.check()
+            except KubeError as exc:
+                _ratelog.warning(
+                    "shard_fence_check_failed",
+                    "cannot read the aggregator's Leases: not writing to Nodes once the last "
+                    "check is older than the renew deadline",
+                    extra={"error": str(exc), "status": exc.status},
+                )
+            await self._sleep(self._retry_s)

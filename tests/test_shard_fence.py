@@ -1,0 +1,141 @@
+"""The shard fence (aggregator/shard/fence.py): while replicas of another count of shards are live
+(a roll that changes N), a shard's leader does not write to Nodes. Through the real client,
+against the API-server double; time is a FakeClock advanced by hand."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from agent.clock import FakeClock
+from aggregator.config import LeaderConfig
+from aggregator.kube.client import KubeClient
+from aggregator.kube.leader import format_micro_time
+from aggregator.kube.objects import KubeNotFound, Lease
+from aggregator.shard.fence import SHARDS_ANNOTATION, ShardFence
+from tests.kube_double import KubeApiDouble
+
+NS = "gpuwarden"
+BASE = "gpuwarden-aggregator"
+LEADER = LeaderConfig(namespace=NS, lease_name=f"{BASE}-shard-0")  # 15 s lease, 10 s deadline, 2 s retry
+
+
+class World:
+    def __init__(self, double: KubeApiDouble, client: KubeClient) -> None:
+        self.double = double
+        self.client = client
+        self.clock = FakeClock()
+        self.changes = 0
+
+    def fence(self, shards: int) -> ShardFence:
+        def changed() -> None:
+            self.changes += 1
+
+        return ShardFence(self.client, LEADER, base=BASE, shards=shards, clock=self.clock, on_change=changed)
+
+    async def hold(self, name: str, holder: str | None, *, shards: int | None = None) -> None:
+        """``holder`` writes (or renews) Lease ``name`` now, stamped with ``shards`` if given."""
+        now = format_micro_time(self.clock.time())
+        stamp = {SHARDS_ANNOTATION: str(shards)} if shards is not None else {}
+        try:
+            current = await self.client.get_lease(NS, name)
+        except KubeNotFound:
+            await self.client.create_lease(Lease(name, NS, "", holder, 15, now, now, 0, stamp))
+            return
+        await self.client.replace_lease(
+            Lease(name, NS, current.resource_version, holder, 15, now, now, current.transitions, stamp)
+        )
+
+
+@pytest.fixture
+async def world(tmp_path: Path) -> AsyncIterator[World]:
+    async with KubeApiDouble() as double:
+        client = await KubeClient.from_kubeconfig(double.write_kubeconfig(tmp_path / "kubeconfig"))
+        try:
+            yield World(double, client)
+        finally:
+            await client.close()
+
+
+async def test_a_new_count_holds_back_while_the_old_renews_and_acts_once_it_released(world: World) -> None:
+    # Rolling from 2 shards to 3: shard 1 of the old count still leads (stamped 2), and renews.
+    await world.hold(f"{BASE}-shard-1", "old-b-1", shards=2)
+    await world.hold(f"{BASE}-shard-0", "new-a-0", shards=3)
+    fence = world.fence(3)
+    assert not fence.clear  # nothing is known before the first check
+    assert not await fence.check()
+    assert fence.others == (f"{BASE}-shard-1",)
+    for _ in range(10):  # a minute of renewals by the old leader
+        world.clock.advance(6.0)
+        await world.hold(f"{BASE}-shard-1", "old-b-1", shards=2)
+        assert not await fence.check()
+    # The old replica stops cleanly: it releases its Lease (no holder); the new count acts.
+    await world.hold(f"{BASE}-shard-1", None, shards=2)
+    assert await fence.check()
+    assert fence.others == () and world.changes == 1
+    assert 0.0 < fence.time_left() <= LEADER.renew_deadline_seconds
+
+
+async def test_the_old_count_holds_back_once_it_sees_the_new(world: World) -> None:
+    await world.hold(f"{BASE}-shard-0", "old-a-0", shards=2)
+    old = world.fence(2)
+    assert await old.check()
+    await world.hold(f"{BASE}-shard-2", "new-a-2", shards=3)  # a Lease no count of 2 has
+    world.clock.advance(LEADER.retry_period_seconds)
+    assert not await old.check()
+    assert old.others == (f"{BASE}-shard-2",) and world.changes == 2
+
+
+async def test_an_unsharded_aggregator_still_leading_fences_the_shards(world: World) -> None:
+    # Going from one aggregator to shards: the unsharded one leads on the base Lease, unstamped.
+    await world.hold(BASE, "gpuwarden-aggregator-0")
+    fence = world.fence(4)
+    assert not await fence.check()
+    assert fence.others == (BASE,)
+
+
+async def test_a_dead_holders_lease_fences_for_a_lease_duration_from_first_sight(world: World) -> None:
+    # Its renewTime says nothing (another clock): the term runs from when this replica saw it.
+    await world.hold(f"{BASE}-shard-5", "old-f-5", shards=6)
+    fence = world.fence(3)
+    assert not await fence.check()
+    world.clock.advance(14.0)
+    assert not await fence.check()
+    world.clock.advance(2.0)
+    assert await fence.check()
+
+
+async def test_a_lease_deleted_under_its_holder_fences_for_a_lease_duration(world: World) -> None:
+    await world.hold(f"{BASE}-shard-4", "old-e-4", shards=5)
+    fence = world.fence(3)
+    assert not await fence.check()
+    world.clock.advance(10.0)
+    world.double.delete_lease(NS, f"{BASE}-shard-4")
+    assert not await fence.check()  # its holder may still act: the deletion is a change seen now
+    world.clock.advance(14.0)
+    assert not await fence.check()
+    world.clock.advance(2.0)
+    assert await fence.check()
+
+
+async def test_the_same_count_and_other_leases_do_not_fence(world: World) -> None:
+    await world.hold(f"{BASE}-shard-0", "a-0", shards=3)
+    await world.hold(f"{BASE}-shard-2", "a-2", shards=3)
+    await world.hold(f"{BASE}-shard-1", "a-1")  # unstamped (an older replica): a count above 1
+    await world.hold(f"{BASE}-canary", "someone-else")
+    await world.hold("kube-scheduler", "master-1")
+    fence = world.fence(3)
+    assert await fence.check()
+    assert fence.count_of(Lease(f"{BASE}-shard-7", NS, "1", "x", 15, None, None)) == 8
+
+
+async def test_a_fence_that_cannot_read_the_leases_closes_at_the_renew_deadline(world: World) -> None:
+    fence = world.fence(2)
+    assert await fence.check()
+    world.double.fail_next("GET", rf"/namespaces/{NS}/leases$", 403, count=100)
+    world.clock.advance(LEADER.renew_deadline_seconds - 0.5)
+    assert fence.clear  # the last good check is recent enough
+    world.clock.advance(1.0)
+    assert not fence.clear and fence.time_left() == 0.0
