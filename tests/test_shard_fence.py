@@ -4,7 +4,9 @@ against the API-server double; time is a FakeClock advanced by hand."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -139,3 +141,66 @@ async def test_a_fence_that_cannot_read_the_leases_closes_at_the_renew_deadline(
     assert fence.clear  # the last good check is recent enough
     world.clock.advance(1.0)
     assert not fence.clear and fence.time_left() == 0.0
+
+
+async def test_only_a_check_made_after_the_lease_was_taken_lets_the_leader_write(world: World) -> None:
+    # A standby's fence checks too. Its last check may have seen the other count's Leases
+    # released just before one of that count's replicas took one: once this replica takes its
+    # own Lease, that check says nothing, and neither does one still under way.
+    fence = world.fence(3)
+    assert await fence.check()
+    fence.elected()
+    assert not fence.clear
+    inner = world.client
+
+    class TakenMeanwhile:
+        async def list_leases(self, namespace: str) -> list[Lease]:
+            leases = await inner.list_leases(namespace)
+            fence.elected()  # the Lease is taken while this check's answer is on its way
+            return leases
+
+    fence._api = TakenMeanwhile()  # type: ignore[assignment]  # the one call the check makes
+    assert not await fence.check()
+    fence._api = inner
+    assert await fence.check()
+
+
+async def test_a_fence_that_lapsed_says_so_and_says_so_again_when_it_clears(
+    tmp_path: Path, world: World
+) -> None:
+    # The actuator resyncs every node when writing becomes allowed again; it must hear of the
+    # lapse too, or it would not see the return as a change.
+    leader = LeaderConfig(
+        namespace=NS,
+        lease_name=f"{BASE}-shard-0",
+        lease_duration_seconds=3.0,
+        renew_deadline_seconds=2.0,
+        retry_period_seconds=0.05,
+    )
+    seen: list[bool] = []
+    fence = ShardFence(
+        world.client,
+        leader,
+        base=BASE,
+        shards=2,
+        clock=world.clock,
+        on_change=lambda: seen.append(fence.clear),
+    )
+    task = asyncio.create_task(fence.run())
+    try:
+        await until(lambda: seen == [True])
+        world.double.fail_next("GET", rf"/namespaces/{NS}/leases$", 403, count=5)
+        world.clock.advance(2.5)  # past the renew deadline with every check failing
+        await until(lambda: seen == [True, False])
+        await until(lambda: seen == [True, False, True])  # the failures used up: a check clears it
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)

@@ -118,7 +118,7 @@ class Remediation:
             config.leader,
             identity=identity,
             clock=clock,
-            on_started=self._leadership_changed,
+            on_started=self._elected,
             on_stopped=self._leadership_changed,
             stamp={SHARDS_ANNOTATION: str(shards)} if shards > 1 else None,
         )
@@ -131,7 +131,6 @@ class Remediation:
                 shards=shards,
                 clock=clock,
                 on_change=self._leadership_changed,
-                sleep=sleep,
             )
         # State first, decisions second: until the cluster view is rebuilt (``_rebuild``), no
         # limit is judged and nothing is written to a Node.
@@ -204,6 +203,11 @@ class Remediation:
     def _time_left(self) -> float:
         left = self.elector.time_left()
         return left if self.fence is None else min(left, self.fence.time_left())
+
+    def _elected(self) -> None:
+        if self.fence is not None:
+            self.fence.elected()  # only a check from now on may let it write
+        self._leadership_changed()
 
     def _leadership_changed(self) -> None:
         leading = self.acting

@@ -17,9 +17,11 @@ as a count above i, so as ours unless i is past our shards. Terms are judged as 
 judges them (``aggregator.kube.leader``): by our own clock, from when we saw the record change,
 for its ``leaseDurationSeconds``; a Lease that vanished counts as changed when we saw it gone.
 
-Both sides of a roll hold back while both are live: a new leader reads the Leases before its
-first write and sees the old count's (held, renewed); an old leader sees the new count's at its
-next check, a retry period later, and the new one has not written meanwhile. Once the old
+Both sides of a roll hold back while both are live: a leader writes only after a check that
+started once it had taken its Lease (``elected``: a standby's earlier check may have seen the
+other count's Leases released just before one of its replicas took one), and that check sees
+the other count's Leases held; an old leader sees the new count's at its next check, a retry
+period later, and the new one has not written meanwhile. Once the old
 replicas are gone (their Leases released, or not renewed for a lease duration) the new ones act,
 and their first act is the resync every gain of leadership does. Decisions made meanwhile are in
 the decision log and are written then. A check that fails (the API unreachable, RBAC without
@@ -32,10 +34,11 @@ With one shard (the default) there is no fence: nothing is built and nothing is 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -72,7 +75,6 @@ class ShardFence:
         shards: int,
         clock: Clock,
         on_change: Callable[[], None] | None = None,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         """``leader``: the shard's election settings (its namespace and timings); ``base``: the
         Lease name without the shard suffix; ``on_change``: called when ``clear`` flips at a
@@ -86,11 +88,14 @@ class ShardFence:
         self.shards = shards
         self._clock = clock
         self._on_change = on_change
-        self._sleep = sleep
         self._seen: dict[str, _Seen] = {}
         self._open = False  # the last check found no other count live
         self._confirmed_at = -math.inf  # monotonic start of that check
         self.others: tuple[str, ...] = ()  # the Leases the last check held back for
+        # Bumped by ``elected``: a check that started before it says nothing about the time after.
+        self._epoch = 0
+        self._reported = False  # what ``on_change`` was last told ``clear`` is
+        self._wake = asyncio.Event()
 
     # -- what the actuator reads ------------------------------------------------------------------
 
@@ -119,10 +124,20 @@ class ShardFence:
         stamp = lease.annotations.get(SHARDS_ANNOTATION, "")
         return int(stamp) if stamp.isdecimal() and int(stamp) > 0 else named
 
+    def elected(self) -> None:
+        """This replica has just taken its shard's Lease: only a check that starts now may clear
+        it to write. One made before (a standby checks too) may have seen the other count's
+        Leases released just before one of its replicas took one, which this replica's
+        acquisition does not change; the loop checks again at once."""
+        self._epoch += 1
+        self._open, self._confirmed_at = False, -math.inf
+        self._wake.set()
+
     async def check(self) -> bool:
         """Read the Leases once; returns ``clear``. ``KubeError`` propagates (``clear`` then
         lapses by the clock)."""
         started = self._clock.monotonic()
+        epoch = self._epoch
         leases = await self._api.list_leases(self._namespace)
         present: set[str] = set()
         for lease in leases:
@@ -152,7 +167,8 @@ class ShardFence:
                 and seen.changed_at + seen.duration > started
             )
         )
-        was = self.clear
+        if epoch != self._epoch:
+            return self.clear  # the Lease was taken meanwhile: this check is from before it
         self._open = not others
         self._confirmed_at = started if self._open else -math.inf
         if others != self.others:
@@ -164,13 +180,22 @@ class ShardFence:
             else:
                 log.info("no other count of shards is live", extra={"shards": self.shards})
         self.others = others
-        if self.clear != was and self._on_change is not None:
-            self._on_change()
+        self._report()
         return self.clear
 
+    def _report(self) -> None:
+        """Tell ``on_change`` when ``clear`` differs from what it was last told: at a check, and
+        when it lapsed by the clock (the actuator resyncs when it turns True again)."""
+        clear = self.clear
+        if clear != self._reported:
+            self._reported = clear
+            if self._on_change is not None:
+                self._on_change()
+
     async def run(self) -> None:
-        """Check every retry period until cancelled."""
+        """Check every retry period (at once after ``elected``) until cancelled."""
         while True:
+            self._wake.clear()
             try:
                 await self.check()
             except KubeError as exc:
@@ -180,4 +205,12 @@ class ShardFence:
                     "check is older than the renew deadline",
                     extra={"error": str(exc), "status": exc.status},
                 )
-            await self._sleep(self._retry_s)
+            except Exception:
+                # A fence whose loop ended would hold this shard's writes for good, silently.
+                _ratelog.warning(
+                    "shard_fence_check_crashed", "the shard fence's check failed; retrying", exc_info=True
+                )
+            self._report()
+            if not self._wake.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self._retry_s)
