@@ -146,11 +146,14 @@ class Remediation:
             metrics=ActuatorMetrics(registry),
             ready=self._ready.wait,
         )
+        # Labelled with the Lease, so that the alerts count leaders per Lease: sharded, each shard
+        # has its own (and its own leader), and one sum over a job would be N.
         self._leader_gauge = Gauge(
             "gpuwarden_remediation_leader",
             "1 on the replica that holds the Lease and writes to nodes",
+            ["lease"],
             registry=registry,
-        )
+        ).labels(config.leader.lease_name)
         self._breaker_gauge = Gauge(
             "gpuwarden_remediation_breaker_open",
             "1 while the safety breaker is open: new quarantines are held until a human resets it",
