@@ -252,6 +252,7 @@ async def build_aggregator(
         config = _sharded(config, shards)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = Metrics(registry)
+    metrics.shard(shards.index if shards is not None else 0, shards.shards if shards is not None else 1)
     authenticator = _authenticator(auth, config, clock, metrics)
     decision_log = DecisionLog(decisions)
     audit_log = AuditLog(audit)

@@ -365,6 +365,16 @@ class Metrics:
         self._node_states = _NodeStates(source)
         self.registry.register(self._node_states)
 
+    def shard(self, index: int, shards: int) -> None:
+        """Export ``gpuwarden_shard_info{shard, shards}`` (1): which shard this replica is, "0" of
+        "1" unsharded. The recording rules count each shard's nodes once and sum the shards by it."""
+        Gauge(
+            "gpuwarden_shard_info",
+            "1, labelled with this replica's shard and the number of shards",
+            ["shard", "shards"],
+            registry=self.registry,
+        ).labels(str(index), str(shards)).set(1)
+
     def watch_detectors(self, source: Callable[[], Iterable[DetectorStats]]) -> None:
         """Export ``gpuwarden_detector_{runs,duration_seconds,errors}_total{detector}`` from
         ``source`` (the pipeline's ``detector_stats``) at every scrape."""

@@ -31,7 +31,7 @@ from typing import Final
 import msgspec
 from aiohttp import web
 from msgspec import UNSET
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 from prometheus_client.registry import CollectorRegistry
 
 from agent.report import Report
@@ -73,13 +73,6 @@ class ShardRouter:
             ["shard"],
             registry=registry,
         )
-        info = Gauge(
-            "gpuwarden_shard_info",
-            "1, labelled with this replica's shard and the number of shards",
-            ["shard", "shards"],
-            registry=registry,
-        )
-        info.labels(str(shards.index), str(shards.shards)).set(1)
 
     def pool(self, report: Report) -> str:
         """``placement_of(report, labels).pool``, with the GPU-model pool remembered by the
