@@ -149,6 +149,7 @@ async def test_only_a_check_made_after_the_lease_was_taken_lets_the_leader_write
     # own Lease, that check says nothing, and neither does one still under way.
     fence = world.fence(3)
     assert await fence.check()
+    assert world.changes == 1
     fence.elected()
     assert not fence.clear
     inner = world.client
@@ -163,6 +164,7 @@ async def test_only_a_check_made_after_the_lease_was_taken_lets_the_leader_write
     assert not await fence.check()
     fence._api = inner
     assert await fence.check()
+    assert world.changes == 2  # told again: the actuator resyncs when its leader may write
 
 
 async def test_a_fence_that_lapsed_says_so_and_says_so_again_when_it_clears(

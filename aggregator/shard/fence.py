@@ -131,6 +131,10 @@ class ShardFence:
         acquisition does not change; the loop checks again at once."""
         self._epoch += 1
         self._open, self._confirmed_at = False, -math.inf
+        # The caller tells the actuator now (not writing); the check that clears it tells it
+        # again, which is its gain of the right to write (a resync), even if a standby's check
+        # had cleared it before.
+        self._reported = False
         self._wake.set()
 
     async def check(self) -> bool:
