@@ -121,6 +121,23 @@ def _port(expr: str) -> str:
     return f'label_replace({joined}, "nic", "$1", "nic", "(.*)/")'
 
 
+# Carries a replica's shard label over to a per-replica series (``_fleet``).
+_SHARD_OF = "* on (job, instance) group_left (shard) instance_shard:gpuwarden_aggregator_nodes:sum ^ 0"
+
+
+def _fleet(per_replica: str, by: str = "", *, within: str = "max", across: str = "sum") -> str:
+    """The fleet's figure from ``per_replica`` (one series per aggregator replica and ``by``).
+
+    Every replica of a shard receives its shard's whole share of the fleet, so a shard's figure
+    is one replica's (``within``: the busiest, or the best-informed) and the fleet's is
+    ``across`` the shards (unsharded: the one shard). A replica's shard comes from the recorded
+    ``instance_shard:gpuwarden_aggregator_nodes:sum`` (its ``gpuwarden_shard_info``, "0" without
+    one), as the recording rules take it; ``x ^ 0`` is 1 with x's labels."""
+    keep = f", {by}" if by else ""
+    outer = f"{across} by ({by})" if by else across
+    return f"{outer} ({within} by (shard{keep}) ({per_replica} {_SHARD_OF}))"
+
+
 def _target(expr: str, legend: str = "", *, instant: bool = False, fmt: str = "time_series") -> Json:
     return {
         "datasource": _DS,
@@ -347,9 +364,10 @@ def fleet_overview() -> Json:
         _row("Nodes"),
         _stat(
             "Nodes by state",
-            [_target("max by (state) (gpuwarden_aggregator_nodes)", "{{state}}", instant=True)],
-            description="Nodes by health state. Every aggregator replica knows every node: this is "
-            "the replica counting the most, not a sum over them.",
+            [_target("sum by (state) (job_state:gpuwarden_aggregator_nodes:sum)", "{{state}}", instant=True)],
+            description="Nodes by health state. Every aggregator replica of a shard knows every "
+            "node of the shard: each shard is counted once, from its replica that knows the most, "
+            "and the shards are summed (rules/prometheus/gpuwarden-recording.yml).",
             w=8,
         ),
         _stat(
@@ -367,7 +385,7 @@ def fleet_overview() -> Json:
         ),
         _timeseries(
             "Nodes by state",
-            [_target("max by (state) (gpuwarden_aggregator_nodes)", "{{state}}")],
+            [_target("sum by (state) (job_state:gpuwarden_aggregator_nodes:sum)", "{{state}}")],
             stack=True,
             minimum=0,
         ),
@@ -394,17 +412,32 @@ def fleet_overview() -> Json:
         _timeseries(
             "Reports per second",
             [
-                _target(f"max(rate(gpuwarden_aggregator_reports_accepted_total[{_RI}]))", "accepted"),
-                _target(f"max(rate(gpuwarden_aggregator_reports_duplicate_total[{_RI}]))", "duplicate"),
                 _target(
-                    f"max by (reason) (rate(gpuwarden_aggregator_reports_rejected_total[{_RI}]))",
+                    _fleet(
+                        f"sum by (job, instance) (rate(gpuwarden_aggregator_reports_accepted_total[{_RI}]))"
+                    ),
+                    "accepted",
+                ),
+                _target(
+                    _fleet(
+                        f"sum by (job, instance) (rate(gpuwarden_aggregator_reports_duplicate_total[{_RI}]))"
+                    ),
+                    "duplicate",
+                ),
+                _target(
+                    _fleet(
+                        "sum by (job, instance, reason) "
+                        f"(rate(gpuwarden_aggregator_reports_rejected_total[{_RI}]))",
+                        "reason",
+                    ),
                     "rejected: {{reason}}",
                 ),
             ],
             unit="reqps",
             description="Reports the aggregator answered: accepted, duplicates (a retry of a report "
             "already processed) and rejections by reason code (see aggregator/service.py). Every "
-            "replica receives every report: the busiest replica's rates, not their sum.",
+            "replica of a shard receives every report of the shard: each shard's busiest replica, "
+            "summed over the shards.",
             minimum=0,
         ),
         _timeseries(
@@ -522,13 +555,20 @@ def _remediation_panels() -> list[Json]:
         ),
         _stat(
             "Breaker open",
-            [_target("max(gpuwarden_remediation_breaker_open)", "open", instant=True)],
+            [
+                _target(
+                    f"max by (shard) (gpuwarden_remediation_breaker_open {_SHARD_OF})",
+                    "shard {{shard}}",
+                    instant=True,
+                )
+            ],
             description="1 while the safety breaker is open: new quarantines are held, not tainted, "
-            "until a human runs `gpuwarden breaker reset` (runbook GpuwardenBreakerOpen).",
+            "until a human runs `gpuwarden breaker reset` (runbook GpuwardenBreakerOpen). One value "
+            "per shard (0 unsharded): each shard has its own breaker.",
         ),
         _stat(
             "Held nodes",
-            [_target("max(gpuwarden_remediation_held_nodes)", "held", instant=True)],
+            [_target(_fleet("gpuwarden_remediation_held_nodes"), "held", instant=True)],
             description="Quarantined nodes whose taint a safety limit held. Which ones and why: "
             "`GET /api/v1/remediation`.",
         ),
@@ -536,14 +576,15 @@ def _remediation_panels() -> list[Json]:
             "Since the last full resync",
             [
                 _target(
-                    "time() - max(gpuwarden_remediation_last_resync_timestamp_seconds)",
+                    "time() - " + _fleet("gpuwarden_remediation_last_resync_timestamp_seconds", across="min"),
                     "age",
                     instant=True,
                 )
             ],
             unit="s",
             description="The leader compares every node with its decided state every "
-            "remediation.resync_seconds (300 s by default) and when it takes the Lease.",
+            "remediation.resync_seconds (300 s by default) and when it takes the Lease. Sharded, "
+            "the shard whose leader did so longest ago.",
         ),
         _timeseries(
             "Writes to Kubernetes per second",
@@ -596,8 +637,8 @@ def _remediation_panels() -> list[Json]:
 
 
 def _probe_panels() -> list[Json]:
-    """Active probes (aggregator/probes/). Every replica sees every result in the reports; the best
-    informed one (most covered, least overdue) stands for the fleet."""
+    """Active probes (aggregator/probes/). Every replica of a shard sees every result of its shard
+    in the reports; the best informed one (most covered, least overdue) stands for the shard."""
     return [
         _row("Probes"),
         _timeseries(
@@ -613,22 +654,32 @@ def _probe_panels() -> list[Json]:
         _timeseries(
             "Nodes overdue, and the longest untested",
             [
-                _target("min(gpuwarden_probe_nodes_overdue)", "nodes overdue"),
+                _target(_fleet("gpuwarden_probe_nodes_overdue", within="min"), "nodes overdue"),
                 _target(
-                    'min by (quantile) (gpuwarden_probe_node_untested_seconds{quantile=~"1|0.99"})',
+                    _fleet(
+                        'gpuwarden_probe_node_untested_seconds{quantile=~"1|0.99"}',
+                        "quantile",
+                        within="min",
+                        across="max",
+                    ),
                     "untested, q{{quantile}} (s)",
                 ),
                 _target("max(gpuwarden_probe_coverage_bound_seconds)", "coverage bound (s)"),
             ],
             description="Nodes not tested ok within the coverage bound, and the seconds since the "
-            "longest-untested node (q1) and the 99th percentile were last tested ok.",
+            "longest-untested node (q1) and the 99th percentile were last tested ok. Each shard's "
+            "best-informed replica; the overdue nodes summed over shards, the ages the worst "
+            "shard's.",
             minimum=0,
         ),
         _timeseries(
             "Probe results per second",
             [
                 _target(
-                    f"max by (kind, ok) (rate(gpuwarden_probe_results_total[{_RI}]))",
+                    _fleet(
+                        f"sum by (job, instance, kind, ok) (rate(gpuwarden_probe_results_total[{_RI}]))",
+                        "kind, ok",
+                    ),
                     "{{kind}} ok={{ok}}",
                 )
             ],
@@ -640,10 +691,14 @@ def _probe_panels() -> list[Json]:
             "Probes planned and in flight",
             [
                 _target(
-                    f"max by (kind, reason) (rate(gpuwarden_probe_assignments_total[{_RI}]))",
+                    _fleet(
+                        "sum by (job, instance, kind, reason) "
+                        f"(rate(gpuwarden_probe_assignments_total[{_RI}]))",
+                        "kind, reason",
+                    ),
                     "{{kind}} {{reason}}/s",
                 ),
-                _target("max(gpuwarden_probe_in_flight)", "in flight"),
+                _target(_fleet("gpuwarden_probe_in_flight"), "in flight"),
             ],
             description="Probes planned by the leader's scheduler (rotation, confirm re-probes, "
             "preflight, local), and those started and not yet over (capped by probes.max_concurrent).",

@@ -554,3 +554,87 @@ def test_nic_legends_name_a_netdev_without_a_trailing_slash(tmp_path: Path) -> N
         [_promtool(), "test", "rules", str(path)], capture_output=True, text=True, check=False
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# --- sharded: the fleet panels count each shard once ------------------------------------------------
+
+# Two shards under one job, each a pair of replicas that knows only its own pools; shard 1's .2.6
+# started late (fewer nodes, fewer reports, every probe overdue to it). Per replica, at minute 10.
+_SHARDS = {"10.0.1.5": "0", "10.0.1.6": "0", "10.0.2.5": "1", "10.0.2.6": "1"}
+_SHARDED_SERIES = {
+    "gpuwarden_aggregator_nodes": {
+        '{state="healthy"}': {"10.0.1.5": "54", "10.0.1.6": "54", "10.0.2.5": "38", "10.0.2.6": "20"},
+        '{state="quarantined"}': {"10.0.1.5": "6", "10.0.1.6": "6", "10.0.2.5": "2", "10.0.2.6": "0"},
+    },
+    "gpuwarden_aggregator_reports_accepted_total": {  # per minute: 3/s, 3/s, 2/s, 0.5/s
+        "": {"10.0.1.5": "0+180", "10.0.1.6": "0+180", "10.0.2.5": "0+120", "10.0.2.6": "0+30"},
+    },
+    "gpuwarden_remediation_breaker_open": {
+        "": {"10.0.1.5": "0", "10.0.1.6": "0", "10.0.2.5": "1", "10.0.2.6": "1"}
+    },
+    "gpuwarden_remediation_held_nodes": {
+        "": {"10.0.1.5": "3", "10.0.1.6": "3", "10.0.2.5": "2", "10.0.2.6": "0"}
+    },
+    "gpuwarden_probe_nodes_overdue": {
+        "": {"10.0.1.5": "0", "10.0.1.6": "0", "10.0.2.5": "5", "10.0.2.6": "40"}
+    },
+}
+# (panel title, legend) -> the fleet's figure: each shard once, from the replica that stands for it.
+_SHARDED_EXPECTED = {
+    ("Nodes by state", "{{state}}"): {'{state="healthy"}': 92.0, '{state="quarantined"}': 8.0},
+    ("Reports per second", "accepted"): {"{}": 5.0},
+    ("Held nodes", "held"): {"{}": 5.0},
+    ("Breaker open", "shard {{shard}}"): {'{shard="0"}': 0.0, '{shard="1"}': 1.0},
+    ("Nodes overdue, and the longest untested", "nodes overdue"): {"{}": 5.0},
+}
+
+
+def _with(labels: str, extra: str) -> str:
+    inner = ", ".join(part for part in (extra, labels.strip("{}")) if part)
+    return "{" + inner + "}"
+
+
+def test_fleet_panels_count_each_shard_once_and_sum_the_shards(tmp_path: Path) -> None:
+    """The fleet dashboard against two shards in a real PromQL engine (promtool's, with the
+    recording rules loaded): every replica of a shard knows only the shard's nodes, so the fleet
+    is the sum over shards, each counted once. Taking the max over every replica (as before
+    sharding) shows the largest shard's share."""
+    promtool = _promtool()
+    series = []
+    for instance, shard in _SHARDS.items():
+        target = f'job="gpuwarden-aggregator", instance="{instance}:8080"'
+        series.append(
+            {"series": f'gpuwarden_shard_info{{{target}, shard="{shard}", shards="2"}}', "values": "1x10"}
+        )
+        for name, by_labels in _SHARDED_SERIES.items():
+            for labels, values in by_labels.items():
+                series.append(
+                    {"series": f"{name}{_with(labels, target)}", "values": f"{values[instance]}x10"}
+                )
+    queries = {
+        (title, str(target["legendFormat"])): str(target["expr"])
+        for panel in generate._panels(generate.fleet_overview()["panels"])
+        for title in [str(panel.get("title", ""))]
+        for target in panel.get("targets", ())
+        if "expr" in target
+    }
+    tests = []
+    for key, samples in _SHARDED_EXPECTED.items():
+        assert key in queries, f"no fleet panel {key}"
+        expr = generate.expand(queries[key], VALUES)
+        tests.append(
+            {
+                "expr": expr,
+                "eval_time": "10m",
+                "exp_samples": [{"labels": labels, "value": value} for labels, value in samples.items()],
+            }
+        )
+    spec = {
+        "rule_files": [str(path) for path in RECORDING_FILES],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": tests}],
+    }
+    path = tmp_path / "sharded.test.yml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
+    done = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
