@@ -92,7 +92,10 @@ A busy control plane (all off by default):
   request arrives and only the answer waits, as when a large LIST is served and then serialized and
   sent: a LIST shows the cluster as of its start (its resourceVersion too, so a watch from it sees
   what changed meanwhile), and a write is applied even if the client stops waiting.
-  A watch's latency delays the start of its stream.
+  With ``queued=True`` the request waits *before* its work instead, as one queued by API
+  Priority and Fairness or held in admission does: a write lands only when its answer is sent,
+  and still lands if the client stopped waiting meanwhile (the server does not undo a request
+  whose connection closed). A watch's latency delays the start of its stream.
 * ``throttle(share=, burst=, retry_after=)``: 429 TooManyRequests with ``Retry-After`` and
   ``details.retryAfterSeconds``, "Too many requests, please try again later.", as API Priority
   and Fairness rejects a request its queues cannot hold (apiserver/pkg/server/filters/
@@ -288,6 +291,7 @@ class _Latency:
     path: re.Pattern[str]
     low: float
     high: float
+    queued: bool  # the wait comes before the work (else after it: answered late)
 
 
 @dataclass
@@ -783,14 +787,17 @@ class KubeApiDouble:
         the old one stays valid until it expires)."""
         self._also_accepted.add(token)
 
-    def set_latency(self, verb: str, seconds: float | tuple[float, float], *, path_regex: str = "") -> None:
+    def set_latency(
+        self, verb: str, seconds: float | tuple[float, float], *, path_regex: str = "", queued: bool = False
+    ) -> None:
         """Answer requests of ``verb`` (matching ``path_regex`` by ``re.search``) after ``seconds``,
-        or after a time drawn uniformly from the range ``(low, high)``; 0 turns it off."""
+        or after a time drawn uniformly from the range ``(low, high)``; 0 turns it off.
+        ``queued``: do the work only then (a request queued before it is served), not at once."""
         low, high = (seconds, seconds) if isinstance(seconds, int | float) else seconds
         path = re.compile(path_regex)
         self._latencies = [x for x in self._latencies if (x.verb, x.path.pattern) != (verb, path.pattern)]
         if high > 0:
-            self._latencies.append(_Latency(verb, path, float(low), float(high)))
+            self._latencies.append(_Latency(verb, path, float(low), float(high), queued))
 
     def throttle(
         self,
@@ -885,14 +892,14 @@ class KubeApiDouble:
                     details={"retryAfterSeconds": throttle.retry_after},
                     retry_after=throttle.retry_after,
                 )
-        delay = 0.0
+        delay, queued = 0.0, False
         for latency in self._latencies:
             if latency.verb == verb and latency.path.search(request.path):
-                delay = self._rng.uniform(latency.low, latency.high)
+                delay, queued = self._rng.uniform(latency.low, latency.high), latency.queued
         if delay <= 0:
             return await handler(request)
-        if verb == "watch":
-            await asyncio.sleep(delay)  # the stream starts late
+        if verb == "watch" or queued:
+            await asyncio.sleep(delay)  # the stream starts late; a queued request is served late
             return await handler(request)
         response = await handler(request)  # done now, answered late
         await asyncio.sleep(delay)

@@ -1399,3 +1399,46 @@ async def test_a_write_is_abandoned_when_leadership_may_end_before_its_answer(wo
         await act.reconcile("n1")
     assert loop.time() - started < 1.5
     assert condition(api, "n1") is None and events(api, "n1") == []  # nothing after it was sent
+
+
+# -- shutdown --------------------------------------------------------------------------------------
+
+
+async def test_drain_waits_for_the_writes_under_way_and_starts_no_more(world: World) -> None:
+    api = world.api
+    api.add_node("n1")
+    api.add_node("n2")
+    act = world.actuator()
+    world.intents.by_node["n1"] = intent("n1", since=T0 - 30)
+    api.set_latency("patch", 0.5, path_regex="/nodes/n1$", queued=True)
+    async with world.running(act):
+        act.submit("n1")
+        await until(
+            lambda: ("PATCH", "/api/v1/nodes/n1") in {(m, p) for m, p, _ in api.requests}, "n1's PATCH"
+        )
+        assert not ours(api, "n1")  # queued in the API server
+
+        assert await act.drain(5.0)
+        assert ours(api, "n1")  # answered, so applied, before drain returned
+
+        world.intents.by_node["n2"] = intent("n2", since=T0)
+        act.submit("n2")  # a decision after the drain began: left to the next leader's resync
+        await asyncio.sleep(0.2)
+        assert not ours(api, "n2")
+        assert not any(p == "/api/v1/nodes/n2" and m == "PATCH" for m, p, _ in api.requests)
+
+
+async def test_drain_gives_up_after_its_timeout_on_a_write_that_is_not_answered(world: World) -> None:
+    api = world.api
+    api.add_node("n1")
+    act = world.actuator()
+    world.intents.by_node["n1"] = intent("n1", since=T0 - 30)
+    api.set_latency("patch", 30.0, path_regex="/nodes/n1$", queued=True)
+    async with world.running(act):
+        act.submit("n1")
+        await until(
+            lambda: ("PATCH", "/api/v1/nodes/n1") in {(m, p) for m, p, _ in api.requests}, "n1's PATCH"
+        )
+        started = asyncio.get_running_loop().time()
+        assert not await act.drain(0.3)
+        assert asyncio.get_running_loop().time() - started < 5.0

@@ -672,6 +672,43 @@ async def test_a_leader_crash_loses_nothing(tmp_path: Path) -> None:
             assert len(node_events(double, first, "GpuwardenQuarantined")) == 1
 
 
+async def test_a_clean_shutdown_releases_the_lease_only_once_its_writes_are_answered(tmp_path: Path) -> None:
+    # The leader's taint PATCH waits a second in the API server's queue (as one APF queued would)
+    # and is applied only then, answer or not. The leader is told to stop meanwhile: were the Lease
+    # released at once, the follower could take over, read the node untainted and act on it
+    # before our write landed. Every Lease write records whether the taint was on by then.
+    clock = SteppedClock()
+    async with cluster(tmp_path) as (double, fleet):
+        fleet.clock = clock
+        (node,) = fleet.add(1, reporting=1)
+        async with replicas(double, tmp_path, config(), clock=clock) as both:
+            leader, _ = await leader_of(both, clock=clock)
+            await fleet.send(node, both)
+            seen: list[tuple[str | None, bool]] = []
+            store = double._store_lease
+
+            def recording(body: dict[str, Any]) -> dict[str, Any]:
+                stored = store(body)
+                seen.append((stored["spec"].get("holderIdentity"), bool(ours(double, node))))
+                return stored
+
+            double._store_lease = recording  # type: ignore[method-assign]
+            double.set_latency("patch", 1.0, path_regex=f"/nodes/{node}$", queued=True)
+            await fleet.fault(node, both)
+            await eventually(
+                lambda: ("PATCH", f"/api/v1/nodes/{node}") in {(m, p) for m, p, _ in double.requests},
+                "the taint's PATCH sent",
+                clock=clock,
+            )
+            assert not ours(double, node)  # still queued
+
+            await leader.shutdown()
+            after = [taint_on for holder, taint_on in seen if holder != leader.name]
+            assert after, "the Lease was never released"
+            assert after[0], "the Lease was released before the leader's taint landed"
+            assert len(ours(double, node)) == 1
+
+
 def resync_time(replica: Replica) -> float:
     value = replica.registry.get_sample_value("gpuwarden_remediation_last_resync_timestamp_seconds")
     return value or 0.0

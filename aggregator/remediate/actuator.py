@@ -222,6 +222,11 @@ class Actuator:
         self._from_cache: set[str] = set()  # queued by the resync or the watch alone
         self._synced = asyncio.Event()
         self._was_leader = False
+        # Shutting down (``drain``): workers start no reconcile; ``_idle`` is set while none runs.
+        self._draining = False
+        self._busy = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._dropped: set[str] = set()  # turned away by a full queue since the last resync
         self._backoff = ItemBackoff()  # per node, after failed reconciles
         self._later = DelayedAdds(clock, sleep, self.submit)  # retries and preflight deadlines
@@ -583,10 +588,40 @@ class Actuator:
             await self._ready()
         while True:
             node = await self._queue.get()
+            if self._draining:
+                self._queue.done(node)  # the next leader's resync compares every node anyway
+                continue
+            self._busy += 1
+            self._idle.clear()
             try:
                 await self._reconcile_guarded(node)
             finally:
                 self._queue.done(node)
+                self._busy -= 1
+                if self._busy == 0:
+                    self._idle.set()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Start no more reconciles and wait, up to ``timeout_s``, for those under way to finish:
+        every write they sent answered. True when none is left.
+
+        Called at shutdown before the elector releases the Lease: a write cancelled mid-request
+        may still be applied by the API server (a request queued by its priority and fairness
+        filter runs when its turn comes, connection or not), and once the Lease is released the
+        next leader may already have read the node and written its own. Waiting for the answers
+        while the Lease is still ours puts every write of ours before the release."""
+        self._draining = True
+        if self._idle.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            log.warning(
+                "shutting down with remediation writes unanswered",
+                extra={"in_flight": self._busy, "waited_s": timeout_s},
+            )
+            return False
+        return True
 
     async def _reconcile_guarded(self, node: str) -> None:
         started = self._clock.monotonic()

@@ -51,6 +51,10 @@ BREAKER_ANNOTATION: Final = "gpuwarden.io/breaker"
 REMEDIATION_PATH: Final = "/api/v1/remediation"
 BREAKER_RESET_PATH: Final = "/api/v1/breaker/reset"
 LEASE_POLL_S: Final = 0.05  # how often a starting replica looks whether the Lease has been read
+# At shutdown, how long the writes under way may take to be answered before the Lease is
+# released anyway. The pod's grace period (30 s in daemonset/base) holds the HTTP server's own
+# drain (10 s), this, and the release (within the renew deadline, 10 s by default).
+DRAIN_TIMEOUT_S: Final = 5.0
 
 
 class _ResetBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -373,6 +377,10 @@ class Remediation:
         try:
             yield
         finally:
+            # Our writes under way are answered while the Lease is still ours; only then does the
+            # elector release it (its cancellation), so no write of ours lands after the next
+            # leader took over.
+            await self.actuator.drain(DRAIN_TIMEOUT_S)
             for t in reversed(tasks):
                 t.cancel()
             for t in reversed(tasks):
