@@ -986,6 +986,7 @@ def test_the_lease_is_the_one_the_rbac_allows(name: str) -> None:
             (remediation.leader.lease_name,),
         ) in granted
     assert (remediation.leader.namespace, "coordination.k8s.io", "leases", "create", ()) in granted
+    assert (remediation.leader.namespace, "coordination.k8s.io", "leases", "list", ()) in granted
     assert (remediation.events_namespace, "", "events", "create", ()) in granted
 
 
@@ -1156,6 +1157,7 @@ AGGREGATOR_PERMISSIONS: set[Permission] = {
     ("cluster", "", "nodes/status", "patch", ()),
     ("default", "", "events", "create", ()),
     ("gpuwarden", "coordination.k8s.io", "leases", "create", ()),
+    ("gpuwarden", "coordination.k8s.io", "leases", "list", ()),  # the shard fence
     ("gpuwarden", "coordination.k8s.io", "leases", "get", ("gpuwarden-aggregator",)),
     ("gpuwarden", "coordination.k8s.io", "leases", "update", ("gpuwarden-aggregator",)),
 }

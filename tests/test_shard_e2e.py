@@ -351,3 +351,35 @@ async def test_while_two_counts_of_shards_run_neither_writes_until_the_old_is_go
             assert lease is not None and lease["metadata"]["annotations"]["gpuwarden.io/shards"] == "3"
         finally:
             await new.shutdown()
+
+
+async def test_from_shards_back_to_one_aggregator_neither_side_writes_while_both_run(tmp_path: Path) -> None:
+    # The other way: two shards still running when the single aggregator they are replaced by
+    # starts (on the base Lease, a count of one). The unsharded leader holds back for the shards'
+    # Leases and the shards for its Lease; once the shards are gone it acts, keeping the taint.
+    two = [free_port(), free_port()]
+    one = [free_port()]
+    async with a_fleet(tmp_path, two[1]) as (double, agents), shards(double, tmp_path, two) as (s0, s1):
+        await quarantine_on_shard_0(double, agents, s0)
+        old = s0.agg.remediation
+        assert old is not None and old.acting
+        single = await start(double, tmp_path, 0, one)
+        try:
+            assert single.agg.remediation is not None
+            fenced = single.agg.remediation
+            assert double.lease(NS, LEASE) is not None  # it elects on the base Lease
+            await eventually(lambda: not old.acting, "the shards holding back")
+            assert not fenced.acting and fenced.elector.is_leader
+            assert fenced.status()["fenced_by"] == [f"{LEASE}-shard-0", f"{LEASE}-shard-1"]
+            assert fenced.status()["fence_enforced"] is True
+            async with watching_taint(double, FAULTY) as taint:
+                await s0.shutdown()
+                await s1.shutdown()
+                await eventually(
+                    lambda: fenced.acting, "the single aggregator acting once the shards are gone"
+                )
+                await asyncio.sleep(2.5)  # resyncs of its actuator
+                assert single.state(FAULTY) == "quarantined"
+            assert taint and all(taint), "the taint was lifted during the change"
+        finally:
+            await single.shutdown()

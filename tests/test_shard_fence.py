@@ -98,6 +98,45 @@ async def test_an_unsharded_aggregator_still_leading_fences_the_shards(world: Wo
     assert fence.others == (BASE,)
 
 
+async def test_an_unsharded_aggregator_holds_back_while_shards_are_live(world: World) -> None:
+    # Going from shards back to one: the unsharded leader (base Lease, a count of one) sees the
+    # old shards' Leases, stamped or not (a -shard- Lease is never an unsharded one's).
+    await world.hold(BASE, "gpuwarden-aggregator-0")
+    await world.hold(f"{BASE}-shard-1", "old-b-1", shards=2)
+    await world.hold(f"{BASE}-shard-0", "old-a-0")
+    fence = world.fence(1)
+    assert fence.count_of(Lease(f"{BASE}-shard-0", NS, "1", "x", 15, None, None)) == 2
+    assert not await fence.check()
+    assert fence.others == (f"{BASE}-shard-0", f"{BASE}-shard-1")
+    await world.hold(f"{BASE}-shard-0", None)
+    await world.hold(f"{BASE}-shard-1", None, shards=2)
+    assert await fence.check()
+    assert fence.enforced
+
+
+async def test_an_unsharded_aggregator_refused_list_writes_as_before_a_shard_does_not(world: World) -> None:
+    # A Role from before the fence has no list on Leases. Unsharded, that must not stop every
+    # write for good: the fence says it is not enforced and the leader writes as it did.
+    # Two refusals each (a retry period apart), then RBAC granted: the checks succeed again.
+    world.double.fail_next("GET", rf"/namespaces/{NS}/leases$", 403, count=4)
+    single, sharded = world.fence(1), world.fence(2)
+    tasks = [asyncio.create_task(single.run()), asyncio.create_task(sharded.run())]
+    try:
+        await until(lambda: not single.enforced)
+        assert single.clear and single.time_left() > LEADER.renew_deadline_seconds
+        single.elected()
+        assert single.clear  # nothing to wait for: no check can succeed
+        assert sharded.enforced and not sharded.clear
+        await until(lambda: single.enforced and sharded.clear, timeout=15.0)
+        assert single.clear
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
 async def test_a_dead_holders_lease_fences_for_a_lease_duration_from_first_sight(world: World) -> None:
     # Its renewTime says nothing (another clock): the term runs from when this replica saw it.
     await world.hold(f"{BASE}-shard-5", "old-f-5", shards=6)

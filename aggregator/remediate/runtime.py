@@ -107,8 +107,8 @@ class Remediation:
     ) -> None:
         """``intents``: what the actuator restores and reconciles (default: the pipeline; with
         sharding, the nodes of the shard's pools: aggregator/shard/owned.py). ``shards`` above 1:
-        this is one of that many shards, whose Leases are ``base_lease`` with the shard suffix;
-        its leader then writes only while no other count of shards is live
+        this is one of that many shards, whose Leases are ``base_lease`` with the shard suffix.
+        Either way its leader writes only while no other count of shards is live
         (aggregator/shard/fence.py)."""
         self.pipeline = pipeline
         self.config = config
@@ -126,16 +126,14 @@ class Remediation:
             on_stopped=self._leadership_changed,
             stamp={SHARDS_ANNOTATION: str(shards)} if shards > 1 else None,
         )
-        self.fence: ShardFence | None = None
-        if shards > 1:
-            self.fence = ShardFence(
-                api,
-                config.leader,
-                base=base_lease if base_lease is not None else config.leader.lease_name,
-                shards=shards,
-                clock=clock,
-                on_change=self._leadership_changed,
-            )
+        self.fence = ShardFence(
+            api,
+            config.leader,
+            base=base_lease if base_lease is not None else config.leader.lease_name,
+            shards=shards,
+            clock=clock,
+            on_change=self._leadership_changed,
+        )
         # State first, decisions second: until the cluster view is rebuilt (``_rebuild``), no
         # limit is judged and nothing is written to a Node.
         self._ready = asyncio.Event()
@@ -205,15 +203,14 @@ class Remediation:
     @property
     def acting(self) -> bool:
         """This replica writes to Nodes: it leads, and no other count of shards is live."""
-        return self.elector.is_leader and (self.fence is None or self.fence.clear)
+        return self.elector.is_leader and self.fence.clear
 
     def _time_left(self) -> float:
         left = self.elector.time_left()
-        return left if self.fence is None else min(left, self.fence.time_left())
+        return min(left, self.fence.time_left())
 
     def _elected(self) -> None:
-        if self.fence is not None:
-            self.fence.elected()  # only a check from now on may let it write
+        self.fence.elected()  # only a check from now on may let it write
         self._leadership_changed()
 
     def _leadership_changed(self) -> None:
@@ -314,7 +311,8 @@ class Remediation:
             "leader": self.elector.leader,
             "is_leader": self.elector.is_leader,
             "acting": self.acting,
-            "fenced_by": list(self.fence.others) if self.fence is not None else [],
+            "fenced_by": list(self.fence.others),
+            "fence_enforced": self.fence.enforced,
             "ready": self.ready,
             "breaker": {"open": self.pipeline.limits.open, **msgspec.to_builtins(self.pipeline.limits.state)},
             "held_nodes": held,
@@ -371,9 +369,8 @@ class Remediation:
             asyncio.create_task(self.actuator.run(), name="remediation-actuator"),
             asyncio.create_task(self.elector.run(), name="remediation-leader"),
             asyncio.create_task(self._breaker_loop(), name="remediation-breaker"),
+            asyncio.create_task(self.fence.run(), name="remediation-shard-fence"),
         ]
-        if self.fence is not None:
-            tasks.append(asyncio.create_task(self.fence.run(), name="remediation-shard-fence"))
         try:
             yield
         finally:

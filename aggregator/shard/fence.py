@@ -11,9 +11,11 @@ no shard uses) and back.
 So every shard's leader writes its count on its Lease (the annotation ``SHARDS_ANNOTATION``), and
 before it acts, each leader checks the namespace's Leases of the aggregator (the base name and
 ``<base>-shard-<i>``): while any of them is held, under another count, by a holder whose term is
-not over, it holds back. A Lease without the annotation (an unsharded aggregator's, or one from
-before the annotation) counts as the base name says: the base Lease as one shard; ``-shard-<i>``
-as a count above i, so as ours unless i is past our shards. Terms are judged as the election
+not over, it holds back. The unsharded aggregator's leader checks the same way, as a count of one
+on the base Lease, so the change from one to N and back is fenced on both sides. A Lease without
+the annotation (an unsharded aggregator's, or one from before the annotation) counts as the base
+name says: the base Lease as one shard; ``-shard-<i>`` as a count above i and above one (no
+unsharded aggregator elects on it), so as ours unless i is past our shards. Terms are judged as the election
 judges them (``aggregator.kube.leader``): by our own clock, from when we saw the record change,
 for its ``leaseDurationSeconds``; a Lease that vanished counts as changed when we saw it gone.
 
@@ -28,7 +30,11 @@ the decision log and are written then. A check that fails (the API unreachable, 
 ``list`` on Leases) leaves the fence closed after the renew deadline, as a leader that cannot
 renew stops writing: it cannot tell that no other count is live.
 
-With one shard (the default) there is no fence: nothing is built and nothing is listed.
+Except one case: an unsharded aggregator whose RBAC does not allow ``list`` on Leases (its Role
+from before the fence, which it did not need then) writes as it did before the fence, and says
+so (``enforced`` is False, a warning in the log, ``/api/v1/remediation``): turning a working
+single aggregator into one that never writes, for a guard that only matters while N changes,
+would be the worse failure. Sharded, ``list`` is required (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from agent.clock import Clock
 from aggregator.config import LeaderConfig
 from aggregator.kube.api import KubeApi
 from aggregator.kube.leader import LeaseRecord
-from aggregator.kube.objects import KubeError, Lease
+from aggregator.kube.objects import KubeError, KubeForbidden, Lease
 from aggregator.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
@@ -77,8 +83,9 @@ class ShardFence:
         on_change: Callable[[], None] | None = None,
     ) -> None:
         """``leader``: the shard's election settings (its namespace and timings); ``base``: the
-        Lease name without the shard suffix; ``on_change``: called when ``clear`` flips at a
-        check (the actuator's resync on gaining the right to write)."""
+        Lease name without the shard suffix; ``shards``: this replica's count (1: unsharded, on
+        the base Lease); ``on_change``: called when ``clear`` flips at a check (the actuator's
+        resync on gaining the right to write)."""
         self._api = api
         self._namespace = leader.namespace
         self._retry_s = leader.retry_period_seconds
@@ -96,16 +103,24 @@ class ShardFence:
         self._epoch = 0
         self._reported = False  # what ``on_change`` was last told ``clear`` is
         self._wake = asyncio.Event()
+        # Unsharded and refused ``list`` on Leases: nothing to check with, so not enforced (the
+        # module docstring). Until a check succeeds.
+        self.enforced = True
 
     # -- what the actuator reads ------------------------------------------------------------------
 
     @property
     def clear(self) -> bool:
-        """No other count of shards was live at a check within the renew deadline."""
+        """No other count of shards was live at a check within the renew deadline (or the fence
+        is not ``enforced``)."""
+        if not self.enforced:
+            return True
         return self._open and self._clock.monotonic() < self._confirmed_at + self._valid_s
 
     def time_left(self) -> float:
         """Seconds ``clear`` stays True without another check (0 when it is False)."""
+        if not self.enforced:
+            return math.inf
         if not self.clear:
             return 0.0
         return max(0.0, self._confirmed_at + self._valid_s - self._clock.monotonic())
@@ -118,7 +133,7 @@ class ShardFence:
             named = 1
         elif (m := self._pattern.fullmatch(lease.name)) is not None:
             index = int(m[1])
-            named = self.shards if index < self.shards else index + 1
+            named = self.shards if index < self.shards and self.shards > 1 else max(index + 1, 2)
         else:
             return None
         stamp = lease.annotations.get(SHARDS_ANNOTATION, "")
@@ -171,6 +186,9 @@ class ShardFence:
                 and seen.changed_at + seen.duration > started
             )
         )
+        if not self.enforced:
+            log.info("the shard fence can read the Leases now: enforced", extra={"shards": self.shards})
+            self.enforced = True
         if epoch != self._epoch:
             return self.clear  # the Lease was taken meanwhile: this check is from before it
         self._open = not others
@@ -202,6 +220,23 @@ class ShardFence:
             self._wake.clear()
             try:
                 await self.check()
+            except KubeForbidden as exc:
+                if self.shards == 1:
+                    # Unsharded, with a Role from before the fence: write as before it did.
+                    if self.enforced:
+                        log.warning(
+                            "no permission to list Leases: writing without the shard fence, so a "
+                            "change to N shards is not fenced on this side (grant list on Leases)",
+                            extra={"error": str(exc)},
+                        )
+                    self.enforced = False
+                else:
+                    _ratelog.warning(
+                        "shard_fence_check_forbidden",
+                        "no permission to list Leases: not writing to Nodes (sharded, the fence "
+                        "needs list on Leases)",
+                        extra={"error": str(exc), "status": exc.status},
+                    )
             except KubeError as exc:
                 _ratelog.warning(
                     "shard_fence_check_failed",
