@@ -1404,20 +1404,28 @@ async def test_a_write_is_abandoned_when_leadership_may_end_before_its_answer(wo
 # -- shutdown --------------------------------------------------------------------------------------
 
 
-async def test_drain_waits_for_the_writes_under_way_and_starts_no_more(world: World) -> None:
+@asynccontextmanager
+async def taint_patch_queued(world: World, seconds: float) -> AsyncIterator[Actuator]:
+    """The actuator running, its taint PATCH of ``n1`` sent and held ``seconds`` in the API
+    server's queue (applied only when answered)."""
     api = world.api
     api.add_node("n1")
-    api.add_node("n2")
     act = world.actuator()
     world.intents.by_node["n1"] = intent("n1", since=T0 - 30)
-    api.set_latency("patch", 0.5, path_regex="/nodes/n1$", queued=True)
+    api.set_latency("patch", seconds, path_regex="/nodes/n1$", queued=True)
     async with world.running(act):
         act.submit("n1")
         await until(
             lambda: ("PATCH", "/api/v1/nodes/n1") in {(m, p) for m, p, _ in api.requests}, "n1's PATCH"
         )
         assert not ours(api, "n1")  # queued in the API server
+        yield act
 
+
+async def test_drain_waits_for_the_writes_under_way_and_starts_no_more(world: World) -> None:
+    api = world.api
+    api.add_node("n2")
+    async with taint_patch_queued(world, 0.5) as act:
         assert await act.drain(5.0)
         assert ours(api, "n1")  # answered, so applied, before drain returned
 
@@ -1429,16 +1437,7 @@ async def test_drain_waits_for_the_writes_under_way_and_starts_no_more(world: Wo
 
 
 async def test_drain_gives_up_after_its_timeout_on_a_write_that_is_not_answered(world: World) -> None:
-    api = world.api
-    api.add_node("n1")
-    act = world.actuator()
-    world.intents.by_node["n1"] = intent("n1", since=T0 - 30)
-    api.set_latency("patch", 30.0, path_regex="/nodes/n1$", queued=True)
-    async with world.running(act):
-        act.submit("n1")
-        await until(
-            lambda: ("PATCH", "/api/v1/nodes/n1") in {(m, p) for m, p, _ in api.requests}, "n1's PATCH"
-        )
+    async with taint_patch_queued(world, 30.0) as act:
         started = asyncio.get_running_loop().time()
         assert not await act.drain(0.3)
         assert asyncio.get_running_loop().time() - started < 5.0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -322,64 +322,54 @@ async def test_a_quarantined_node_relabelled_into_another_shards_pool_stays_out(
         every_report_delivered(agents)
 
 
-async def test_while_two_counts_of_shards_run_neither_writes_until_the_old_is_gone(tmp_path: Path) -> None:
-    # A roll from two shards to three, the old replicas still running when the new one starts:
-    # the moved pool would have two leaders, old shard 0 and new shard 2 (aggregator/shard/fence.py).
-    # Both hold back while both are live; once the old replicas are gone, the new one acts, and
-    # the quarantine it restored from the cluster stands throughout.
+async def two_shards_replaced(
+    tmp_path: Path, shard: int, ports: Sequence[int], check: Callable[[KubeApiDouble, Replica], None]
+) -> None:
+    """Two shards run, shard 0 holding a quarantine; replica ``shard`` of the new count (``ports``:
+    one per shard, one port for a single aggregator) starts beside them. Both counts hold back
+    while both are live; once the old replicas are gone the new one acts, and the quarantine it
+    restored from the cluster stands throughout. ``check`` runs once the new one acts."""
     two = [free_port(), free_port()]
-    three = [free_port(), free_port(), free_port()]
     async with a_fleet(tmp_path, two[1]) as (double, agents), shards(double, tmp_path, two) as (s0, s1):
         await quarantine_on_shard_0(double, agents, s0)
         old = s0.agg.remediation
         assert old is not None and old.acting
-        new = await start(double, tmp_path, 2, three)
+        new = await start(double, tmp_path, shard, ports)
         try:
             assert new.agg.remediation is not None
             fenced = new.agg.remediation
             await eventually(lambda: not old.acting, "the old count holding back")
             assert not fenced.acting and fenced.elector.is_leader
             assert fenced.status()["fenced_by"] == [f"{LEASE}-shard-0", f"{LEASE}-shard-1"]
+            assert fenced.status()["fence_enforced"] is True
             async with watching_taint(double, FAULTY) as taint:
                 await s0.shutdown()
                 await s1.shutdown()
                 await eventually(lambda: fenced.acting, "the new count acting once the old is gone")
                 await asyncio.sleep(2.5)  # resyncs of its actuator
                 assert new.state(FAULTY) == "quarantined"
-            assert taint and all(taint), "the taint was lifted during the roll"
-            lease = double.lease(NS, f"{LEASE}-shard-2")
-            assert lease is not None and lease["metadata"]["annotations"]["gpuwarden.io/shards"] == "3"
+            assert taint and all(taint), "the taint was lifted during the change"
+            check(double, new)
         finally:
             await new.shutdown()
 
 
+async def test_while_two_counts_of_shards_run_neither_writes_until_the_old_is_gone(tmp_path: Path) -> None:
+    # A roll from two shards to three, the old replicas still running when the new one starts:
+    # the moved pool would have two leaders, old shard 0 and new shard 2 (aggregator/shard/fence.py).
+    def stamped(double: KubeApiDouble, _new: Replica) -> None:
+        lease = double.lease(NS, f"{LEASE}-shard-2")
+        assert lease is not None and lease["metadata"]["annotations"]["gpuwarden.io/shards"] == "3"
+
+    await two_shards_replaced(tmp_path, 2, [free_port(), free_port(), free_port()], stamped)
+
+
 async def test_from_shards_back_to_one_aggregator_neither_side_writes_while_both_run(tmp_path: Path) -> None:
-    # The other way: two shards still running when the single aggregator they are replaced by
-    # starts (on the base Lease, a count of one). The unsharded leader holds back for the shards'
-    # Leases and the shards for its Lease; once the shards are gone it acts, keeping the taint.
-    two = [free_port(), free_port()]
-    one = [free_port()]
-    async with a_fleet(tmp_path, two[1]) as (double, agents), shards(double, tmp_path, two) as (s0, s1):
-        await quarantine_on_shard_0(double, agents, s0)
-        old = s0.agg.remediation
-        assert old is not None and old.acting
-        single = await start(double, tmp_path, 0, one)
-        try:
-            assert single.agg.remediation is not None
-            fenced = single.agg.remediation
-            assert double.lease(NS, LEASE) is not None  # it elects on the base Lease
-            await eventually(lambda: not old.acting, "the shards holding back")
-            assert not fenced.acting and fenced.elector.is_leader
-            assert fenced.status()["fenced_by"] == [f"{LEASE}-shard-0", f"{LEASE}-shard-1"]
-            assert fenced.status()["fence_enforced"] is True
-            async with watching_taint(double, FAULTY) as taint:
-                await s0.shutdown()
-                await s1.shutdown()
-                await eventually(
-                    lambda: fenced.acting, "the single aggregator acting once the shards are gone"
-                )
-                await asyncio.sleep(2.5)  # resyncs of its actuator
-                assert single.state(FAULTY) == "quarantined"
-            assert taint and all(taint), "the taint was lifted during the change"
-        finally:
-            await single.shutdown()
+    # The other way: the single aggregator the shards are replaced by elects on the base Lease, a
+    # count of one. It holds back for the shards' Leases and the shards for its Lease.
+    def on_the_base_lease(double: KubeApiDouble, new: Replica) -> None:
+        lease = double.lease(NS, LEASE)
+        assert new.agg.remediation is not None and lease is not None
+        assert lease["spec"]["holderIdentity"] == new.agg.remediation.elector.identity
+
+    await two_shards_replaced(tmp_path, 0, [free_port()], on_the_base_lease)
