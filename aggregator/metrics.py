@@ -367,13 +367,20 @@ class Metrics:
 
     def shard(self, index: int, shards: int) -> None:
         """Export ``gpuwarden_shard_info{shard, shards}`` (1): which shard this replica is, "0" of
-        "1" unsharded. The recording rules count each shard's nodes once and sum the shards by it."""
+        "1" unsharded (the recording rules count each shard's nodes once and sum the shards by
+        it), and ``gpuwarden_shards``, the number of shards as a value (GpuwardenAggregatorShardDown
+        compares the shards that answer with it; PromQL cannot read a number from a label)."""
         Gauge(
             "gpuwarden_shard_info",
             "1, labelled with this replica's shard and the number of shards",
             ["shard", "shards"],
             registry=self.registry,
         ).labels(str(index), str(shards)).set(1)
+        Gauge(
+            "gpuwarden_shards",
+            "The number of shards this replica runs with (sharding.shards; 1 unsharded)",
+            registry=self.registry,
+        ).set(shards)
 
     def watch_detectors(self, source: Callable[[], Iterable[DetectorStats]]) -> None:
         """Export ``gpuwarden_detector_{runs,duration_seconds,errors}_total{detector}`` from

@@ -92,10 +92,12 @@ A busy control plane (all off by default):
   request arrives and only the answer waits, as when a large LIST is served and then serialized and
   sent: a LIST shows the cluster as of its start (its resourceVersion too, so a watch from it sees
   what changed meanwhile), and a write is applied even if the client stops waiting.
-  With ``queued=True`` the request waits *before* its work instead, as one queued by API
-  Priority and Fairness or held in admission does: a write lands only when its answer is sent,
-  and still lands if the client stopped waiting meanwhile (the server does not undo a request
-  whose connection closed). A watch's latency delays the start of its stream.
+  With ``applied_late=True`` the work itself takes the time instead (slow admission webhooks, a
+  slow etcd): a write lands only when its answer is sent, and still lands if the client stopped
+  waiting meanwhile, as the API server runs a mutation it has begun to the end in the background
+  (k8s.io/apiserver's ``finisher``: "post-timeout activity"). (A request still waiting in an API
+  Priority and Fairness queue is dropped when its client goes; that case is a 429 or a plain
+  delay here.) A watch's latency delays the start of its stream.
 * ``throttle(share=, burst=, retry_after=)``: 429 TooManyRequests with ``Retry-After`` and
   ``details.retryAfterSeconds``, "Too many requests, please try again later.", as API Priority
   and Fairness rejects a request its queues cannot hold (apiserver/pkg/server/filters/
@@ -291,7 +293,7 @@ class _Latency:
     path: re.Pattern[str]
     low: float
     high: float
-    queued: bool  # the wait comes before the work (else after it: answered late)
+    applied_late: bool  # the wait comes before the work is applied (else after it: answered late)
 
 
 @dataclass
@@ -754,6 +756,10 @@ class KubeApiDouble:
         """The next ``count`` requests matching method and path (``re.search``) get ``status``."""
         self._faults.append(_Fault(method.upper(), re.compile(path_regex), status, count))
 
+    def clear_faults(self) -> None:
+        """Forget every ``fail_next`` still pending."""
+        self._faults.clear()
+
     def issue_token(
         self,
         namespace: str,
@@ -788,16 +794,22 @@ class KubeApiDouble:
         self._also_accepted.add(token)
 
     def set_latency(
-        self, verb: str, seconds: float | tuple[float, float], *, path_regex: str = "", queued: bool = False
+        self,
+        verb: str,
+        seconds: float | tuple[float, float],
+        *,
+        path_regex: str = "",
+        applied_late: bool = False,
     ) -> None:
         """Answer requests of ``verb`` (matching ``path_regex`` by ``re.search``) after ``seconds``,
         or after a time drawn uniformly from the range ``(low, high)``; 0 turns it off.
-        ``queued``: do the work only then (a request queued before it is served), not at once."""
+        ``applied_late``: apply the work only then (a mutation the server takes that long to run,
+        client or not), not at once."""
         low, high = (seconds, seconds) if isinstance(seconds, int | float) else seconds
         path = re.compile(path_regex)
         self._latencies = [x for x in self._latencies if (x.verb, x.path.pattern) != (verb, path.pattern)]
         if high > 0:
-            self._latencies.append(_Latency(verb, path, float(low), float(high), queued))
+            self._latencies.append(_Latency(verb, path, float(low), float(high), applied_late))
 
     def throttle(
         self,
@@ -892,14 +904,16 @@ class KubeApiDouble:
                     details={"retryAfterSeconds": throttle.retry_after},
                     retry_after=throttle.retry_after,
                 )
-        delay, queued = 0.0, False
+        delay, late = 0.0, False
         for latency in self._latencies:
             if latency.verb == verb and latency.path.search(request.path):
-                delay, queued = self._rng.uniform(latency.low, latency.high), latency.queued
+                delay, late = self._rng.uniform(latency.low, latency.high), latency.applied_late
         if delay <= 0:
             return await handler(request)
-        if verb == "watch" or queued:
-            await asyncio.sleep(delay)  # the stream starts late; a queued request is served late
+        if verb == "watch" or late:
+            # The stream starts late; a slow mutation is applied at its end. aiohttp (3.9+) does
+            # not cancel a handler whose client went away, so it is applied either way.
+            await asyncio.sleep(delay)
             return await handler(request)
         response = await handler(request)  # done now, answered late
         await asyncio.sleep(delay)

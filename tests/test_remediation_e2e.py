@@ -673,10 +673,11 @@ async def test_a_leader_crash_loses_nothing(tmp_path: Path) -> None:
 
 
 async def test_a_clean_shutdown_releases_the_lease_only_once_its_writes_are_answered(tmp_path: Path) -> None:
-    # The leader's taint PATCH waits a second in the API server's queue (as one APF queued would)
-    # and is applied only then, answer or not. The leader is told to stop meanwhile: were the Lease
-    # released at once, the follower could take over, read the node untainted and act on it
-    # before our write landed. Every Lease write records whether the taint was on by then.
+    # The leader's taint PATCH takes the API server a second (slow admission, a slow etcd) and is
+    # applied only then, whether or not the leader still waits. The leader is told to stop
+    # meanwhile: were the Lease released at once, the follower could take over, read the node
+    # untainted and act on it before our write landed. Every Lease write records whether the
+    # taint was on by then.
     clock = SteppedClock()
     async with cluster(tmp_path) as (double, fleet):
         fleet.clock = clock
@@ -693,14 +694,14 @@ async def test_a_clean_shutdown_releases_the_lease_only_once_its_writes_are_answ
                 return stored
 
             double._store_lease = recording  # type: ignore[method-assign]
-            double.set_latency("patch", 1.0, path_regex=f"/nodes/{node}$", queued=True)
+            double.set_latency("patch", 1.0, path_regex=f"/nodes/{node}$", applied_late=True)
             await fleet.fault(node, both)
             await eventually(
                 lambda: ("PATCH", f"/api/v1/nodes/{node}") in {(m, p) for m, p, _ in double.requests},
                 "the taint's PATCH sent",
                 clock=clock,
             )
-            assert not ours(double, node)  # still queued
+            assert not ours(double, node)  # still being applied
 
             await leader.shutdown()
             after = [taint_on for holder, taint_on in seen if holder != leader.name]

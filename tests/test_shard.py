@@ -385,6 +385,7 @@ async def test_a_report_of_another_shards_pool_is_redirected_and_not_ingested(tm
         assert status == 401 and "Location" not in headers
     assert agg.registry.get_sample_value("gpuwarden_shard_redirects_total", {"shard": "2"}) == 1.0
     assert agg.registry.get_sample_value("gpuwarden_shard_info", {"shard": "1", "shards": "3"}) == 1.0
+    assert agg.registry.get_sample_value("gpuwarden_shards") == 3.0
 
 
 def test_until_the_node_labels_are_read_a_report_is_asked_again_later() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from agent.clock import FakeClock
 from aggregator.config import LeaderConfig
 from aggregator.kube.client import KubeClient
 from aggregator.kube.leader import format_micro_time
-from aggregator.kube.objects import KubeNotFound, Lease
+from aggregator.kube.objects import KubeNotFound, KubeUnavailable, Lease
 from aggregator.shard.fence import SHARDS_ANNOTATION, ShardFence
 from tests.kube_double import KubeApiDouble
 
@@ -135,6 +136,36 @@ async def test_an_unsharded_aggregator_refused_list_writes_as_before_a_shard_doe
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def test_an_unsharded_fence_keeps_its_last_check_through_failures(world: World) -> None:
+    # Unsharded, a failing check changes nothing: closed stays closed, a refusal included (only a
+    # Role that never allowed list turns the fence off), and clear stays clear past the renew
+    # deadline (the shards' own fences hold them back while its Lease is held).
+    leases = rf"/namespaces/{NS}/leases$"
+    await world.hold(f"{BASE}-shard-0", "old-a-0", shards=2)
+    closed = world.fence(1)
+    task = asyncio.create_task(closed.run())
+    try:
+        await until(lambda: closed.others == (f"{BASE}-shard-0",))
+        world.double.fail_next("GET", leases, 403, count=1000)
+        closed.elected()  # wakes the loop: a check now, refused
+        await asyncio.sleep(0.2)
+        assert closed.enforced and not closed.clear
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    world.double.clear_faults()
+
+    await world.hold(f"{BASE}-shard-0", None, shards=2)
+    clear = world.fence(1)
+    assert await clear.check()
+    world.double.fail_next("GET", leases, 503, count=1000)
+    world.clock.advance(LEADER.renew_deadline_seconds * 3)
+    with pytest.raises(KubeUnavailable):
+        await clear.check()
+    assert clear.clear and clear.time_left() == math.inf
 
 
 async def test_a_dead_holders_lease_fences_for_a_lease_duration_from_first_sight(world: World) -> None:

@@ -208,7 +208,7 @@ class Actuator:
         self._config = config
         self._intents = intents
         self._clock = clock
-        self._is_leader = is_leader
+        self._leads = is_leader
         self._metrics = metrics if metrics is not None else ActuatorMetrics(CollectorRegistry())
         self._sleep = sleep
         self._bucket = TokenBucket(config.qps, config.burst, clock, sleep)
@@ -319,6 +319,11 @@ class Actuator:
         """Returns once the first list is cached and every node carrying our taint or snapshot has
         been handed to ``IntentSource.restore``."""
         await self._synced.wait()
+
+    def _is_leader(self) -> bool:
+        """Whether a write may go out now: we lead, and are not shutting down (``drain``). Every
+        write checks it just before it is sent."""
+        return not self._draining and self._leads()
 
     def leadership_changed(self) -> None:
         """Call whenever ``is_leader()`` may have flipped: on gaining leadership, a full resync."""
@@ -602,14 +607,15 @@ class Actuator:
                     self._idle.set()
 
     async def drain(self, timeout_s: float) -> bool:
-        """Start no more reconciles and wait, up to ``timeout_s``, for those under way to finish:
-        every write they sent answered. True when none is left.
+        """Send no more writes and wait, up to ``timeout_s``, for the reconciles under way to
+        end: every write they sent answered (a reconcile sends nothing after its write in flight,
+        as when leadership is lost). True when none is left.
 
-        Called at shutdown before the elector releases the Lease: a write cancelled mid-request
-        may still be applied by the API server (a request queued by its priority and fairness
-        filter runs when its turn comes, connection or not), and once the Lease is released the
-        next leader may already have read the node and written its own. Waiting for the answers
-        while the Lease is still ours puts every write of ours before the release."""
+        Called at shutdown before the elector releases the Lease: a write whose client gave up
+        may still be applied (the API server runs a mutation it has begun to the end in the
+        background, its ``finisher`` logging "post-timeout activity"), and once the Lease is
+        released the next leader may already have read the node and written its own. Waiting for
+        the answers while the Lease is still ours puts every write of ours before the release."""
         self._draining = True
         if self._idle.is_set():
             return True

@@ -30,11 +30,13 @@ the decision log and are written then. A check that fails (the API unreachable, 
 ``list`` on Leases) leaves the fence closed after the renew deadline, as a leader that cannot
 renew stops writing: it cannot tell that no other count is live.
 
-Except one case: an unsharded aggregator whose RBAC does not allow ``list`` on Leases (its Role
-from before the fence, which it did not need then) writes as it did before the fence, and says
-so (``enforced`` is False, a warning in the log, ``/api/v1/remediation``): turning a working
-single aggregator into one that never writes, for a guard that only matters while N changes,
-would be the worse failure. Sharded, ``list`` is required (docs/deploy.md).
+The unsharded aggregator is kinder, as a single aggregator must not gain a way to stop writing
+for a guard that only matters while N changes: its last check stands until the next one
+succeeds (it does not lapse), and where its RBAC has never allowed ``list`` on Leases (a Role from
+before the fence, which it did not need then) it writes as it did before the fence, and says so
+(``enforced`` is False, a warning in the log, ``/api/v1/remediation``). Neither lets two counts
+write at once: the other count's fence holds back while our Lease is held, and ours needs one
+check after taking the Lease. Sharded, ``list`` is required (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -103,9 +105,10 @@ class ShardFence:
         self._epoch = 0
         self._reported = False  # what ``on_change`` was last told ``clear`` is
         self._wake = asyncio.Event()
-        # Unsharded and refused ``list`` on Leases: nothing to check with, so not enforced (the
-        # module docstring). Until a check succeeds.
+        # Unsharded and refused ``list`` on Leases before any check succeeded: nothing to check
+        # with, so not enforced (the module docstring). Until a check succeeds.
         self.enforced = True
+        self._checked = False  # a check has succeeded
 
     # -- what the actuator reads ------------------------------------------------------------------
 
@@ -115,11 +118,13 @@ class ShardFence:
         is not ``enforced``)."""
         if not self.enforced:
             return True
+        if self.shards == 1:
+            return self._open  # does not lapse (the module docstring)
         return self._open and self._clock.monotonic() < self._confirmed_at + self._valid_s
 
     def time_left(self) -> float:
         """Seconds ``clear`` stays True without another check (0 when it is False)."""
-        if not self.enforced:
+        if not self.enforced or (self.shards == 1 and self._open):
             return math.inf
         if not self.clear:
             return 0.0
@@ -186,6 +191,7 @@ class ShardFence:
                 and seen.changed_at + seen.duration > started
             )
         )
+        self._checked = True
         if not self.enforced:
             log.info("the shard fence can read the Leases now: enforced", extra={"shards": self.shards})
             self.enforced = True
@@ -220,8 +226,8 @@ class ShardFence:
             self._wake.clear()
             try:
                 await self.check()
-            except KubeForbidden as exc:
-                if self.shards == 1:
+            except KubeError as exc:
+                if isinstance(exc, KubeForbidden) and self.shards == 1 and not self._checked:
                     # Unsharded, with a Role from before the fence: write as before it did.
                     if self.enforced:
                         log.warning(
@@ -232,18 +238,11 @@ class ShardFence:
                     self.enforced = False
                 else:
                     _ratelog.warning(
-                        "shard_fence_check_forbidden",
-                        "no permission to list Leases: not writing to Nodes (sharded, the fence "
-                        "needs list on Leases)",
+                        "shard_fence_check_failed",
+                        "cannot read the aggregator's Leases: the last check stands (sharded, "
+                        "until the renew deadline; then nothing is written to Nodes)",
                         extra={"error": str(exc), "status": exc.status},
                     )
-            except KubeError as exc:
-                _ratelog.warning(
-                    "shard_fence_check_failed",
-                    "cannot read the aggregator's Leases: not writing to Nodes once the last "
-                    "check is older than the renew deadline",
-                    extra={"error": str(exc), "status": exc.status},
-                )
             except Exception:
                 # A fence whose loop ended would hold this shard's writes for good, silently.
                 _ratelog.warning(
