@@ -276,3 +276,21 @@ async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
     while not check():
         assert asyncio.get_running_loop().time() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+async def test_an_unsharded_fence_whose_role_loses_list_writes_as_a_fresh_start_would(world: World) -> None:
+    # The Role reverted to one without list while the pod runs: the fence, whose last check found
+    # no other count, turns off as it would in a process started with that Role, instead of
+    # leaving a standby that takes over unable to write.
+    fence = world.fence(1)
+    task = asyncio.create_task(fence.run())
+    try:
+        await until(lambda: fence.clear)
+        world.double.fail_next("GET", rf"/namespaces/{NS}/leases$", 403, count=1000)
+        fence.elected()  # a take-over: only a later check may clear it, and none can succeed
+        await until(lambda: not fence.enforced)
+        assert fence.clear
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -32,9 +32,10 @@ renew stops writing: it cannot tell that no other count is live.
 
 The unsharded aggregator is kinder, as a single aggregator must not gain a way to stop writing
 for a guard that only matters while N changes: its last check stands until the next one
-succeeds (it does not lapse), and where its RBAC has never allowed ``list`` on Leases (a Role from
+succeeds (it does not lapse), and where its RBAC does not allow ``list`` on Leases (a Role from
 before the fence, which it did not need then) it writes as it did before the fence, and says so
-(``enforced`` is False, a warning in the log, ``/api/v1/remediation``). Neither lets two counts
+(``enforced`` is False, a warning in the log, ``/api/v1/remediation``), unless its last check
+found another count live. Neither lets two counts
 write at once: the other count's fence holds back while our Lease is held, and ours needs one
 check after taking the Lease. Sharded, ``list`` is required (docs/deploy.md).
 """
@@ -105,10 +106,9 @@ class ShardFence:
         self._epoch = 0
         self._reported = False  # what ``on_change`` was last told ``clear`` is
         self._wake = asyncio.Event()
-        # Unsharded and refused ``list`` on Leases before any check succeeded: nothing to check
-        # with, so not enforced (the module docstring). Until a check succeeds.
+        # Unsharded and refused ``list`` on Leases: nothing to check with, so not enforced (the
+        # module docstring). Until a check succeeds.
         self.enforced = True
-        self._checked = False  # a check has succeeded
 
     # -- what the actuator reads ------------------------------------------------------------------
 
@@ -158,8 +158,8 @@ class ShardFence:
         self._wake.set()
 
     async def check(self) -> bool:
-        """Read the Leases once; returns ``clear``. ``KubeError`` propagates (``clear`` then
-        lapses by the clock)."""
+        """Read the Leases once; returns ``clear``. ``KubeError`` propagates (sharded, ``clear``
+        then lapses by the clock; unsharded, the last check stands)."""
         started = self._clock.monotonic()
         epoch = self._epoch
         leases = await self._api.list_leases(self._namespace)
@@ -191,7 +191,6 @@ class ShardFence:
                 and seen.changed_at + seen.duration > started
             )
         )
-        self._checked = True
         if not self.enforced:
             log.info("the shard fence can read the Leases now: enforced", extra={"shards": self.shards})
             self.enforced = True
@@ -227,8 +226,10 @@ class ShardFence:
             try:
                 await self.check()
             except KubeError as exc:
-                if isinstance(exc, KubeForbidden) and self.shards == 1 and not self._checked:
-                    # Unsharded, with a Role from before the fence: write as before it did.
+                if isinstance(exc, KubeForbidden) and self.shards == 1 and not self.others:
+                    # Unsharded, with a Role without list (from before the fence, or reverted to
+                    # one): write as before the fence did, as a fresh start with that Role would.
+                    # Not while the last check found another count live: that stands.
                     if self.enforced:
                         log.warning(
                             "no permission to list Leases: writing without the shard fence, so a "
