@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 from agent.metrics import INFINIBAND_COUNTERS
-from tests.test_prometheus_rules import aggregator_registry, family_sample_names, fleet_wide_sums
+from tests.test_prometheus_rules import aggregator_registry, family_sample_names, fleet_wide_sums, promtool
 
 REPO = Path(__file__).resolve().parents[1]
 GRAFANA = REPO / "grafana"
@@ -343,12 +341,6 @@ def test_selectors_reads_names_labels_and_skips_functions_and_grouping() -> None
 
 
 def test_promtool_parses_every_query(tmp_path: Path) -> None:
-    configured = os.environ.get("PROMTOOL")
-    promtool = shutil.which(configured or "promtool")
-    if promtool is None:
-        if configured or os.environ.get("CI", "").lower() == "true":
-            pytest.fail("promtool is not installed, and CI must parse the dashboards' queries")
-        pytest.skip("promtool is not installed")
     rules = [
         {"record": f"grafana:query_{i}", "expr": generate.expand(expr, VALUES)}
         for i, (_, _, expr) in enumerate(_all_queries())
@@ -356,7 +348,7 @@ def test_promtool_parses_every_query(tmp_path: Path) -> None:
     path = tmp_path / "queries.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "grafana", "rules": rules}]}), encoding="utf-8")
     done = subprocess.run(
-        [promtool, "check", "rules", str(path)], capture_output=True, text=True, check=False
+        [promtool(), "check", "rules", str(path)], capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -501,16 +493,6 @@ def test_datasource_provisioning_is_a_prometheus() -> None:
     assert source["url"].startswith("http")
 
 
-def _promtool() -> str:
-    configured = os.environ.get("PROMTOOL")
-    promtool = shutil.which(configured or "promtool")
-    if promtool is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("promtool is not installed")
-        pytest.skip("promtool is not installed")
-    return promtool
-
-
 def test_nic_legends_name_a_netdev_without_a_trailing_slash(tmp_path: Path) -> None:
     # "{{device}}/{{port}}" rendered "eth0/" for a netdev (port ""): the panels name ports by nic.
     legends = [
@@ -551,7 +533,7 @@ def test_nic_legends_name_a_netdev_without_a_trailing_slash(tmp_path: Path) -> N
     path = tmp_path / "nic.test.yml"
     path.write_text(yaml.safe_dump(test))
     out = subprocess.run(
-        [_promtool(), "test", "rules", str(path)], capture_output=True, text=True, check=False
+        [promtool(), "test", "rules", str(path)], capture_output=True, text=True, check=False
     )
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -599,7 +581,6 @@ def test_fleet_panels_count_each_shard_once_and_sum_the_shards(tmp_path: Path) -
     recording rules loaded): every replica of a shard knows only the shard's nodes, so the fleet
     is the sum over shards, each counted once. Taking the max over every replica (as before
     sharding) shows the largest shard's share."""
-    promtool = _promtool()
     series = []
     for instance, shard in _SHARDS.items():
         target = f'job="gpuwarden-aggregator", instance="{instance}:8080"'
@@ -636,5 +617,7 @@ def test_fleet_panels_count_each_shard_once_and_sum_the_shards(tmp_path: Path) -
     }
     path = tmp_path / "sharded.test.yml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False), encoding="utf-8")
-    done = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [promtool(), "test", "rules", str(path)], capture_output=True, text=True, check=False
+    )
     assert done.returncode == 0, done.stdout + done.stderr

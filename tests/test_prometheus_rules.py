@@ -83,7 +83,9 @@ _SUM_OVER = re.compile(
 )
 
 
-def _promtool() -> str:
+def promtool() -> str:
+    """promtool's path: $PROMTOOL, else PATH. Missing, the test skips, except where the run
+    requires the tools scripts/setup installs (CI, and scripts/test): then it fails."""
     configured = os.environ.get("PROMTOOL")
     found = shutil.which(configured or "promtool")
     if found is None:
@@ -208,26 +210,26 @@ def _alert_tests() -> list[tuple[str, bool]]:
 
 
 def test_promtool_check_rules_is_clean() -> None:
-    result = _run(_promtool(), "check", "rules", *map(str, RULE_FILES))
+    result = _run(promtool(), "check", "rules", *map(str, RULE_FILES))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_promtool_unit_tests_pass() -> None:
     assert TEST_FILES, "no promtool unit tests under rules/prometheus/tests/"
-    result = _run(_promtool(), "test", "rules", *map(str, TEST_FILES))
+    result = _run(promtool(), "test", "rules", *map(str, TEST_FILES))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_promtool_unit_tests_catch_a_broken_rule(tmp_path: Path) -> None:
     """The unit tests are not vacuous: the same tests fail against a rule with a wrong threshold."""
-    promtool = _promtool()
+    tool = promtool()
     broken = (RULES / "gpuwarden-alerts.yml").read_text(encoding="utf-8")
     broken = broken.replace("gpuwarden_shipper_spool_depth > 30", "gpuwarden_shipper_spool_depth > 300")
     (tmp_path / "gpuwarden-alerts.yml").write_text(broken, encoding="utf-8")
     shutil.copy(RULES / "gpuwarden-recording.yml", tmp_path)
     (tmp_path / "tests").mkdir()
     shutil.copy(RULES / "tests" / "agent-alerts.test.yml", tmp_path / "tests")
-    result = _run(promtool, "test", "rules", str(tmp_path / "tests" / "agent-alerts.test.yml"))
+    result = _run(tool, "test", "rules", str(tmp_path / "tests" / "agent-alerts.test.yml"))
     assert result.returncode != 0
     assert "GpuwardenAgentSpoolBacklog" in result.stdout + result.stderr
 
@@ -465,11 +467,11 @@ def test_rendering_applies_job_names_and_runbook_base(render: ModuleType) -> Non
 
 
 def test_rendered_rules_with_other_job_names_pass_promtool(render: ModuleType, tmp_path: Path) -> None:
-    promtool = _promtool()
+    tool = promtool()
     manifest = render.render(render.load_groups(RULES), render.Options(**_CUSTOM))
     out = tmp_path / "rendered.yml"
     out.write_text(yaml.safe_dump({"groups": manifest["spec"]["groups"]}), encoding="utf-8")
-    result = _run(promtool, "check", "rules", str(out))
+    result = _run(tool, "check", "rules", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
