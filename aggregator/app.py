@@ -252,7 +252,8 @@ async def build_aggregator(
         config = _sharded(config, shards)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = Metrics(registry)
-    metrics.shard(shards.index if shards is not None else 0, shards.shards if shards is not None else 1)
+    shard, count = (shards.index, shards.shards) if shards is not None else (0, 1)
+    metrics.shard(shard, count)
     authenticator = _authenticator(auth, config, clock, metrics)
     decision_log = DecisionLog(decisions)
     audit_log = AuditLog(audit)
@@ -313,7 +314,7 @@ async def build_aggregator(
             audit=audit_log,
             admin_tokens=admin_tokens,
             intents=owned,
-            shards=shards.shards if shards is not None else 1,
+            shards=count,
             base_lease=base_lease,
         )
         if owned is not None:

@@ -19,12 +19,11 @@ cluster was ever in, not only at the end. Time: the replicas' Lease and the LIST
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gzip
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from aggregator.kube.api import KubeApi
 from aggregator.kube.client import KubeClient
 from aggregator.kube.objects import KubeGone, KubeUnavailable, NodeList
 from aggregator.service import REPORTS_PATH
+from tests.background import background
 from tests.kube_double import KubeApiDouble
 from tests.rulekit import gpu, report
 from tests.test_remediation_e2e import (
@@ -344,19 +344,6 @@ async def start(
         task,
     )
     return replica, kube
-
-
-@asynccontextmanager
-async def background(*coros: Any) -> AsyncIterator[None]:
-    tasks = [asyncio.create_task(c) for c in coros]
-    try:
-        yield
-    finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
 
 
 def held_nodes(double: KubeApiDouble) -> list[str]:

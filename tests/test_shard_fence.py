@@ -5,7 +5,6 @@ against the API-server double; time is a FakeClock advanced by hand."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -18,6 +17,7 @@ from aggregator.kube.client import KubeClient
 from aggregator.kube.leader import format_micro_time
 from aggregator.kube.objects import KubeNotFound, KubeUnavailable, Lease
 from aggregator.shard.fence import SHARDS_ANNOTATION, ShardFence
+from tests.background import background
 from tests.kube_double import KubeApiDouble
 
 NS = "gpuwarden"
@@ -121,8 +121,7 @@ async def test_an_unsharded_aggregator_refused_list_writes_as_before_a_shard_doe
     # Two refusals each (a retry period apart), then RBAC granted: the checks succeed again.
     world.double.fail_next("GET", rf"/namespaces/{NS}/leases$", 403, count=4)
     single, sharded = world.fence(1), world.fence(2)
-    tasks = [asyncio.create_task(single.run()), asyncio.create_task(sharded.run())]
-    try:
+    async with background(single.run(), sharded.run()):
         await until(lambda: not single.enforced)
         assert single.clear and single.time_left() > LEADER.renew_deadline_seconds
         single.elected()
@@ -130,12 +129,6 @@ async def test_an_unsharded_aggregator_refused_list_writes_as_before_a_shard_doe
         assert sharded.enforced and not sharded.clear
         await until(lambda: single.enforced and sharded.clear, timeout=15.0)
         assert single.clear
-    finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
 
 async def test_an_unsharded_fence_keeps_its_last_check_through_failures(world: World) -> None:
@@ -145,17 +138,12 @@ async def test_an_unsharded_fence_keeps_its_last_check_through_failures(world: W
     leases = rf"/namespaces/{NS}/leases$"
     await world.hold(f"{BASE}-shard-0", "old-a-0", shards=2)
     closed = world.fence(1)
-    task = asyncio.create_task(closed.run())
-    try:
+    async with background(closed.run()):
         await until(lambda: closed.others == (f"{BASE}-shard-0",))
         world.double.fail_next("GET", leases, 403, count=1000)
         closed.elected()  # wakes the loop: a check now, refused
         await asyncio.sleep(0.2)
         assert closed.enforced and not closed.clear
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
     world.double.clear_faults()
 
     await world.hold(f"{BASE}-shard-0", None, shards=2)
@@ -172,11 +160,7 @@ async def test_a_dead_holders_lease_fences_for_a_lease_duration_from_first_sight
     # Its renewTime says nothing (another clock): the term runs from when this replica saw it.
     await world.hold(f"{BASE}-shard-5", "old-f-5", shards=6)
     fence = world.fence(3)
-    assert not await fence.check()
-    world.clock.advance(14.0)
-    assert not await fence.check()
-    world.clock.advance(2.0)
-    assert await fence.check()
+    await fenced_for_a_lease_duration(world, fence)
 
 
 async def test_a_lease_deleted_under_its_holder_fences_for_a_lease_duration(world: World) -> None:
@@ -185,11 +169,8 @@ async def test_a_lease_deleted_under_its_holder_fences_for_a_lease_duration(worl
     assert not await fence.check()
     world.clock.advance(10.0)
     world.double.delete_lease(NS, f"{BASE}-shard-4")
-    assert not await fence.check()  # its holder may still act: the deletion is a change seen now
-    world.clock.advance(14.0)
-    assert not await fence.check()
-    world.clock.advance(2.0)
-    assert await fence.check()
+    # Its holder may still act: the deletion is a change seen now, and its term runs from it.
+    await fenced_for_a_lease_duration(world, fence)
 
 
 async def test_the_same_count_and_other_leases_do_not_fence(world: World) -> None:
@@ -258,17 +239,21 @@ async def test_a_fence_that_lapsed_says_so_and_says_so_again_when_it_clears(
         clock=world.clock,
         on_change=lambda: seen.append(fence.clear),
     )
-    task = asyncio.create_task(fence.run())
-    try:
+    async with background(fence.run()):
         await until(lambda: seen == [True])
         world.double.fail_next("GET", rf"/namespaces/{NS}/leases$", 403, count=5)
         world.clock.advance(2.5)  # past the renew deadline with every check failing
         await until(lambda: seen == [True, False])
         await until(lambda: seen == [True, False, True])  # the failures used up: a check clears it
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+
+
+async def fenced_for_a_lease_duration(world: World, fence: ShardFence) -> None:
+    """From now, ``fence`` holds back for the 15 s lease of what it saw change, and no longer."""
+    assert not await fence.check()
+    world.clock.advance(14.0)
+    assert not await fence.check()
+    world.clock.advance(2.0)
+    assert await fence.check()
 
 
 async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -283,14 +268,9 @@ async def test_an_unsharded_fence_whose_role_loses_list_writes_as_a_fresh_start_
     # no other count, turns off as it would in a process started with that Role, instead of
     # leaving a standby that takes over unable to write.
     fence = world.fence(1)
-    task = asyncio.create_task(fence.run())
-    try:
+    async with background(fence.run()):
         await until(lambda: fence.clear)
         world.double.fail_next("GET", rf"/namespaces/{NS}/leases$", 403, count=1000)
         fence.elected()  # a take-over: only a later check may clear it, and none can succeed
         await until(lambda: not fence.enforced)
         assert fence.clear
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
