@@ -232,7 +232,11 @@ class RemediationConfig(_Section, frozen=True):
     allow_no_execute: bool = False  # rules asking for NoExecute get NoSchedule unless this is on
     max_no_execute_per_hour: Annotated[int, Meta(ge=0)] = 2  # eviction is rate-limited on its own
     override_cooldown_seconds: PositiveSeconds = 86400.0  # a human removed our taint: not again
-    events_namespace: str = "default"  # where Node events go, as the kubelet's do
+    # Where Node events go, as the kubelet's do. Nothing else is possible: the API server refuses a
+    # core/v1 Event about a cluster-scoped object (a Node) in any namespace but "default" (422,
+    # "does not match event.namespace": legacyValidateEvent in k8s.io/kubernetes
+    # pkg/apis/core/validation/events.go), so another value would lose every Event.
+    events_namespace: Literal["default"] = "default"
     # API calls per second, all workers together, and the bucket's depth: kube-scheduler's own
     # client settings (50/100). A quarantine costs 4 calls (read, patch, condition, event), so
     # this is ~12 nodes/s: a 5 % storm of a 7,500-node cluster in ~35 s (docs/performance.md),

@@ -12,6 +12,7 @@ the plans reaching the cluster: over the real client, once, on the leader, witho
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import random
@@ -28,6 +29,7 @@ from aggregator.config import PreflightConfig, RemediationConfig
 from aggregator.kube.client import KubeClient
 from aggregator.kube.objects import (
     KubeConflict,
+    KubeGone,
     KubeUnavailable,
     TaintEffect,
 )
@@ -1005,6 +1007,30 @@ async def test_informer_relists_after_410_and_survives_list_errors(world: World)
         api.add_node("n3")
         world.intents.by_node["n3"] = intent("n3")
         await until(lambda: bool(ours(api, "n3")), "n3 tainted from a watch event")
+
+
+async def test_a_watch_that_is_too_old_every_time_relists_after_a_growing_backoff(world: World) -> None:
+    # LISTs slower than the watch cache's history: every watch from a fresh LIST is 410. As
+    # client-go's reflector does (wait.BackoffUntil), the informer waits longer before each LIST
+    # again, instead of listing every Node back to back on an API server that is already slow.
+    world.api.add_node("n1")
+    listed_at: list[float] = []
+    inner_list = world.kube.list_nodes
+
+    async def list_nodes(*, label_selector: str | None = None) -> Any:
+        listed_at.append(world.clock.monotonic())
+        return await inner_list(label_selector=label_selector)
+
+    async def watch_nodes(**_: Any) -> Any:
+        raise KubeGone("watch nodes: too old resource version")
+        yield  # an async generator, as the client's
+
+    world.kube.list_nodes = list_nodes  # type: ignore[method-assign]
+    world.kube.watch_nodes = watch_nodes  # type: ignore[method-assign,assignment]
+    async with world.running(world.actuator()):
+        await until(lambda: len(listed_at) >= 7, "listed seven times")
+    gaps = [b - a for a, b in itertools.pairwise(listed_at)][:6]
+    assert gaps == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0]
 
 
 async def test_a_throttled_watch_is_resumed_without_listing_again(world: World) -> None:

@@ -55,6 +55,11 @@ health:
         ("health:\n  lemon_count: yes\n", "at health.lemon_count: Expected `int`, got `bool`"),
         ("ingest:\n  max_body_bytes: 1.5\n", "at ingest.max_body_bytes: Expected `int`, got `float`"),
         ("silence:\n  pool_share: 1.5\n", "at silence.pool_share: Expected `float` <= 1.0"),
+        # The API server accepts Events about a Node only in "default": another would lose them all.
+        (
+            "remediation:\n  events_namespace: gpuwarden\n",
+            "at remediation.events_namespace: Invalid enum value 'gpuwarden'",
+        ),
         ("health: 120\n", "at health: Expected `object`, got `int`"),
         ("health:\n  probation_seconds: .inf\n", "at health.probation_seconds: must be a finite number"),
         ("silence:\n  pool_share: .nan\n", "at silence.pool_share: must be a finite number"),

@@ -78,7 +78,7 @@ async def test_a_new_count_holds_back_while_the_old_renews_and_acts_once_it_rele
     await world.hold(f"{BASE}-shard-1", None, shards=2)
     assert await fence.check()
     assert fence.others == () and world.changes == 1
-    assert 0.0 < fence.time_left() <= LEADER.renew_deadline_seconds
+    assert fence.time_left() == math.inf  # until a check says otherwise
 
 
 async def test_the_old_count_holds_back_once_it_sees_the_new(world: World) -> None:
@@ -184,14 +184,65 @@ async def test_the_same_count_and_other_leases_do_not_fence(world: World) -> Non
     assert fence.count_of(Lease(f"{BASE}-shard-7", NS, "1", "x", 15, None, None)) == 8
 
 
-async def test_a_fence_that_cannot_read_the_leases_closes_at_the_renew_deadline(world: World) -> None:
+@pytest.mark.parametrize("live_other", [False, True])
+async def test_a_fence_that_cannot_read_the_leases_keeps_its_last_answer(
+    world: World, live_other: bool
+) -> None:
+    # Of two leaders of different counts, the later one's first check saw the earlier one's
+    # Lease held: that answer holds as long as it leads, whether later reads succeed or not. A
+    # control plane too busy to answer LISTs must not stop every quarantine (nor start any).
+    if live_other:
+        await world.hold(f"{BASE}-shard-2", "new-a-2", shards=3)
     fence = world.fence(2)
-    assert await fence.check()
-    world.double.fail_next("GET", rf"/namespaces/{NS}/leases$", 403, count=100)
-    world.clock.advance(LEADER.renew_deadline_seconds - 0.5)
-    assert fence.clear  # the last good check is recent enough
+    assert await fence.check() is not live_other
+    world.double.fail_next("GET", rf"/namespaces/{NS}/leases$", 503, count=100)
+    for _ in range(30):  # a minute of failed checks
+        world.clock.advance(LEADER.retry_period_seconds)
+        with pytest.raises(KubeUnavailable):
+            await fence.check()
+        assert fence.clear is not live_other
+    assert fence.time_left() == (0.0 if live_other else math.inf)
+
+
+async def test_a_lease_renewed_while_the_list_was_on_its_way_counts_from_its_answer(world: World) -> None:
+    # The other count's leader renews just after the LIST was sent, then stops: it may write
+    # until its renew deadline from that renewal, so its term runs from when the answer came
+    # (client-go's observedTime), not from when the LIST was sent.
+    await world.hold(f"{BASE}-shard-2", "new-a-2", shards=3)
+    fence = world.fence(2)
+    inner = world.client
+
+    class SlowList:
+        async def list_leases(self, namespace: str) -> list[Lease]:
+            world.clock.advance(0.1)
+            await world.hold(f"{BASE}-shard-2", "new-a-2", shards=3)  # renewed meanwhile
+            leases = await inner.list_leases(namespace)
+            world.clock.advance(8.0)  # a LIST slowed by a busy control plane
+            return leases
+
+    fence._api = SlowList()  # type: ignore[assignment]  # the one call the check makes
+    assert not await fence.check()
+    fence._api = inner
+    # 15 s of term from the answer: still held back 14.5 s after it (22.5 s after the LIST was sent).
+    world.clock.advance(14.5)
+    assert not await fence.check()
     world.clock.advance(1.0)
-    assert not fence.clear and fence.time_left() == 0.0
+    assert await fence.check()
+
+
+async def test_a_lease_list_slower_than_a_request_timeout_is_waited_for(tmp_path: Path) -> None:
+    # A LIST of Leases may be queued by API Priority and Fairness for seconds: it has the LIST
+    # timeout, as the Node LISTs do, not the single-object one.
+    async with KubeApiDouble() as double:
+        client = await KubeClient.from_kubeconfig(double.write_kubeconfig(tmp_path / "kubeconfig"))
+        client._timeout = 0.2  # the per-request timeout, shortened for the test
+        try:
+            double.set_latency("list", 0.5, path_regex="/leases$")
+            started = asyncio.get_running_loop().time()
+            assert await client.list_leases(NS) == []
+            assert asyncio.get_running_loop().time() - started >= 0.5  # past the request timeout
+        finally:
+            await client.close()
 
 
 async def test_only_a_check_made_after_the_lease_was_taken_lets_the_leader_write(world: World) -> None:
@@ -218,11 +269,10 @@ async def test_only_a_check_made_after_the_lease_was_taken_lets_the_leader_write
     assert world.changes == 2  # told again: the actuator resyncs when its leader may write
 
 
-async def test_a_fence_that_lapsed_says_so_and_says_so_again_when_it_clears(
-    tmp_path: Path, world: World
+async def test_a_new_leader_whose_checks_fail_never_writes_and_is_told_when_one_succeeds(
+    world: World,
 ) -> None:
-    # The actuator resyncs every node when writing becomes allowed again; it must hear of the
-    # lapse too, or it would not see the return as a change.
+    # The actuator resyncs every node when writing becomes allowed: it must hear of it.
     leader = LeaderConfig(
         namespace=NS,
         lease_name=f"{BASE}-shard-0",
@@ -242,9 +292,10 @@ async def test_a_fence_that_lapsed_says_so_and_says_so_again_when_it_clears(
     async with background(fence.run()):
         await until(lambda: seen == [True])
         world.double.fail_next("GET", rf"/namespaces/{NS}/leases$", 403, count=5)
-        world.clock.advance(2.5)  # past the renew deadline with every check failing
-        await until(lambda: seen == [True, False])
-        await until(lambda: seen == [True, False, True])  # the failures used up: a check clears it
+        fence.elected()  # taken again: only a check from now may let it write, and every one fails
+        seen.append(fence.clear)
+        await until(lambda: len(seen) >= 3)
+        assert seen == [True, False, True]  # the failures used up: a check clears it
 
 
 async def fenced_for_a_lease_duration(world: World, fence: ShardFence) -> None:

@@ -396,7 +396,11 @@ class KubeClient:
 
     async def list_leases(self, namespace: str) -> list[Lease]:
         what = f"list leases in {namespace}"
-        body = await self._call(what, self._coordination.list_namespaced_lease, namespace)
+        # A LIST, queued and served as one (API Priority and Fairness may hold it for seconds on
+        # a busy control plane): the LIST timeout, not a single object's.
+        body = await self._call(
+            what, self._coordination.list_namespaced_lease, namespace, _request_timeout=self._list_timeout
+        )
         items = body.get("items")
         if not isinstance(items, list):
             raise KubeUnavailable(f"{what}: the answer has no items list")

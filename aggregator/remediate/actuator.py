@@ -455,7 +455,12 @@ class Actuator:
                         await self._sleep(wait)
                         backoff = min(backoff * 2, INFORMER_BACKOFF_MAX_S)
             except KubeGone:
-                log.info("node watch too old, listing again")
+                # After a backoff, as client-go's reflector relists (wait.BackoffUntil): when
+                # LISTs are slower than the watch cache's history, every watch from a fresh LIST
+                # is 410 again, and listing back to back would add to the load that caused it.
+                log.info("node watch too old, listing again", extra={"retry_in_s": backoff})
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, INFORMER_BACKOFF_MAX_S)
             except Exception as e:
                 # KubeUnavailable, KubeForbidden, or a bug: the informer must outlive all of them.
                 wait = e.wait_s(backoff) if isinstance(e, KubeError) else backoff

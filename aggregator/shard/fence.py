@@ -26,18 +26,24 @@ the other count's Leases held; an old leader sees the new count's at its next ch
 period later, and the new one has not written meanwhile. Once the old
 replicas are gone (their Leases released, or not renewed for a lease duration) the new ones act,
 and their first act is the resync every gain of leadership does. Decisions made meanwhile are in
-the decision log and are written then. A check that fails (the API unreachable, RBAC without
-``list`` on Leases) leaves the fence closed after the renew deadline, as a leader that cannot
-renew stops writing: it cannot tell that no other count is live.
+the decision log and are written then.
 
-The unsharded aggregator is kinder, as a single aggregator must not gain a way to stop writing
-for a guard that only matters while N changes: its last check stands until the next one
-succeeds (it does not lapse), and where its RBAC does not allow ``list`` on Leases (a Role from
-before the fence, which it did not need then) it writes as it did before the fence, and says so
-(``enforced`` is False, a warning in the log, ``/api/v1/remediation``), unless its last check
-found another count live. Neither lets two counts
-write at once: the other count's fence holds back while our Lease is held, and ours needs one
-check after taking the Lease. Sharded, ``list`` is required (docs/deploy.md).
+Why that is enough: of two leaders of different counts, the one that took its Lease later made
+its first check after that, while the other's Lease was held and renewed (a leader that cannot
+renew stops writing at its renew deadline, inside the lease duration the fence waits out), so it
+saw that Lease live and holds back. So a check's answer stands until the next check succeeds or
+the Lease is taken again (``elected``); a check that fails (the API unreachable, a LIST slower
+than the retry period) changes nothing. A record's term is counted from when the LIST that showed
+it changed had returned, as the election counts it from when it read it (client-go's
+observedTime): the holder may have renewed it while the LIST was on its way.
+
+Sharded, ``list`` on Leases is required (docs/deploy.md): without it a leader never writes. The
+unsharded aggregator, which must not gain a way to stop writing for a guard that only matters
+while N changes, writes as it did before the fence where its RBAC does not allow ``list`` (a Role
+from before the fence, which it did not need then), and says so (``enforced`` is False, a
+warning in the log, ``/api/v1/remediation``), unless its last check found another count live.
+That does not let two counts write at once: the other count's fence holds back while our Lease is
+held.
 """
 
 from __future__ import annotations
@@ -92,7 +98,6 @@ class ShardFence:
         self._api = api
         self._namespace = leader.namespace
         self._retry_s = leader.retry_period_seconds
-        self._valid_s = leader.renew_deadline_seconds
         self._base = base
         self._pattern = re.compile(re.escape(base) + r"-shard-(\d+)")
         self.shards = shards
@@ -100,7 +105,6 @@ class ShardFence:
         self._on_change = on_change
         self._seen: dict[str, _Seen] = {}
         self._open = False  # the last check found no other count live
-        self._confirmed_at = -math.inf  # monotonic start of that check
         self.others: tuple[str, ...] = ()  # the Leases the last check held back for
         # Bumped by ``elected``: a check that started before it says nothing about the time after.
         self._epoch = 0
@@ -114,21 +118,14 @@ class ShardFence:
 
     @property
     def clear(self) -> bool:
-        """No other count of shards was live at a check within the renew deadline (or the fence
-        is not ``enforced``)."""
-        if not self.enforced:
-            return True
-        if self.shards == 1:
-            return self._open  # does not lapse (the module docstring)
-        return self._open and self._clock.monotonic() < self._confirmed_at + self._valid_s
+        """No other count of shards was live at the last check that succeeded since this replica
+        took its Lease (or the fence is not ``enforced``)."""
+        return self._open or not self.enforced
 
     def time_left(self) -> float:
-        """Seconds ``clear`` stays True without another check (0 when it is False)."""
-        if not self.enforced or (self.shards == 1 and self._open):
-            return math.inf
-        if not self.clear:
-            return 0.0
-        return max(0.0, self._confirmed_at + self._valid_s - self._clock.monotonic())
+        """Seconds ``clear`` stays True without another check: until a check says otherwise, or
+        none when it is False."""
+        return math.inf if self.clear else 0.0
 
     # -- checking -----------------------------------------------------------------------------------
 
@@ -150,7 +147,7 @@ class ShardFence:
         Leases released just before one of its replicas took one, which this replica's
         acquisition does not change; the loop checks again at once."""
         self._epoch += 1
-        self._open, self._confirmed_at = False, -math.inf
+        self._open = False
         # The caller tells the actuator now (not writing); the check that clears it tells it
         # again, which is its gain of the right to write (a resync), even if a standby's check
         # had cleared it before.
@@ -158,11 +155,12 @@ class ShardFence:
         self._wake.set()
 
     async def check(self) -> bool:
-        """Read the Leases once; returns ``clear``. ``KubeError`` propagates (sharded, ``clear``
-        then lapses by the clock; unsharded, the last check stands)."""
+        """Read the Leases once; returns ``clear``. ``KubeError`` propagates (the last check
+        stands)."""
         started = self._clock.monotonic()
         epoch = self._epoch
         leases = await self._api.list_leases(self._namespace)
+        returned = self._clock.monotonic()
         present: set[str] = set()
         for lease in leases:
             count = self.count_of(lease)
@@ -171,7 +169,7 @@ class ShardFence:
             present.add(lease.name)
             record = LeaseRecord.of(lease)
             before = self._seen.get(lease.name)
-            changed_at = started if before is None or before.record != record else before.changed_at
+            changed_at = returned if before is None or before.record != record else before.changed_at
             duration = float(record.lease_duration_seconds or 0)
             self._seen[lease.name] = _Seen(record, count, changed_at, duration)
         for name, seen in list(self._seen.items()):
@@ -179,7 +177,7 @@ class ShardFence:
                 continue
             if seen.record is not None:
                 # Deleted under its holder: its term runs from now, as the election counts it.
-                self._seen[name] = _Seen(None, seen.shards, started, seen.duration)
+                self._seen[name] = _Seen(None, seen.shards, returned, seen.duration)
             elif seen.changed_at + seen.duration <= started:
                 del self._seen[name]
         others = tuple(
@@ -197,7 +195,6 @@ class ShardFence:
         if epoch != self._epoch:
             return self.clear  # the Lease was taken meanwhile: this check is from before it
         self._open = not others
-        self._confirmed_at = started if self._open else -math.inf
         if others != self.others:
             if others:
                 log.warning(
@@ -240,8 +237,7 @@ class ShardFence:
                 else:
                     _ratelog.warning(
                         "shard_fence_check_failed",
-                        "cannot read the aggregator's Leases: the last check stands (sharded, "
-                        "until the renew deadline; then nothing is written to Nodes)",
+                        "cannot read the aggregator's Leases: the last check stands until one succeeds",
                         extra={"error": str(exc), "status": exc.status},
                     )
             except Exception:
