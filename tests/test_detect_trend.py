@@ -225,6 +225,26 @@ def test_a_lasting_nvlink_replay_stream_quarantines_where_a_crc_trickle_only_ale
     assert hits == {}
 
 
+@pytest.mark.parametrize("col", [CRC, "ecc_sbe_per_second"])
+def test_lasting_crc_or_corrected_ecc_streams_alert_but_never_quarantine(col: str) -> None:
+    # Three a second for ten minutes, 30x the floor: a trend quarantine for any other counter.
+    # NVLink CRC errors are retried (NVIDIA fails a link at 100/s, which rules/nvlink.yaml
+    # applies) and corrected ECC errors were corrected (the GPU remaps their rows; rules/gpu.yaml
+    # quarantines a failed remap): on-call hears of it, the node stays in.
+    pool = SmallPool(12)
+    detector = TrendDetector()
+    for _ in range(30):
+        pool.step()
+    actions = set()
+    for k in range(60):
+        pool.step(errors={(col, 0, 5): 3.0})
+        if k % 3 == 2:
+            for node, f in findings(detector.run_pool(pool.frame, pool.t)):
+                assert (node, f.key.split(":")[1]) == ("n0", "gpu5")
+                actions.add((f.action, f.severity))
+    assert actions == {("alert", "warning")}
+
+
 @pytest.mark.parametrize("per_report", [1, 2])
 def test_replays_that_come_and_go_or_stay_at_one_a_report_are_never_a_quarantine(per_report: int) -> None:
     # Two reports of three with replays (an alert at times), for ten minutes: not the nine tenths

@@ -435,6 +435,28 @@ BAD: list[tuple[str, str, str | None, str]] = [
         "unknown key",
     ),
     (
+        "unknown key in after",
+        f"name: r1\n    kind: field\n    target: nic\n    field: state\n    op: in\n    value: [DOWN]\n"
+        f"    after: [{{field: state, op: in, value: [ACTIVE]}},\n"
+        f"            {{field: state, op: in, valeu: [X]}}]\n    {BASE}",
+        "after[1].valeu",
+        "unknown key",
+    ),
+    (
+        "an empty after",
+        f"name: r1\n    kind: field\n    target: nic\n    field: state\n    op: in\n    value: [DOWN]\n"
+        f"    after: []\n    {BASE}",
+        "after",
+        "empty list",
+    ),
+    (
+        "after on a rate rule",
+        f"name: r1\n    kind: rate\n    target: nic\n    field: symbol_error\n    op: '>'\n    value: 1\n"
+        f"    window: 5m\n    after: {{field: state, op: in, value: [ACTIVE]}}\n    {BASE}",
+        "after",
+        "unknown key",
+    ),
+    (
         "nics on a gpu rule",
         f"name: r1\n    kind: field\n    target: gpu\n    field: temperature_celsius\n    op: '>'\n"
         f"    value: 80\n    nics: {{rdma: true}}\n    {BASE}",

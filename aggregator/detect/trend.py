@@ -11,7 +11,8 @@ burst is at least ``alert_hits`` of the last ``recent_slots`` slots above that l
 clear, persistent one is at least ``quarantine_share`` of the last ``long_slots`` slots (of those
 with a rate, at least ``min_long_share`` of them) above it
 at a median of at least ``quarantine_floors`` floors over the baseline, or the counter's own
-level where it has one (quarantine, not hard).
+level where it has one (quarantine, not hard), for the counters that quarantine at all (NVLink CRC
+errors and corrected ECC errors only alert: ``Counter.quarantines``).
 The baseline is the port's own recent past, so a rate that has stayed high for longer than the
 frame becomes the new normal here: levels are the rules' job, changes are this one's.
 
@@ -62,6 +63,9 @@ class Counter:
     # A persistent burst quarantines at this many floors over the baseline; None: the config's
     # ``quarantine_floors``.
     quarantine_floors: float | None = None
+    # False: a burst of this counter, however long, is an alert. For counters whose quarantine
+    # level the hardware's maker publishes, and the rules apply, above anything a baseline says.
+    quarantines: bool = True
 
 
 # The floor everywhere is one error per 10-s report, and a burst must exceed it: these counters
@@ -71,7 +75,11 @@ class Counter:
 # the link or the chip.
 GPU_COUNTERS: Final[tuple[Counter, ...]] = (
     Counter("pcie_replay_per_second", "PCIe replays", 0.1),
-    Counter("nvlink_crc_per_second", "NVLink CRC errors", 0.1),
+    # NVLink CRC errors are retried by the link, and NVIDIA fails a link on them only at 100 a
+    # second or more (DCGM's DCGM_LIMIT_MAX_NVLINK_CRC_ERROR: "CRC errors only matter at rates of
+    # 100+ per second"; rules/nvlink.yaml quarantines there). A link running at a few a second
+    # is worth telling on-call about, not taking the node out for: alert only.
+    Counter("nvlink_crc_per_second", "NVLink CRC errors", 0.1, quarantines=False),
     # DCGM fails a GPU on any NVLink replay (DCGM_LIMIT_MAX_NVLINK_ERROR = 1, rules/nvlink.yaml):
     # a replay is a flit the receiver found corrupt and the sender sent again, and a healthy link
     # does not replay. We quarantine on a lasting stream instead of on one: persistence alone
@@ -80,7 +88,11 @@ GPU_COUNTERS: Final[tuple[Counter, ...]] = (
     # errors that the link absorbs without replaying keep the general level.
     Counter("nvlink_replay_per_second", "NVLink replays", 0.1, quarantine_floors=0.0),
     Counter("nvlink_recovery_per_second", "NVLink recoveries", 0.1),
-    Counter("ecc_sbe_per_second", "corrected ECC errors", 0.1),
+    # Corrected (single-bit) ECC errors were corrected: the job's data is intact, and the GPU
+    # remaps the rows they recur in (NVML's row remapping; rules/gpu.yaml quarantines when a
+    # remap fails or an uncorrectable error comes). A burst tells on-call; it is not a reason to
+    # take the node out by itself: alert only.
+    Counter("ecc_sbe_per_second", "corrected ECC errors", 0.1, quarantines=False),
 )
 NIC_COUNTERS: Final[tuple[Counter, ...]] = (
     Counter("symbol_error_per_second", "symbol errors", 0.1),
@@ -255,6 +267,7 @@ class TrendDetector(OffloadingPoolDetector):
         hit = enough & (recent_hits >= c.alert_hits)
         quarantine = (
             hit
+            & counter.quarantines
             & (long_seen >= c.min_long_share * c.long_slots)
             & (long_hits >= c.quarantine_share * long_seen)
             & (long_median >= median + floors * floor * (1 - 1e-6))

@@ -100,6 +100,12 @@ _UNIT: Final[Mapping[str, str]] = {"second": "/s", "minute": "/min", "hour": "/h
 # Compiling conditions
 
 
+def _any_test(tests: Sequence[Test]) -> Test:
+    if len(tests) == 1:
+        return tests[0]
+    return lambda e: any(t(e) for t in tests)
+
+
 def _entity_test(cond: Condition) -> Test:
     """A test of one GPU or NIC struct; a null field never satisfies a condition."""
     field = cond.field
@@ -270,6 +276,7 @@ class _FieldCheck:
     select: Test | None
     test: Test
     guard: Test | None
+    arm: Test | None = None  # ``after``: any of its conditions
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +340,7 @@ class _Active:
 class _NodeState:
     __slots__ = (
         "active",
+        "armed",
         "boot_id",
         "boot_seen",
         "counts",
@@ -358,6 +366,24 @@ class _NodeState:
         self.history: dict[int, deque[tuple[float, int, int, str | None]]] = {}
         # (sequential rate rule, subject) -> its statistic; a new boot starts every counter over
         self.counts: dict[tuple[int, str], CountEvidence] = {}
+        # (field rule with ``after``, subject) seen armed: kept across reboots (a port that was up
+        # before a reboot and does not come back is down), forgotten with the node. The shared
+        # empty set until the first (one object fewer for the cycle collector on most nodes).
+        self.armed: AbstractSet[tuple[int, str]] = _NONE_HELD
+
+    def armed_for(self, rid: int, subject: str, arms_now: bool) -> bool:
+        """Whether field rule ``rid`` applies to ``subject``: its ``after`` holds now or held at
+        an earlier report."""
+        key = (rid, subject)
+        if key in self.armed:
+            return True
+        if not arms_now:
+            return False
+        if self.armed is _NONE_HELD:
+            self.armed = set()
+        assert isinstance(self.armed, set)
+        self.armed.add(key)
+        return True
 
     def new_boot(self, now: float) -> None:
         self.boot_seen = now
@@ -555,6 +581,7 @@ class RuleEngine:
                     select=select,
                     test=_entity_test(rule.condition),
                     guard=_entity_test(rule.when) if rule.when is not None else None,
+                    arm=_any_test([_entity_test(c) for c in rule.after]) if rule.after else None,
                 )
                 (self._gpu_fields if rule.target == "gpu" else self._nic_fields).append(field_check)
             elif isinstance(rule, RateRule):
@@ -706,11 +733,11 @@ class RuleEngine:
         base: Callable[[Any], Evidence],
     ) -> None:
         for fc in checks:
-            if (
-                (fc.select is None or fc.select(entity))
-                and fc.test(entity)
-                and (fc.guard is None or fc.guard(entity))
-            ):
+            if fc.select is not None and not fc.select(entity):
+                continue
+            if fc.arm is not None and not run.state.armed_for(fc.rid, subject_of(entity), fc.arm(entity)):
+                continue
+            if fc.test(entity) and (fc.guard is None or fc.guard(entity)):
                 subject = subject_of(entity)
                 since = run.hold(fc.rid, subject, fc.rule.for_s)
                 if since is not None:

@@ -271,6 +271,10 @@ class FieldRule(RuleBase):
     when: Condition | None
     gpus: GpuSelector | None
     nics: NicSelector | None
+    # The rule holds for a GPU/NIC only once one of these has held for it at some report (the
+    # aggregator remembers it across the node's reboots): a port judged down only once it was
+    # known to be up. Empty: from the first report.
+    after: tuple[Condition, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -452,7 +456,7 @@ _CONDITION_KEYS: Final = frozenset({"field", "op", "value", "value_of"})
 _KIND_KEYS: Final[Mapping[str, frozenset[str]]] = types.MappingProxyType(
     {
         "event": frozenset({"events", "codes", "match", "gpus", "hold", "repeat"}),
-        "field": frozenset({"target", "for", "when", "gpus", "nics"}) | _CONDITION_KEYS,
+        "field": frozenset({"target", "for", "when", "after", "gpus", "nics"}) | _CONDITION_KEYS,
         "rate": frozenset({"target", "field", "op", "value", "max_ber", "window", "per", "for", "when"})
         | frozenset({"gpus", "nics", "test", "design_ratio", "arl_hours"}),
         "share": frozenset({"target", "share", "window", "min_samples", "when", "gpus"}) | _CONDITION_KEYS,
@@ -588,6 +592,7 @@ def _parse_field(ctx: _Ctx, item: Mapping[str, Any], common: dict[str, Any]) -> 
         summary=_summary(ctx, item, f"field:{target}"),
         target=target,
         condition=condition,
+        after=_after(ctx, item, fields),
         **_entity_scope(ctx, item, fields),
     )
 
@@ -885,6 +890,26 @@ def _repeat(ctx: _Ctx, value: Any) -> Repeat:
     if not isinstance(alone, bool):
         ctx.fail("repeat.alone", f"expected true or false, got {alone!r}")
     return Repeat(count=count, within_s=within, apart_s=apart, alone=alone)
+
+
+def _after(ctx: _Ctx, item: Mapping[str, Any], fields: Mapping[str, FieldType]) -> tuple[Condition, ...]:
+    """``after:``: one condition (a mapping) or a list of them, any of which arms the rule."""
+    if "after" not in item:
+        return ()
+    value = item["after"]
+    listed = value if isinstance(value, list) else [value]
+    if not listed:
+        ctx.fail("after", "expected a condition or a list of conditions, got an empty list")
+    out: list[Condition] = []
+    for i, cond in enumerate(listed):
+        where = f"after[{i}]" if isinstance(value, list) else "after"
+        if not isinstance(cond, dict):
+            ctx.fail(where, "expected a mapping with field, op and value")
+        for key in cond:
+            if key not in _CONDITION_KEYS:
+                ctx.fail(f"{where}.{key}", f"unknown key{_suggest(str(key), _CONDITION_KEYS)}")
+        out.append(_condition(ctx, cond, fields, key_prefix=f"{where}."))
+    return tuple(out)
 
 
 def _when(ctx: _Ctx, item: Mapping[str, Any], fields: Mapping[str, FieldType]) -> Condition | None:
