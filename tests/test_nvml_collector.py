@@ -267,10 +267,15 @@ def test_old_driver_falls_back_and_reports_what_it_can() -> None:
     assert "nvlink" not in g
 
 
-def test_gpu_max_pcie_generation_is_preferred_over_the_slots() -> None:
+def test_max_pcie_generation_is_what_the_gpu_can_reach_in_its_slot() -> None:
+    # A Gen5 GPU in a Gen4 host at Gen4 runs as fast as that host allows: not a downtrained link.
     fake = FakeNvml.from_dict({"gpus": {"0": {"pcie_link_gen_max_system": 4, "pcie_link_gen": 4}}})
     g = by_index(collector_for(fake).collect())[0]
-    assert (g.pcie_link_gen, g.pcie_link_gen_max) == (4, 5)
+    assert (g.pcie_link_gen, g.pcie_link_gen_max) == (4, 4)
+    # One trained below it is.
+    fake = FakeNvml.from_dict({"gpus": {"0": {"pcie_link_gen_max_system": 5, "pcie_link_gen": 3}}})
+    g = by_index(collector_for(fake).collect())[0]
+    assert (g.pcie_link_gen, g.pcie_link_gen_max) == (3, 5)
 
 
 class CountingNvml(FakeNvml):

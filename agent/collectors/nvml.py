@@ -287,7 +287,6 @@ class NvmlCollector:
         self._reported: dict[int, str] = {}
         # Old drivers lack the newer calls; once FUNCTION_NOT_FOUND, go straight to the old one.
         self._no_clocks_event_reasons = False
-        self._no_gpu_max_pcie_gen = False
         self._gpm = _Gpm()
         self._driver_version: str | None = None  # read once it is read successfully
 
@@ -397,26 +396,17 @@ class NvmlCollector:
             model=_text(model, 96),
             pci_bus_id=_text(pci.busId, 32) if pci is not None else None,
             sm_clock_max_hz=_hz(r("max SM clock", api.nvmlDeviceGetMaxClockInfo, handle, CLOCK_SM)),
-            pcie_link_gen_max=self._pcie_gen_max(api, handle, r),
+            # What this GPU can reach in this slot (the lesser of the two), as for the width: a
+            # Gen5 GPU in a Gen4 host runs at its best at Gen4, which is how the host is built,
+            # not a fault (nvmlDeviceGetGpuMaxPcieLinkGeneration, the GPU's own, would make it
+            # one in a pool of both kinds of host). A link trained below it is.
+            pcie_link_gen_max=r("max PCIe generation", api.nvmlDeviceGetMaxPcieLinkGeneration, handle),
             pcie_link_width_max=r("max PCIe width", api.nvmlDeviceGetMaxPcieLinkWidth, handle),
         )
         if len(r.problems) == before:
             # Only a complete read is kept; a field that failed is tried again next cycle.
             self._static[index] = static
         return static
-
-    def _pcie_gen_max(self, api: NvmlApi, handle: DeviceHandle, r: _Reader) -> int | None:
-        # The GPU's own maximum; nvmlDeviceGetMaxPcieLinkGeneration is the lesser of GPU and slot,
-        # which hides a Gen5 GPU in a Gen4 slot.
-        if not self._no_gpu_max_pcie_gen:
-            gpu_max = getattr(api, "nvmlDeviceGetGpuMaxPcieLinkGeneration", None)
-            if gpu_max is not None:
-                value: int | None = r("max PCIe generation", gpu_max, handle)
-                if r.last_code not in _UNSUPPORTED:
-                    return value
-            if gpu_max is None or r.last_code == ERROR_FUNCTION_NOT_FOUND:
-                self._no_gpu_max_pcie_gen = True
-        return r("max PCIe generation", api.nvmlDeviceGetMaxPcieLinkGeneration, handle)
 
     def _clocks_event_reasons(self, api: NvmlApi, handle: DeviceHandle, r: _Reader) -> int | None:
         if not self._no_clocks_event_reasons:
