@@ -182,6 +182,9 @@ XID_NODE_OUT = {
     "xid-94": 94,
 }
 
+# XID 154's text (NVIDIA's recovery actions: NVML_GPU_RECOVERY_ACTION_*), with the action it changed to.
+_RECOVERY = "GPU recovery action changed from 0x0 (None) to {}"
+
 SCENARIOS: dict[str, Scenario] = {
     **{
         name: Scenario(
@@ -195,6 +198,26 @@ SCENARIOS: dict[str, Scenario] = {
         )
         for name, code in XID_NODE_OUT.items()
     },
+    "xid-154": Scenario(
+        fires=series(
+            4,
+            lambda i, r: (
+                _events(r, [xid(154, 3, r.time, _RECOVERY.format("0x1 (GPU Reset Required)"))])
+                if i == 2
+                else r
+            ),
+        ),
+        key="xid-154:gpu3",
+        lookalikes={
+            "recovered: the action back to None": series(
+                4,
+                lambda i, r: (
+                    _events(r, [xid(154, 3, r.time, _RECOVERY.format("0x0 (None)"))]) if i == 2 else r
+                ),
+            ),
+            "another XID": with_event(63, at=2),
+        },
+    ),
     "xid-app": Scenario(
         fires=with_event(13, at=5),
         key="xid-app:gpu3",
