@@ -37,8 +37,10 @@ Over a sliding window (``window_seconds``), per row the medians of the cycles' m
   they want any soft evidence (``suspect_for_seconds``), with the same safety limits.
 
 A communicator is judged only when every one of its ranks is in the window: a partial view can
-neither blame nor clear. Rows are kept per communicator, bounded (``max_comms``,
-``max_samples``); a node's rows go when it is forgotten.
+neither blame nor clear. Rows are kept per communicator, bounded (``max_comms`` in all,
+``max_comms_per_node`` started by one node's reports, ``max_samples`` per rank; at a cap the
+least recently reported row goes, in one step), so one node's token churning communicator ids
+pushes out only its own rows; a node's rows go when it is forgotten.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class JobConfig(DetectorSettings, frozen=True):
     # one odd cycle cannot move a median, and short enough that a fault shows within minutes.
     window_seconds: PositiveSeconds = 180.0
     max_comms: Annotated[int, Meta(ge=1)] = 20_000  # communicator rows kept (oldest dropped first)
+    # Rows one node may have started (its oldest dropped first): a report carries at most 1,024
+    # collectives, and one node's token must not push every other node's rows out.
+    max_comms_per_node: Annotated[int, Meta(ge=1)] = 1_024
     max_samples: Annotated[int, Meta(ge=1)] = 32  # cycles kept per communicator rank
     # NCCL's run-to-run spread on a healthy ring is a few percent (nccl-tests); 15 % below its
     # peers is well past the pair probes' slow line (detectors.link, sqrt(design_ratio) = 0.866).
@@ -216,6 +221,9 @@ def comm_hops(collective: str, nodes: Sequence[str]) -> tuple[Pair, ...]:
     return tuple(sorted({(min(a, b), max(a, b)) for a, b in zip(d, d[1:] + d[:1], strict=True)}))
 
 
+_Key = tuple[str, str, int]  # (communicator, collective, size bucket)
+
+
 @dataclass
 class _Row:
     """One (communicator, collective, size bucket): what its ranks reported."""
@@ -228,6 +236,7 @@ class _Row:
     timing: str
     ranks: dict[int, _Rank] = field(default_factory=dict)
     last: float = 0.0
+    owner: str = ""  # the node whose report started the row (its quota: max_comms_per_node)
 
 
 @dataclass(frozen=True)
@@ -276,7 +285,10 @@ class JobLocalizer:
     def __init__(self, config: JobConfig | None = None) -> None:
         self.config = config or JobConfig()
         self.every_seconds = self.config.every_seconds
-        self._rows: dict[tuple[str, str, int], _Row] = {}
+        # In the order they were last reported (a row reported again moves to the end), so the
+        # row to drop at a cap is the first: one step, not a scan of 20,000 rows per new row.
+        self._rows: dict[_Key, _Row] = {}
+        self._owned: dict[str, dict[_Key, None]] = {}  # per node, the rows it started, same order
         self._placements: dict[str, Placement] = {}
         # Per node, its last PodResources answer as hostname -> (namespace, pod) (absent: none).
         self._pods: dict[str, dict[str, tuple[str, str]]] = {}
@@ -317,13 +329,30 @@ class JobLocalizer:
             if c.rank is UNSET:
                 continue  # Prometheus mode: no rank, so no view across ranks
             key = (c.comm, c.collective, c.size_bytes)
-            row = self._rows.get(key)
+            row = self._rows.pop(key, None)
             if row is None:
-                if len(self._rows) >= cfg.max_comms:
-                    del self._rows[min(self._rows, key=lambda k: self._rows[k].last)]
-                row = self._rows[key] = _Row(
-                    c.comm, c.collective, c.size_bytes, c.n_ranks, c.nnodes, c.timing_source
+                owned = self._owned.setdefault(report.node, {})
+                if len(owned) >= cfg.max_comms_per_node:
+                    self._drop(next(iter(owned)))
+                elif len(self._rows) >= cfg.max_comms:
+                    self._drop(next(iter(self._rows)))
+                row = _Row(
+                    c.comm,
+                    c.collective,
+                    c.size_bytes,
+                    c.n_ranks,
+                    c.nnodes,
+                    c.timing_source,
+                    owner=report.node,
                 )
+                owned[key] = None
+            else:
+                owned = self._owned[row.owner]
+                del owned[key]
+                owned[key] = None  # to the end of its owner's rows too
+            self._rows[key] = row  # to the end: the most recently reported
+            if c.rank >= row.n_ranks:
+                continue  # no such rank in this communicator: nothing to keep for it
             rank = row.ranks.get(c.rank)
             if rank is None or rank.node != report.node:
                 rank = row.ranks[c.rank] = _Rank(
@@ -344,7 +373,16 @@ class JobLocalizer:
         self._placements.pop(node, None)
         self._pods.pop(node, None)
         for key in [k for k, r in self._rows.items() if any(x.node == node for x in r.ranks.values())]:
-            del self._rows[key]
+            self._drop(key)
+        for key in list(self._owned.get(node, ())):
+            self._drop(key)
+
+    def _drop(self, key: _Key) -> None:
+        row = self._rows.pop(key)
+        owned = self._owned[row.owner]
+        del owned[key]
+        if not owned:
+            del self._owned[row.owner]
 
     # -- a run ----------------------------------------------------------------------------------
 
@@ -353,7 +391,7 @@ class JobLocalizer:
         out = []
         for key, row in list(self._rows.items()):
             if row.last < lo:
-                del self._rows[key]
+                self._drop(key)
                 continue
             if len(row.ranks) != row.n_ranks or set(row.ranks) != set(range(row.n_ranks)):
                 continue
