@@ -107,6 +107,7 @@ from agent.wire import (
     WrongSchemaError,
     decode_compact,
 )
+from aggregator import httplog
 from aggregator.auth import (
     Authenticator,
     AuthError,
@@ -461,6 +462,9 @@ class _Ingest:
         try:
             identity = await self._authenticate(request)
             subject = identity.subject
+            if identity.node is None:
+                # Decided before the body is read: a reader's token costs no gunzip or decode.
+                raise _Reject(403, "node_unbound", f"the token of {identity.subject} is not bound to a node")
             compact, gzipped = self._check_headers(request)
             held = self._per_token.get(subject, 0)
             if held >= self._max_per_token:
@@ -479,8 +483,6 @@ class _Ingest:
             started = time.perf_counter()
             report = self._parse(body, gzipped, compact)
             node = report.node
-            if identity.node is None:
-                raise _Reject(403, "node_unbound", f"the token of {identity.subject} is not bound to a node")
             if identity.node != report.node:
                 raise _Reject(
                     403,
@@ -1052,6 +1054,7 @@ async def serve(
     ``tls_key_file`` it serves HTTPS, reloading the pair when it changes.
     """
     server = app.get(SERVER_CONFIG_KEY) or ServerConfig()
+    httplog.install()  # aiohttp's lines for requests it cannot parse: one every few seconds
     handle_signals = stop is None
     stop_event = asyncio.Event() if stop is None else stop
     loop = asyncio.get_running_loop()

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent import wire
 from agent.clock import FakeClock
+from agent.logs import KeyValueFormatter
 from agent.report import SCHEMA_ID, Event, Gpu, Nic, NvLink, Probe, Report, encode, to_builtins
 from aggregator.auth import AuthUnavailable, Identity, StaticTokens
 from aggregator.config import Config, IngestConfig
@@ -625,9 +626,15 @@ class _Fixed:
         return self.answer
 
 
-async def test_unbound_identity_may_not_report(make_client: MakeClient, pipeline: FakePipeline) -> None:
+@pytest.mark.parametrize("body", ["report", "garbage", "bomb"])
+async def test_unbound_identity_may_not_report(
+    make_client: MakeClient, pipeline: FakePipeline, body: str
+) -> None:
+    # Refused before the body is read: whatever a reader's token sends, nothing is inflated or
+    # decoded for it (a gzip bomb is not a 413 after inflating it, garbage not a 400).
     client = await make_client(authenticator=_Fixed(Identity(node=None, subject="system:admin")))
-    resp = await client.post(REPORTS_PATH, data=gz(encode(make_report())), headers=headers())
+    data = {"report": gz(encode(make_report())), "garbage": b"garbage", "bomb": gz(b"\0" * (64 << 20))}[body]
+    resp = await client.post(REPORTS_PATH, data=data, headers=headers())
     assert resp.status == 403
     assert (await resp.json())["error"] == "node_unbound"
     assert pipeline.ingested == []
@@ -1054,3 +1061,19 @@ async def test_a_compact_report_is_checked_for_plausibility_like_json(
     assert resp.status == 422
     answer = await resp.json()
     assert answer["error"] == "implausible_value" and "$.gpus[0].temperature_celsius" in answer["message"]
+
+
+async def test_a_refused_report_naming_a_forged_field_logs_one_line(
+    make_client: MakeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    # msgspec's error quotes the unknown key as sent; it reaches the log's message.
+    body = json.loads(encode(make_report()))
+    body["evil\n2026-12-07 21:00:00,000 CRITICAL aggregator.service: FORGED admin=1"] = 1
+    client = await make_client()
+    with caplog.at_level(logging.INFO, logger="aggregator.service"):
+        resp = await client.post(REPORTS_PATH, data=gz(json.dumps(body).encode()), headers=headers())
+    assert resp.status == 422
+    refused = [r for r in caplog.records if "FORGED" in r.getMessage()]
+    assert refused
+    for record in refused:
+        assert "\n" not in KeyValueFormatter("%(levelname)s %(name)s: %(message)s").format(record)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import logging
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -15,11 +16,13 @@ from pathlib import Path
 import aiohttp
 import msgspec
 import pytest
+from aiohttp.http_exceptions import BadStatusLine
 from prometheus_client import CollectorRegistry
 
 from agent.clock import FakeClock
 from agent.report import encode
 from agent.shipper import Shipper
+from aggregator import httplog
 from aggregator.auth import StaticTokens
 from aggregator.config import Config, ServerConfig
 from aggregator.service import REPORTS_PATH, create_app, serve
@@ -248,3 +251,85 @@ async def test_sigterm_stops_serve(tmp_path: Path) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
     await asyncio.wait_for(running.task, 5.0)
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+async def raw_request(running: Running, data: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection(running.host, running.port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(200), 5.0)
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /" + b"A" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",  # a request line over the limit
+        b"GET /" + b"A" * 8000 + b" HTTP/1.9\r\nHost: x\r\n\r\n",  # no such version
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: " + b"\x01" * 8000 + b"\r\n\r\n",  # control bytes
+        b"POST /v1/reports HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+    ],
+)
+async def test_requests_the_parser_refuses_are_logged_once_in_a_while_without_their_bytes(
+    server: Running, caplog: pytest.LogCaptureFixture, request_bytes: bytes
+) -> None:
+    # Anyone who can reach the port can send these, token or not: aiohttp logs each at ERROR with
+    # a traceback quoting the bytes (16-32 KB a request). One short warning every few seconds.
+    refused = httplog.install()  # the one serve() put there
+    before = refused.refused
+    with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+        for _ in range(30):
+            assert (
+                (await raw_request(server, request_bytes)).split(b"\r\n", 1)[0].endswith(b" 400 Bad Request")
+            )
+    lines = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert refused.refused - before == 30  # each counted; at most one line every 10 s logged
+    assert len(lines) <= 2
+    assert all(r.levelno == logging.WARNING and r.exc_info is None for r in lines)
+    assert all(len(r.getMessage()) < 100 and "AAAA" not in str(r.__dict__) for r in lines)
+
+
+def test_the_parser_filter_logs_one_line_every_ten_seconds_with_a_count_of_the_rest() -> None:
+    clock = FakeClock(NOW)
+    refused = httplog.ParserErrorFilter(monotonic=clock.monotonic)
+
+    def record() -> logging.LogRecord:
+        exc = BadStatusLine("A" * 8000)
+        return logging.LogRecord(
+            "aiohttp.server",
+            logging.ERROR,
+            __file__,
+            1,
+            "Error handling request from %s",
+            ("10.0.0.9",),
+            (type(exc), exc, None),
+        )
+
+    kept = []
+    for _ in range(3):
+        for _ in range(10):
+            r = record()
+            if refused.filter(r):
+                kept.append(r)
+        clock.advance(10.0)
+    assert [r.__dict__["suppressed_since_last"] for r in kept] == [0, 9, 9]
+    assert all(
+        r.levelno == logging.WARNING and r.exc_info is None and "AAA" not in r.getMessage() for r in kept
+    )
+    assert kept[0].__dict__["error"] == "BadStatusLine" and kept[0].__dict__["peer"] == "10.0.0.9"
+    assert refused.refused == 30
+
+
+async def test_a_handler_that_raises_keeps_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    # The filter is for the parser's refusals only: a bug is still an error with its traceback.
+    log = logging.getLogger("aiohttp.server")
+    httplog.install(log)
+    with caplog.at_level(logging.ERROR, logger="aiohttp.server"):
+        try:
+            raise RuntimeError("a bug")
+        except RuntimeError:
+            log.exception("Error handling request from %s", "127.0.0.1")
+    (record,) = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert record.levelno == logging.ERROR and record.exc_info is not None
