@@ -47,6 +47,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal, Protocol, runtime_checkable
 
+from multidict import CIMultiDictProxy
+
 from agent.clock import Clock
 from agent.errors import ConfigError, GpuwardenError
 from aggregator.kube.api import KubeApi
@@ -104,6 +106,18 @@ class AuthError(GpuwardenError):
         super().__init__(message)
         self.reason = reason
         self.status = status
+
+
+def authorization(headers: CIMultiDictProxy[str]) -> str | None:
+    """The request's one ``Authorization`` header (None: none). ``AuthError`` (400,
+    ``duplicate_authorization``) for two or more: the field is a single value (RFC 9110 11.6.2),
+    and a proxy that checked the last one while we used the first would see another caller."""
+    values = headers.getall("Authorization", ())
+    if len(values) > 1:
+        raise AuthError(
+            f"{len(values)} Authorization headers; send one", reason="duplicate_authorization", status=400
+        )
+    return values[0] if values else None
 
 
 def bearer_token(header: str | None) -> str:

@@ -114,6 +114,7 @@ from aggregator.auth import (
     AuthUnavailable,
     Identity,
     SupportsClose,
+    authorization,
     bearer_token,
     reader_token,
 )
@@ -550,7 +551,7 @@ class _Ingest:
 
     async def _authenticate(self, request: web.Request) -> Identity:
         try:
-            return await self._auth.authenticate(bearer_token(request.headers.get("Authorization")))
+            return await self._auth.authenticate(bearer_token(authorization(request.headers)))
         except AuthError as exc:
             raise _Reject(exc.status, exc.reason, str(exc)) from exc
         except AuthUnavailable as exc:
@@ -746,7 +747,7 @@ def _read_guard(
         ):
             return await handler(request)
         try:
-            token = reader_token(request.headers.get("Authorization"))
+            token = reader_token(authorization(request.headers))
             digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
             if any(hmac.compare_digest(digest, a) for a in admins):
                 return await handler(request)  # an operator may read whatever a viewer may

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -1077,3 +1078,23 @@ async def test_a_refused_report_naming_a_forged_field_logs_one_line(
     assert refused
     for record in refused:
         assert "\n" not in KeyValueFormatter("%(levelname)s %(name)s: %(message)s").format(record)
+
+
+@pytest.mark.parametrize("method", ["POST", "GET"])
+async def test_two_authorization_headers_are_a_bad_request_whoever_they_name(
+    client: TestClient[web.Request, web.Application], pipeline: FakePipeline, method: str
+) -> None:
+    # Authorization is one value (RFC 9110 11.6.2): a proxy that checked the last line while we
+    # used the first would see another caller. Refused whichever comes first.
+    first, second = (f"Bearer {TOKENS['gpu-0002']}", f"Bearer {TOKENS['gpu-0001']}")
+    sent = CIMultiDict(headers())
+    del sent["Authorization"]
+    sent.add("Authorization", first)
+    sent.add("Authorization", second)
+    if method == "POST":
+        resp = await client.post(REPORTS_PATH, data=gz(encode(make_report())), headers=sent)
+    else:
+        resp = await client.get("/api/v1/nodes", headers=sent)
+    assert resp.status == 400
+    assert (await resp.json())["error"] == "duplicate_authorization"
+    assert pipeline.ingested == []

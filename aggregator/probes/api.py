@@ -38,7 +38,7 @@ from aiohttp import web
 
 from agent.clock import Clock
 from agent.probes.protocol import ASSIGNMENTS_PATH, PROTOCOL, RENDEZVOUS_PATH, AssignmentList
-from aggregator.auth import Authenticator, AuthError, AuthUnavailable, Identity, bearer_token
+from aggregator.auth import Authenticator, AuthError, AuthUnavailable, Identity, authorization, bearer_token
 from aggregator.probes.scheduler import ProbeScheduler
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class Rendezvous:
 
 async def _identity(authenticator: Authenticator, request: web.Request) -> Identity:
     try:
-        identity = await authenticator.authenticate(bearer_token(request.headers.get("Authorization")))
+        identity = await authenticator.authenticate(bearer_token(authorization(request.headers)))
     except AuthError as exc:
         raise _Refuse(exc.status, exc.reason, str(exc)) from exc
     except AuthUnavailable as exc:

@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from agent.clock import Clock
 from agent.errors import ConfigError
 from aggregator.audit import AuditLog, AuditRecord
-from aggregator.auth import AuthError, bearer_token
+from aggregator.auth import AuthError, authorization, bearer_token
 from aggregator.config import RemediationConfig
 from aggregator.decisions import Decision
 from aggregator.kube.api import KubeApi
@@ -298,7 +298,7 @@ class Remediation:
 
     def _authorized(self, request: web.Request) -> bool:
         try:
-            given = bearer_token(request.headers.get("Authorization")).encode()
+            given = bearer_token(authorization(request.headers)).encode()
         except AuthError:
             return False
         return any(hmac.compare_digest(given, t) for t in self._admin)
