@@ -89,7 +89,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Final, Protocol, runtime_checkable
 
 import msgspec
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
@@ -427,6 +427,40 @@ class _Ingest:
         resp.headers[ACCEPT_POST_HEADER] = ACCEPT_POST
         return resp
 
+    async def expect(self, request: web.Request) -> web.Response | None:
+        """``Expect: 100-continue``: a request that would be refused gets its refusal now, before
+        its body is sent (RFC 9110 10.1.1); aiohttp's default answers 100 to anything, inviting
+        a body of any size from anyone. Checked: the load, the token, the media type and the
+        declared length; the rest, as for any request, once the body is in."""
+        subject: str | None = None
+        try:
+            if self._in_flight >= self._max_in_flight:
+                raise _Reject(503, "overloaded", f"{self._max_in_flight} reports in flight; retry later")
+            identity = await self._authenticate(request)
+            subject = identity.subject
+            if identity.node is None:
+                raise _Reject(403, "node_unbound", f"the token of {identity.subject} is not bound to a node")
+            self._check_headers(request)
+            length = request.content_length
+            if length is not None and length > self._max_body:
+                raise _Reject(
+                    413, "body_too_large", f"the body is {length} bytes, the limit is {self._max_body} bytes"
+                )
+        except _Reject as rej:
+            resp = self._refuse(request, rej, None, subject)
+            resp.headers[ACCEPT_POST_HEADER] = ACCEPT_POST
+            return resp
+        if (
+            request.version != HttpVersion11
+            or request.headers.get("Expect", "").lower() != "100-continue"
+        ):
+            raise web.HTTPExpectationFailed(
+                text=f"unknown Expect: {request.headers.get('Expect', '')[:64]!r}"
+            )
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the response proper has not started (aiohttp's own handler)
+        return None
+
     async def _handle_in_turn(self, request: web.Request) -> web.Response:
         if self._in_flight >= self._max_in_flight:
             # Shed before anything is read: the cheapest answer, and agents retry after the pause.
@@ -571,7 +605,8 @@ class _Ingest:
         charset = request.charset
         if not compact and charset is not None and charset.lower() not in ("utf-8", "utf8"):
             raise _Reject(415, "unsupported_media_type", f"the charset must be UTF-8, got {charset!r}")
-        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        # Two header lines are one list (RFC 9110 5.3): "identity" then "gzip" is "identity, gzip".
+        encoding = ", ".join(request.headers.getall("Content-Encoding", ())).strip().lower()
         if encoding in ("gzip", "x-gzip"):
             return compact, True
         if encoding in ("", "identity"):
@@ -989,7 +1024,7 @@ def create_app(
     app[SERVER_CONFIG_KEY] = config.server
     if authenticator is not None:
         ingest = _Ingest(pipeline, authenticator, config, clock, metrics, decisions=decisions, route=route)
-        app.router.add_post(REPORTS_PATH, ingest.handle)
+        app.router.add_post(REPORTS_PATH, ingest.handle, expect_handler=ingest.expect)
         app.router.add_route("OPTIONS", REPORTS_PATH, _options)
     app.router.add_routes(_health(registry, readiness))
     app.router.add_routes(_read_api(pipeline))

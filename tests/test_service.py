@@ -1098,3 +1098,17 @@ async def test_two_authorization_headers_are_a_bad_request_whoever_they_name(
     assert resp.status == 400
     assert (await resp.json())["error"] == "duplicate_authorization"
     assert pipeline.ingested == []
+
+
+async def test_content_encoding_on_two_lines_is_one_list(
+    client: TestClient[web.Request, web.Application], pipeline: FakePipeline
+) -> None:
+    # "identity" then "gzip" is "identity, gzip" (RFC 9110 5.3), which this endpoint does not
+    # speak: the same 415 as on one line, not the first line taken and the gzip read as JSON.
+    sent = CIMultiDict(headers(gzipped=False))
+    sent.add("Content-Encoding", "identity")
+    sent.add("Content-Encoding", "gzip")
+    resp = await client.post(REPORTS_PATH, data=gz(encode(make_report())), headers=sent)
+    assert resp.status == 415
+    assert (await resp.json())["error"] == "unsupported_encoding"
+    assert pipeline.ingested == []

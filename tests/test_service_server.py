@@ -333,3 +333,41 @@ async def test_a_handler_that_raises_keeps_its_traceback(caplog: pytest.LogCaptu
             log.exception("Error handling request from %s", "127.0.0.1")
     (record,) = [r for r in caplog.records if r.name == "aiohttp.server"]
     assert record.levelno == logging.ERROR and record.exc_info is not None
+
+
+@pytest.mark.parametrize(
+    ("auth", "length", "status"),
+    [
+        (None, 100, b"401"),  # no token: refused before a byte of the body is asked for
+        ("gpu-0001", 10**9, b"413"),  # a declared length over the limit
+        ("gpu-0001", None, b"100"),  # fine so far: the body is asked for
+    ],
+)
+async def test_expect_100_continue_gets_its_refusal_before_the_body(
+    server: Running, auth: str | None, length: int | None, status: bytes
+) -> None:
+    body = gzip.compress(encode(make_report()))
+    head = [
+        b"POST /v1/reports HTTP/1.1",
+        b"Host: x",
+        b"Content-Type: application/json",
+        b"Content-Encoding: gzip",
+        b"Expect: 100-continue",
+        b"Content-Length: %d" % (len(body) if length is None else length),
+    ]
+    if auth is not None:
+        head.append(b"Authorization: Bearer " + TOKENS[auth].encode())
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    try:
+        writer.write(b"\r\n".join(head) + b"\r\n\r\n")
+        await writer.drain()
+        first = await asyncio.wait_for(reader.readline(), 5.0)
+        assert first.split()[1] == status
+        if status == b"100":
+            await asyncio.wait_for(reader.readline(), 5.0)  # the blank line after the 100
+            writer.write(body)
+            await writer.drain()
+            assert (await asyncio.wait_for(reader.readline(), 5.0)).split()[1] == b"200"
+    finally:
+        writer.close()
+    assert len(server.pipeline.ingested) == (1 if status == b"100" else 0)
