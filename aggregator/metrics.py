@@ -46,6 +46,7 @@ __all__ = [
 REJECT_REASONS: Final = (
     "missing_token",
     "bad_token",
+    "duplicate_authorization",
     "forbidden",
     "node_mismatch",
     "node_unbound",

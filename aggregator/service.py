@@ -22,12 +22,14 @@ for anyone who can reach the port): the read API, ``/api/v1/remediation``, the s
 too. ``/healthz`` and ``/readyz`` answer anyone (the kubelet's probes carry no token). A missing
 or unknown token is 401, a node's token 403.
 
-Every refusal is a JSON body ``{"error": <reason code>, "message": <text for a human>}``; the
-reason codes are ``aggregator.metrics.REJECT_REASONS`` and count in
+Every refusal is a JSON body ``{"error": <reason code>, "message": <text for a human>}`` (a path
+with no route too: ``not_found``, ``method_not_allowed``; only a request aiohttp's HTTP parser
+cannot read gets its plain-text 400); the reason codes are ``aggregator.metrics.REJECT_REASONS`` and count in
 ``gpuwarden_aggregator_reports_rejected_total{reason}``:
 
 ====  ==========================  =======================================================
 401   missing_token, bad_token    no/unknown bearer token (agents keep the report and retry)
+400   duplicate_authorization     two Authorization headers (one value: RFC 9110)
 403   forbidden                   a valid token that may not send reports
 403   node_mismatch, node_unbound the token is another node's, or bound to no node
 415   unsupported_media_type      not JSON or msgpack, a JSON charset other than UTF-8, or a
@@ -54,7 +56,9 @@ With sharding, a report whose pool another shard owns is answered ``307`` with `
 naming that shard (aggregator/shard/router.py): not ingested, not counted as refused.
 
 Hostile input is bounded before it costs anything: authentication happens before the body is
-read, the body is counted while it streams in, and gzip is inflated by a bounded decompressor, so a
+read (and, for ``Expect: 100-continue``, before the body is asked for: a request that would be
+refused for its load, token, media type or declared length gets that answer instead of 100),
+the body is counted while it streams in, and gzip is inflated by a bounded decompressor, so a
 bomb is refused after ``max_decompressed_bytes`` of output however far it would expand. None of it
 reaches the pipeline. Load is bounded too (``ServerConfig``): a request beyond ``max_in_flight``
 is shed with 503 and Retry-After before its body is read (agents back off and retry), one token
@@ -450,10 +454,7 @@ class _Ingest:
             resp = self._refuse(request, rej, None, subject)
             resp.headers[ACCEPT_POST_HEADER] = ACCEPT_POST
             return resp
-        if (
-            request.version != HttpVersion11
-            or request.headers.get("Expect", "").lower() != "100-continue"
-        ):
+        if request.version != HttpVersion11 or request.headers.get("Expect", "").lower() != "100-continue":
             raise web.HTTPExpectationFailed(
                 text=f"unknown Expect: {request.headers.get('Expect', '')[:64]!r}"
             )
@@ -726,6 +727,31 @@ async def _options(request: web.Request) -> web.Response:
 
 
 # -- the read API, health and metrics -------------------------------------------------------------
+
+
+# What the router answers when no route matches the path, or none the method: as JSON like every
+# other refusal (aiohttp's own is "404: Not Found" as text).
+_ROUTING_REASONS: Final = {404: "not_found", 405: "method_not_allowed"}
+
+
+@web.middleware
+async def _routing_refusals(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    refusal = request.match_info.http_exception
+    if refusal is None:
+        return await handler(request)
+    reason = _ROUTING_REASONS.get(refusal.status, "bad_request")
+    message = f"no route for {request.method} {request.path[:128]}"
+    resp = _json(refusal.status, {"error": reason, "message": message})
+    if (allow := refusal.headers.get("Allow")) is not None:
+        resp.headers["Allow"] = allow  # 405: the methods there are
+    return resp
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    """``Server: gpuwarden``: the product, not the versions of Python and aiohttp behind it."""
+    response.headers["Server"] = "gpuwarden"
 
 
 def _bad_request(message: str) -> web.Response:
@@ -1017,7 +1043,10 @@ def create_app(
         clock=clock,
         admin_tokens=admin_tokens,
     )
-    app = web.Application(client_max_size=config.ingest.max_body_bytes, middlewares=[busy.middleware, guard])
+    app = web.Application(
+        client_max_size=config.ingest.max_body_bytes, middlewares=[_routing_refusals, busy.middleware, guard]
+    )
+    app.on_response_prepare.append(_server_header)
     app[BUSY_KEY] = busy
     app[PIPELINE_KEY] = pipeline
     app[METRICS_KEY] = metrics

@@ -1112,3 +1112,14 @@ async def test_content_encoding_on_two_lines_is_one_list(
     assert resp.status == 415
     assert (await resp.json())["error"] == "unsupported_encoding"
     assert pipeline.ingested == []
+
+
+async def test_a_path_or_method_with_no_route_is_refused_as_json_without_versions(
+    client: TestClient[web.Request, web.Application],
+) -> None:
+    resp = await client.get("/no/such/path", headers=VIEWER)
+    assert resp.status == 404 and (await resp.json())["error"] == "not_found"
+    resp = await client.get(REPORTS_PATH, headers=VIEWER)
+    assert resp.status == 405 and (await resp.json())["error"] == "method_not_allowed"
+    assert "POST" in resp.headers["Allow"]
+    assert resp.headers["Server"] == "gpuwarden"  # not the Python and aiohttp versions
