@@ -27,7 +27,8 @@ class Fault:
     start: float  # seconds into the run
     slow: float = 0.0  # share of SM clock lost under load
     throttle: bool = False  # thermal: hot, HW/SW thermal slowdown, clocks down
-    power: float = 0.0  # share of power lost under load, clocks as its node-mates' (held back)
+    # Share of power lost under load: a fault only with ``slow`` or a slowdown bit (alone, a lighter job).
+    power: float = 0.0
     pcie_gen: float | None = None  # PCIe generation over max under load (a link trained low)
     capped: bool = False  # held at its power limit (SW power cap bit) while its node-mates are not
     hot: float = 0.0  # C hotter under load at the same power (a bad fan, dried paste), no throttling

@@ -13,7 +13,8 @@ Per pool, per slot of the frame (the slot still filling is left out), per featur
 
 1. only GPUs under load (utilization >= ``load_threshold``) count, and the slot is scored only with
    at least ``min_gpus`` loaded GPUs on at least ``min_nodes`` nodes (fewer is no pool to speak
-   of; the trend detector watches small pools against their own past);
+   of; the trend detector watches small pools against their own past); for the clock and power,
+   not where the admin set the clocks (NVML's applications-clocks reason, ``app_clocks_explain``);
 2. a node-relative feature first divides each GPU's value by the median of its node's loaded GPUs
    in that slot (nodes with fewer than ``min_node_gpus`` loaded are not scored for it);
 3. the pool's median ``m`` and scaled MAD across all scored GPUs of the slot; the slot's MAD is
@@ -22,7 +23,9 @@ Per pool, per slot of the frame (the slot still filling is left out), per featur
    node-relative clock and power, per regime (held at the power limit or not) where each regime
    has enough peers of its own;
 4. each GPU's robust z-score, signed so that "worse" (slower, hotter, throttled) is positive, and
-   clipped at ``k + max_excess``: one slot adds at most ``max_excess`` to the evidence;
+   clipped at ``k + max_excess``: one slot adds at most ``max_excess`` to the evidence; for power,
+   at most 0 in a slot where the GPU is not held back (``held_back``: no slowdown reason, its clock
+   not under its node-mates'): low power alone is less work (another pod, a pipeline stage);
 5. a one-sided CUSUM per (node, GPU, feature) over the slots (``aggregator.detect.cusum``) with
    the feature's allowance ``k``; the thresholds follow from ``k`` and the wanted in-control average
    run lengths, and are at least a few slots of the largest excess (``thresholds``): ``h_alert``
@@ -35,7 +38,8 @@ Per pool, per slot of the frame (the slot still filling is left out), per featur
    (the GPU is held by its power limit while its peers are not, or by a lower power limit, or, for
    a pool-relative feature, the node changed jobs during the run); the explanation, when there is
    one, is in the finding's evidence and summary, and a clock or power deviation its power limit
-   explains stays an alert.
+   explains stays an alert, as does a temperature deviation without NVML's thermal slowdown reason
+   (hot, not yet slow: ``needs_thermal_slowdown``).
 
 All of it is numpy over the whole pool; Python loops run over pools, features, slots and findings.
 The detector keeps no state between runs: the CUSUM is recomputed from the frame, so a GPU bad
@@ -100,6 +104,21 @@ class PeerFeature:
     # through that column (temperature through power: steady die temperature ~ inlet air + thermal
     # resistance x power).
     given: str | None = None
+    # Leave out the slots where the clocks are set by policy: NVML's applications-clocks reason (0x2,
+    # nvmlClocksEventReasonApplicationsClocksSetting, alias ...UserDefinedClocks: ``nvidia-smi -ac``
+    # or ``-lgc``). An admin's setting holds the clock (and so the power) where it was put: not a fault
+    # and nothing the GPU's peers say anything about, like the SW power cap (APP_CLOCKS_COLUMN).
+    app_clocks_explain: bool = False
+    # A deviation that is only a symptom of less work: the slot's score counts as evidence only where
+    # the GPU is held back in that slot (``held_back``: a slowdown reason, or its SM clock below its
+    # node-mates'); elsewhere at most 0, so the statistic drains. A GPU at its node-mates' clock with
+    # no clock event reason is doing what its job asks of it (NVML clock event reasons: every cause
+    # that holds a GPU below its target clock but the job's own demand sets one of them).
+    held_back_only: bool = False
+    # Quarantine only with the hardware's own word that the deviation costs speed: NVML's SW or HW
+    # thermal slowdown reason (THERMAL_COLUMNS) in at least THERMAL_SHARE of the run's loaded slots.
+    # Without it the finding stays an alert, with the explanation named (``_no_thermal_slowdown``).
+    needs_thermal_slowdown: bool = False
 
 
 # Allowances are how many robust sigmas a healthy GPU may sit away from its peers *for good*
@@ -111,6 +130,22 @@ class PeerFeature:
 # (``nvidia-smi -q -d SUPPORTED_CLOCKS``): 15 / 1,980 MHz = 0.0076 of max, the same share of a node
 # median within a few per cent.
 CLOCK_STEP: Final = 15e6 / 1980e6
+# Held back (``held_back``): an SM clock this many steps under its node-mates' median. With no clock
+# event reason NVML's clocks are "as high as possible" (nvmlClocksEventReasonNone), the same step
+# on every GPU of a model; held at the power limit, each GPU's clock is what its own efficiency
+# allows, a step or two (1-2 %) apart, and a node median between two steps adds half a step. Three
+# steps (45 MHz, 2.3 %) under the median is a clock lower than the silicon and the reading explain.
+HELD_BACK_STEPS: Final = 3.0
+# The frame column of NVML's applications-clocks reason (0x2, CLOCK_EVENT_REASONS
+# "applications_clocks_setting" in agent/report.py): clocks set by the admin (``nvidia-smi -ac`` /
+# ``-lgc``).
+APP_CLOCKS_COLUMN: Final = "app_clocks"
+# NVML's SW and HW thermal slowdown reasons (0x20, 0x40): the GPU reached its slowdown temperature
+# and the clocks are lowered to stay under its maximum operating temperature.
+THERMAL_COLUMNS: Final = ("sw_thermal", "hw_thermal")
+# A temperature finding is quarantine evidence when the GPU was thermally slowed in at least this
+# share of the run's loaded slots: a tenth is three slots of a 30-slot run, more than a stray report.
+THERMAL_SHARE: Final = 0.1
 # A healthy GPU's persistent offset from its peers, in robust sigmas, that no fleet should show: a
 # normal's tail beyond 4.5 sigma holds 3.4e-6 of it, 0.3 GPUs of a 100,000-GPU fleet (the worst case,
 # every bit of the spread persistent). The allowance of the comparisons whose spread is mostly that.
@@ -131,6 +166,7 @@ FEATURES: Final[tuple[PeerFeature, ...]] = (
         "node",
         True,
         by_regime=True,
+        app_clocks_explain=True,
     ),
     # The GPU against the whole pool: the only view of a node whose GPUs are all slow (node-
     # relative, 8 slow GPUs are 8 typical ones). Jobs differ: a heavy job holds its node at the power
@@ -150,6 +186,7 @@ FEATURES: Final[tuple[PeerFeature, ...]] = (
         "pool",
         True,
         True,
+        app_clocks_explain=True,
     ),
     # A sensor reads to 1 C (NVML's temperature is an integer). A GPU's steady temperature is its
     # inlet air plus its cooling's thermal resistance times its power (plus its position in the
@@ -161,8 +198,23 @@ FEATURES: Final[tuple[PeerFeature, ...]] = (
     # position and heat sink contact, for good: a heavy hot tail where the hottest healthy GPU of a
     # few hundred sits near 4 MADs, steadily: k = 5. A GPU 20 C over its pool at its power (a
     # throttling one at 85 C) is 6-7 MADs and still found in a minute.
+    # Hot is not yet slow: real inlet air differs by rack and height (ASHRAE's recommended 18-27 C
+    # envelope), so a whole node, or a GPU, can run 9 C over its pool at its power on healthy parts,
+    # and the frame knows no rack to compare within. Until the GPU reaches its slowdown temperature
+    # the clocks are untouched; there NVML sets the SW thermal reason (and the HW one at the hardware
+    # limit). So a temperature finding without that reason in its run is an alert (the cooling is
+    # worth a look), and quarantine evidence with it (``needs_thermal_slowdown``).
     PeerFeature(
-        "temperature", "temperature", ("temperature_celsius",), "high", 1.0, 5.0, "C", 0, given="power_watts"
+        "temperature",
+        "temperature",
+        ("temperature_celsius",),
+        "high",
+        1.0,
+        5.0,
+        "C",
+        0,
+        given="power_watts",
+        needs_thermal_slowdown=True,
     ),
     PeerFeature(
         "memory-temperature",
@@ -174,12 +226,18 @@ FEATURES: Final[tuple[PeerFeature, ...]] = (
         "C",
         0,
         given="power_watts",
+        needs_thermal_slowdown=True,
     ),
     # Power under load is set by the work as much as by the GPU: a light job draws 400 W where a
     # heavy one draws 650 W on the same healthy H100s, so power is compared as a share of the node's
     # own median: a GPU held back (braked, throttled) draws less than its node-mates, a light job
     # draws less on all of them. Floor: nvidia-smi states power draw accurate to +-5 W, 0.01 of a
     # 500 W median. k = FLEET_TAIL as for the clock: the node-mates' persistent spread.
+    # The node is not one job everywhere: Kubernetes allocates GPUs one by one, so an inference pod
+    # at 330 W can sit beside a training job at the 700 W limit, and pipeline stages differ in load
+    # for good. Low power at the clock of its node-mates with no clock event reason is less work,
+    # not a fault: power is evidence only in the slots where the GPU is held back
+    # (``held_back_only``), never by itself.
     PeerFeature(
         "power",
         "power",
@@ -192,10 +250,13 @@ FEATURES: Final[tuple[PeerFeature, ...]] = (
         "node",
         True,
         by_regime=True,
+        app_clocks_explain=True,
+        held_back_only=True,
     ),
-    # The PCIe generation a loaded GPU runs at, over the GPU's own maximum. GPUs lower it at idle
-    # on purpose (power management), never under load; a GPU behind a Gen4-only slot shows it on
-    # every node of its platform, which the pool median absorbs. A healthy pool reads exactly its
+    # The PCIe generation a loaded GPU runs at, over the most it can reach in its slot (the agent's
+    # pcie_link_gen_max: nvmlDeviceGetMaxPcieLinkGeneration, the lesser of GPU and host, so a Gen5
+    # GPU in a Gen4 host reads 1, not 0.8, in a pool of both kinds of host). GPUs lower it at idle
+    # on purpose (power management), never under load. A healthy pool reads exactly its
     # maximum (MAD 0): the floor, a quarter of one generation of Gen5 (0.2), makes a link that
     # trained one generation low (0.8 of Gen5, 0.75 of Gen4) 4-5 MADs; k = 1 lets a one-slot lag
     # after a job starts (the link retrains as the load arrives) drain away.
@@ -423,6 +484,7 @@ class PeerDetector(OffloadingPoolDetector):
         self.every_seconds = self.config.every_seconds
         self.features = tuple(f for f in FEATURES if all(col in GPU_COLUMN for col in f.columns))
         self.thresholds = {f.key: thresholds(f, self.config) for f in self.features}
+        self.app_clocks_column = GPU_COLUMN[APP_CLOCKS_COLUMN]
 
     def prepare_pool(self, frame: PoolFrame, now: float) -> Offload[dict[str, list[Finding]]]:
         """The pool's complete slots copied out of the frame; the judgement runs on the copy."""
@@ -443,6 +505,8 @@ class PeerDetector(OffloadingPoolDetector):
         c = self.config
         loaded = under_load(gpu, c.load_threshold)
         capped = gpu[..., GPU_COLUMN["sw_power_cap"]] > 0  # NaN (not reported) compares False
+        app_clocks = gpu[..., self.app_clocks_column] > 0  # NaN (not reported) compares False
+        held: npt.NDArray[np.bool_] | None = None
         # How long a run has lasted is read against the data, not the clock: behind a backlog the
         # newest complete slot is minutes old, and a run would otherwise escalate on time that no
         # slot showed. On time (the newest complete slot just before ``now``'s) it is ``now``;
@@ -466,6 +530,8 @@ class PeerDetector(OffloadingPoolDetector):
             # ``warnings.catch_warnings``, which is not thread-safe, and this runs in a worker.
             value: Float = np.fmax.reduce(raw, axis=-1) if len(cols) > 1 else raw[..., 0]
             x = np.where(loaded, value, np.nan)  # (slots, nodes, gpus)
+            if feature.app_clocks_explain:
+                x = np.where(app_clocks, np.nan, x)
             if feature.uncapped_only:
                 x = np.where(capped, np.nan, x)
             if feature.relative_to == "node":
@@ -479,7 +545,11 @@ class PeerDetector(OffloadingPoolDetector):
                 expected: Float = slope * given if slope > 0 else np.zeros_like(x)
                 x = x - expected
                 fit = (slope, expected)
-            self._feature(feature=feature, ctx=context, x=x, out=out, fit=fit)
+            gate = None
+            if feature.held_back_only:
+                held = held_back(gpu, loaded & ~app_clocks, c.min_node_gpus) if held is None else held
+                gate = held
+            self._feature(feature=feature, ctx=context, x=x, out=out, fit=fit, held=gate)
         return out
 
     def _reference(
@@ -536,10 +606,13 @@ class PeerDetector(OffloadingPoolDetector):
         x: Float,
         out: dict[str, list[Finding]],
         fit: tuple[float, Float] | None = None,
+        held: npt.NDArray[np.bool_] | None = None,
     ) -> None:
         """Score ``x`` per slot against its pool, accumulate, and report; ``fit`` (a ``given``
         feature's slope and the part of each cell's value its power explains) is added back to the
-        value and the median shown, so that a finding reads in the feature's own unit."""
+        value and the median shown, so that a finding reads in the feature's own unit; ``held``
+        (``held_back_only``): where the GPU is held back, the only slots whose score may add
+        evidence (elsewhere it is at most 0: the statistic drains)."""
         c = self.config
         th = self.thresholds[feature.key]
         slots = x.shape[0]
@@ -553,6 +626,8 @@ class PeerDetector(OffloadingPoolDetector):
         sign = -1.0 if feature.worse == "low" else 1.0
         clip = feature.allowance + c.max_excess
         z = np.clip(sign * (x - median) / scale, -clip, clip)
+        if held is not None:
+            z = np.where(held, z, np.minimum(z, 0.0))  # NaN stays NaN
         z[~enough] = np.nan
         result = cusum(z, feature.allowance)
         s = result.statistic
@@ -582,12 +657,17 @@ class PeerDetector(OffloadingPoolDetector):
                 if feature.power_limit_explains
                 else None
             )
-            explanation = explained_by_limit or (
+            # What keeps a finding an alert whatever its evidence: a setting (the power limit) or no
+            # sign from the hardware that the deviation slows the GPU (no thermal slowdown).
+            keeps_alert = explained_by_limit or (
+                _no_thermal_slowdown(ctx, int(n), gi, run) if feature.needs_thermal_slowdown else None
+            )
+            explanation = keeps_alert or (
                 _job_change(ctx, int(n), run) if feature.relative_to == "pool" else None
             )
             crossed = bool(s[n, g] >= th.h_quarantine)
             escalated = not crossed and lasted >= c.escalate_after_seconds and explanation is None
-            quarantine = (crossed or escalated) and explained_by_limit is None
+            quarantine = (crossed or escalated) and keeps_alert is None
             action: Action = "quarantine" if quarantine else "alert"
             v, m, zz = float(mean_x[n, g]), float(mean_median[n, g]), float(mean_z[n, g])
             direction = "low" if feature.worse == "low" else "high"
@@ -693,6 +773,43 @@ def _power_limit_explanation(
     ):
         return f"power limit set to {own_limit:.0f} W, {who} {peer_limit:.0f} W"
     return None
+
+
+def held_back(
+    gpu: npt.NDArray[np.float32], scored: npt.NDArray[np.bool_], min_node_gpus: int
+) -> npt.NDArray[np.bool_]:
+    """Per cell (slot, node, GPU), whether something holds the GPU below the clock its work asks
+    for: a slowdown reason (SLOWDOWN_COLUMNS: HW slowdown, thermal, power brake), or an SM clock
+    more than ``HELD_BACK_STEPS`` clock steps under the median of its node's ``scored`` GPUs (a
+    silent fail-slow part: lower clock at the same work). At its node-mates' clock with no such
+    reason a GPU is not held back, whatever it draws: power follows the work (NVML's
+    nvmlClocksEventReasonNone: no clock event reason, "clocks are as high as possible")."""
+    clock = np.where(scored, gpu[..., GPU_COLUMN["sm_clock_ratio"]].astype(np.float64), np.nan)
+    relative = _node_relative(clock, min_node_gpus)
+    slower: npt.NDArray[np.bool_] = relative < 1.0 - HELD_BACK_STEPS * CLOCK_STEP  # NaN: False
+    bits = gpu[..., [GPU_COLUMN[col] for col in SLOWDOWN_COLUMNS]].astype(np.float64)
+    slowed = np.any(bits > 0, axis=-1)
+    out: npt.NDArray[np.bool_] = np.logical_or(slower, slowed)
+    return out
+
+
+def _no_thermal_slowdown(ctx: _Context, n: int, g: int, run: npt.NDArray[np.bool_]) -> str | None:
+    """Why a temperature deviation stays an alert: over the run's slots the GPU was thermally
+    slowed (NVML's SW or HW thermal reason) in less than ``THERMAL_SHARE`` of them. Until a GPU
+    reaches its slowdown temperature its clocks are untouched: hot against its pool (a warmer
+    inlet, a rack position, a cooling worth a look) but not yet slow. None when it was slowed."""
+    if not run.any():
+        return None
+    bits = ctx.gpu[run][:, n, g][:, [GPU_COLUMN[col] for col in THERMAL_COLUMNS]].astype(np.float64)
+    thermal = np.fmax.reduce(bits, axis=-1)  # NaN where neither was reported
+    # A GPU whose reasons are not reported shows no slowdown: nothing says it is held back.
+    share = float(np.nan_to_num(thermal, nan=0.0).mean())
+    if share >= THERMAL_SHARE:
+        return None
+    return (
+        f"no thermal slowdown (NVML SW/HW thermal reason) in {share:.0%} of the run: "
+        "under its slowdown temperature, the clocks are not held back"
+    )
 
 
 def _job_change(ctx: _Context, n: int, run: npt.NDArray[np.bool_]) -> str | None:

@@ -24,18 +24,18 @@ counters each NIC has), so a report builds none.
 
 Memory, and why the frame covers 10 minutes rather than the whole history window
 -------------------------------------------------------------------------------
-Covering the default 1,800 s window at 10 s would take 180 slots: for 7,500 nodes x 8 GPUs x 18
-fields x 4 bytes that is 778 MB, plus the NIC frame (7,500 x 8 NICs x 9 fields x 4 bytes x 180 =
+Covering the default 1,800 s window at 10 s would take 180 slots: for 7,500 nodes x 8 GPUs x 19
+fields x 4 bytes that is 821 MB, plus the NIC frame (7,500 x 8 NICs x 9 fields x 4 bytes x 180 =
 389 MB): over 1 GB for state that peer detectors read only the recent part of. A peer detector
 asks "is this node, now and for the last few minutes, unlike its pool?": it compares nodes at the
 same moments and needs a persistence of minutes, not half an hour. A node's own longer past is in
 its ``NodeHistory`` (rates over any window, ``gpu_samples``). So the frame covers ``frame_seconds``
 (default 600 s: 60 slots at 10 s):
 
-    GPU: 7,500 nodes x 8 GPUs x 18 fields x 60 slots x 4 B = 259 MB
+    GPU: 7,500 nodes x 8 GPUs x 19 fields x 60 slots x 4 B = 274 MB
     NIC: 7,500 nodes x 8 NICs x  9 fields x 60 slots x 4 B = 130 MB
 
-389 MB in all for 7,500 nodes (52 MB for 1,000), up to a quarter more just after the row capacity
+404 MB in all for 7,500 nodes (54 MB for 1,000), up to a quarter more just after the row capacity
 of a big pool grew (doubling leaves a quarter of the capacity unused on average, up to half).
 float16 would halve it but cannot hold bytes per second (max 65,504) and has 3 significant digits,
 which peer comparisons of power or clocks need; float32 is kept.
@@ -145,6 +145,8 @@ _REASON_COLUMNS: Final[tuple[tuple[str, str], ...]] = (
     ("sw_thermal", "sw_thermal_slowdown"),
     ("hw_thermal", "hw_thermal_slowdown"),
     ("power_brake", "hw_power_brake_slowdown"),
+    # Clocks set by the admin (nvidia-smi -ac / -lgc): policy, which the peer detector leaves unscored.
+    ("app_clocks", "applications_clocks_setting"),
 )
 # The columns of the reasons that are never part of healthy work, for the detectors.
 SLOWDOWN_COLUMNS: Final[tuple[str, ...]] = tuple(
