@@ -349,6 +349,9 @@ GPU_CATALOGUE: Final[Mapping[str, FieldInfo]] = types.MappingProxyType(
         "remapped_rows_uncorrectable": _counter("rows"),
         "remapped_rows_pending": _FLAG,
         "remapped_rows_failure": _FLAG,
+        # The _max fields are the most the GPU can reach in its slot (NVML's
+        # nvmlDeviceGetMaxPcieLinkGeneration / ...Width: the lesser of the GPU's and the host's), so a
+        # link trained below them is a fault and a host's own limit is not.
         "pcie_link_gen": _gauge("generation"),
         "pcie_link_gen_max": _gauge("generation"),
         "pcie_link_width": _gauge("lanes"),
