@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import math
 import operator
+import types
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -91,6 +92,10 @@ _COMPARE: Final[Mapping[str, Callable[[Any, Any], bool]]] = {
 _GPU_FIELD, _NVLINK, _NIC_COUNTER, _NIC_TOTAL = range(4)
 _NO_COUNTERS: Final[Mapping[str, int]] = {}
 _NONE_HELD: Final[AbstractSet[tuple[int, str]]] = frozenset()
+_NONE_ARMED: Final[Mapping[tuple[int, str], None]] = types.MappingProxyType({})
+# (rule, subject) pairs a node keeps armed: a node has at most a few dozen NICs and GPUs, each armed
+# once per rule with ``after``; more is a sender naming new ones report after report.
+_MAX_ARMED: Final = 256
 # Matching events kept per (node, repeat rule): bounds memory under an event storm.
 _MAX_HISTORY: Final = 1024
 _UNIT: Final[Mapping[str, str]] = {"second": "/s", "minute": "/min", "hour": "/h"}
@@ -366,23 +371,24 @@ class _NodeState:
         self.history: dict[int, deque[tuple[float, int, int, str | None]]] = {}
         # (sequential rate rule, subject) -> its statistic; a new boot starts every counter over
         self.counts: dict[tuple[int, str], CountEvidence] = {}
-        # (field rule with ``after``, subject) seen armed: kept across reboots (a port that was up
-        # before a reboot and does not come back is down), forgotten with the node. The shared
-        # empty set until the first (one object fewer for the cycle collector on most nodes).
-        self.armed: AbstractSet[tuple[int, str]] = _NONE_HELD
+        # (field rule with ``after``, subject) seen armed, the most recently armed last: kept
+        # across reboots (a port that was up before a reboot and does not come back is down),
+        # forgotten with the node, at most _MAX_ARMED (a token naming new ports in every report
+        # pushes out its own oldest, not memory). The shared empty mapping until the first.
+        self.armed: Mapping[tuple[int, str], None] = _NONE_ARMED
 
     def armed_for(self, rid: int, subject: str, arms_now: bool) -> bool:
         """Whether field rule ``rid`` applies to ``subject``: its ``after`` holds now or held at
         an earlier report."""
         key = (rid, subject)
-        if key in self.armed:
-            return True
         if not arms_now:
-            return False
-        if self.armed is _NONE_HELD:
-            self.armed = set()
-        assert isinstance(self.armed, set)
-        self.armed.add(key)
+            return key in self.armed
+        armed = self.armed if isinstance(self.armed, dict) else {}
+        armed.pop(key, None)
+        armed[key] = None  # the most recently armed last
+        if len(armed) > _MAX_ARMED:
+            del armed[next(iter(armed))]
+        self.armed = armed
         return True
 
     def new_boot(self, now: float) -> None:
