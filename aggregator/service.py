@@ -23,8 +23,9 @@ too. ``/healthz`` and ``/readyz`` answer anyone (the kubelet's probes carry no t
 or unknown token is 401, a node's token 403.
 
 Every refusal is a JSON body ``{"error": <reason code>, "message": <text for a human>}`` (a path
-with no route too: ``not_found``, ``method_not_allowed``; only a request aiohttp's HTTP parser
-cannot read gets its plain-text 400); the reason codes are ``aggregator.metrics.REJECT_REASONS`` and count in
+with no route too: ``not_found``, ``method_not_allowed``, not counted below; only a request
+aiohttp's HTTP parser cannot read gets its plain-text 400, counted by aggregator/httplog.py). The
+reason codes of ``/v1/reports`` are ``aggregator.metrics.REJECT_REASONS`` and count in
 ``gpuwarden_aggregator_reports_rejected_total{reason}``:
 
 ====  ==========================  =======================================================
@@ -453,8 +454,13 @@ class _Ingest:
         except _Reject as rej:
             resp = self._refuse(request, rej, None, subject)
             resp.headers[ACCEPT_POST_HEADER] = ACCEPT_POST
+            # The client may or may not send the body it announced (RFC 9110 10.1.1): closing is
+            # the one way the next request on the connection is not read as that body.
+            resp.force_close()
             return resp
-        if request.version != HttpVersion11 or request.headers.get("Expect", "").lower() != "100-continue":
+        if request.version != HttpVersion11:
+            return None  # HTTP/1.0 has no 100: the expectation is ignored (RFC 9110 10.1.1)
+        if request.headers.get("Expect", "").lower() != "100-continue":
             raise web.HTTPExpectationFailed(
                 text=f"unknown Expect: {request.headers.get('Expect', '')[:64]!r}"
             )

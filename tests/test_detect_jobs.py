@@ -409,6 +409,70 @@ def test_one_token_churning_communicators_neither_stalls_ingest_nor_evicts_other
     assert sum(1 for row in det._rows.values() if row.owner == "evil") == JobConfig().max_comms_per_node
 
 
+def _jobs_report(node: str, seq: int, rows: Sequence[tuple[str, int, int]]) -> Report:
+    """A report of ``node`` whose jobs section has one collective per (comm, rank, n_ranks)."""
+    stat = Stat(min=1.0, p10=1.0, p50=1.0, p90=1.0, max=1.0)
+    collectives = tuple(
+        Collective(
+            comm=comm,
+            collective="AllReduce",
+            size_bytes=1 << 20,
+            n_ranks=n_ranks,
+            nnodes=2,
+            count=1,
+            timing_source="kernel_gpu",
+            busbw_gbs=stat,
+            exec_time_us=stat,
+            rank=rank,
+        )
+        for comm, rank, n_ranks in rows
+    )
+    jobs = Jobs(format="gpuwarden/jobs/v1", collectives=collectives, records=len(rows), dropped=0)
+    return Report(
+        schema=SCHEMA_ID, node=node, time=T0 + seq, seq=seq, boot_id="b", gpus=[], nics=[], jobs=jobs
+    )
+
+
+def _consistent(det: JobLocalizer) -> None:
+    """The detector's bookkeeping agrees with its rows."""
+    owned = {key: node for node, keys in det._owned.items() for key in keys}
+    assert owned == {key: row.owner for key, row in det._rows.items()}
+    held: dict[str, int] = {}
+    for row in det._rows.values():
+        for rank in row.ranks.values():
+            held[rank.node] = held.get(rank.node, 0) + 1
+    assert det._ranks_held == held
+
+
+def test_a_row_dropped_at_the_fleet_cap_keeps_the_bookkeeping_whole() -> None:
+    # At the fleet-wide cap the row dropped may be the reporting node's only one (its map goes);
+    # the row it starts then is still counted as its own, and another node reporting it after
+    # finds its owner (a KeyError lost the rest of that report).
+    det = JobLocalizer(JobConfig(max_comms=2))
+    det.observe_report(_jobs_report("A", 1, [("a1", 0, 2)]), POOL, T0 + 1)
+    det.observe_report(_jobs_report("B", 2, [("b1", 0, 2)]), POOL, T0 + 2)
+    det.observe_report(_jobs_report("A", 3, [("a2", 0, 2)]), POOL, T0 + 3)  # a1 goes
+    det.observe_report(_jobs_report("B", 4, [("a2", 1, 2), ("b1", 1, 2)]), POOL, T0 + 4)
+    assert set(det._rows) == {("a2", "AllReduce", 1 << 20), ("b1", "AllReduce", 1 << 20)}
+    _consistent(det)
+    det.forget("A")
+    _consistent(det)
+    assert set(det._rows) == {("b1", "AllReduce", 1 << 20)}
+
+
+def test_one_token_declaring_a_huge_communicator_holds_its_own_ranks_only() -> None:
+    # n_ranks is the sender's to declare: 2**31 - 1, and 1,024 new ranks of it every report.
+    cfg = JobConfig(max_ranks_per_node=2_048)
+    det = JobLocalizer(cfg)
+    det.observe_report(_jobs_report("honest", 1, [("h", 0, 2)]), POOL, T0 + 1)
+    for r in range(20):
+        rows = [("huge", r * 1_024 + i, 2**31 - 1) for i in range(1_024)]
+        det.observe_report(_jobs_report("evil", r + 2, rows), POOL, T0 + 2 + r)
+    assert det._ranks_held["evil"] == cfg.max_ranks_per_node
+    assert det._ranks_held["honest"] == 1
+    _consistent(det)
+
+
 # -- jobs from pods --------------------------------------------------------------------------------
 
 

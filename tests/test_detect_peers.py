@@ -574,6 +574,21 @@ def test_a_node_in_a_warmer_rack_is_an_alert_not_a_quarantine(seed: int) -> None
     assert quarantines(runs) == []
 
 
+def test_a_slow_gpu_in_a_pool_whose_clocks_are_all_locked_is_still_found() -> None:
+    # Some fleets lock every GPU's clocks (``nvidia-smi -lgc``) for run-to-run determinism: the
+    # pool runs at one setting, so a GPU slow under it is still a GPU slower than its peers.
+    sim = PoolSim(nodes=64, seed=11, faults=[Fault(node=7, gpu=5, start=300.0, slow=0.12)])
+    sim.busy_until[7] = 1e9
+
+    def lock(node: str, t: float, block: FloatArray) -> None:
+        block[:, C[APP_CLOCKS_COLUMN]] = 1.0
+
+    _rewrite(sim, lock)
+    hits = found(simulate(sim, minutes=15))
+    assert any(node == "node-007" and f.action == "quarantine" for _, node, f in hits)
+    assert all(node == "node-007" for _, node, _ in hits)
+
+
 @pytest.mark.parametrize("locked", [tuple(range(GPUS)), (0, 1, 2, 3)])
 def test_clocks_locked_by_the_admin_are_policy_not_a_fault(locked: tuple[int, ...]) -> None:
     # ``nvidia-smi -lgc 1755`` (or ``-ac``) on node-008: SM clocks held at 1755 of 1980 MHz, power

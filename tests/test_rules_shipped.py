@@ -411,8 +411,8 @@ SCENARIOS: dict[str, Scenario] = {
                 10, lambda i, r: _add_nics(r, [netdev("ib0", link_layer="InfiniBand", state="down")])
             ),
             "state unreadable": nic_series("mlx5_3", 10, lambda i: {"state": None}),
-            # A port the node does not use: never ACTIVE.
-            "a port never up": nic_series(
+            # A port the node does not use: never ACTIVE, never a packet received.
+            "a port never up and never receiving": nic_series(
                 "mlx5_3", 10, lambda i: {"state": "DOWN", "phys_state": "Polling", "rx_packets_total": 0}
             ),
             # After a reboot the port waits in INIT for the subnet manager's sweep.
@@ -435,9 +435,6 @@ SCENARIOS: dict[str, Scenario] = {
                 40,
                 lambda i, r: edit_nic(r, "mlx5_2", state="INIT", rx_packets_total=0) if 3 <= i < 15 else r,
                 boot_at=3,
-            ),
-            "a port never activated": nic_series(
-                "mlx5_2", 40, lambda i: {"state": "INIT", "rx_packets_total": 0}
             ),
         },
     ),
@@ -674,6 +671,29 @@ def test_a_port_up_before_a_reboot_and_down_after_it_is_down() -> None:
     # as far as it can tell.
     fresh = feed(engine_for("ib-port-down"), timeline(6, make)[3:])
     assert [keys(f) for f in fresh] == [[], [], []]
+
+
+def test_an_aggregator_started_after_a_port_went_down_still_judges_it() -> None:
+    # Every replica rolled while the port was down: none saw it ACTIVE. It received packets
+    # before it went down (the driver's counters, this boot), so it is a port the node uses.
+    engine = engine_for("ib-port-down")
+    reps = [
+        edit_nic(
+            report(T0 + 10.0 * i, seq=i), "mlx5_1", state="DOWN", phys_state="Polling", rx_packets_total=5000
+        )
+        for i in range(3)
+    ]
+    assert [keys(f) for f in feed(engine, reps)] == [[], ["ib-port-down:mlx5_1/1"], ["ib-port-down:mlx5_1/1"]]
+
+
+def test_a_port_in_init_for_five_minutes_is_not_active_even_if_never_seen_up() -> None:
+    # INIT: cable and switch port up, no subnet manager activating it. A port meant to be used.
+    engine = engine_for("ib-port-not-active")
+    reps = [
+        edit_nic(report(T0 + 10.0 * i, seq=i), "mlx5_2", state="INIT", rx_packets_total=0) for i in range(32)
+    ]
+    history = feed(engine, reps)
+    assert history[29] == [] and keys(history[30]) == ["ib-port-not-active:mlx5_2/1"]
 
 
 def test_for_period_is_met_by_reports_a_few_milliseconds_early() -> None:

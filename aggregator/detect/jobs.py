@@ -38,9 +38,10 @@ Over a sliding window (``window_seconds``), per row the medians of the cycles' m
 
 A communicator is judged only when every one of its ranks is in the window: a partial view can
 neither blame nor clear. Rows are kept per communicator, bounded (``max_comms`` in all,
-``max_comms_per_node`` started by one node's reports, ``max_samples`` per rank; at a cap the
-least recently reported row goes, in one step), so one node's token churning communicator ids
-pushes out only its own rows; a node's rows go when it is forgotten.
+``max_comms_per_node`` started by one node's reports, ``max_ranks_per_node`` ranks of one node
+over all rows, ``max_samples`` per rank; at a row cap the least recently reported row goes, in
+one step), so one node's token churning communicator ids or ranks pushes out only its own rows;
+a node's rows go when it is forgotten.
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ class JobConfig(DetectorSettings, frozen=True):
     # Rows one node may have started (its oldest dropped first): a report carries at most 1,024
     # collectives, and one node's token must not push every other node's rows out.
     max_comms_per_node: Annotated[int, Meta(ge=1)] = 1_024
+    # Ranks one node may hold over all rows: its GPUs (8 on an HGX node) in each of its rows. A
+    # communicator's n_ranks is the sender's to declare (a 100,000-GPU job is real), so this is
+    # what bounds one token declaring huge ones and sending new ranks of them every report.
+    max_ranks_per_node: Annotated[int, Meta(ge=1)] = 8_192
     max_samples: Annotated[int, Meta(ge=1)] = 32  # cycles kept per communicator rank
     # NCCL's run-to-run spread on a healthy ring is a few percent (nccl-tests); 15 % below its
     # peers is well past the pair probes' slow line (detectors.link, sqrt(design_ratio) = 0.866).
@@ -289,6 +294,7 @@ class JobLocalizer:
         # row to drop at a cap is the first: one step, not a scan of 20,000 rows per new row.
         self._rows: dict[_Key, _Row] = {}
         self._owned: dict[str, dict[_Key, None]] = {}  # per node, the rows it started, same order
+        self._ranks_held: dict[str, int] = {}  # per node, the ranks it has in all rows (only > 0)
         self._placements: dict[str, Placement] = {}
         # Per node, its last PodResources answer as hostname -> (namespace, pod) (absent: none).
         self._pods: dict[str, dict[str, tuple[str, str]]] = {}
@@ -331,11 +337,13 @@ class JobLocalizer:
             key = (c.comm, c.collective, c.size_bytes)
             row = self._rows.pop(key, None)
             if row is None:
-                owned = self._owned.setdefault(report.node, {})
-                if len(owned) >= cfg.max_comms_per_node:
-                    self._drop(next(iter(owned)))
+                mine = self._owned.get(report.node)
+                if mine is not None and len(mine) >= cfg.max_comms_per_node:
+                    self._drop(next(iter(mine)))
                 elif len(self._rows) >= cfg.max_comms:
                     self._drop(next(iter(self._rows)))
+                # Looked up after the drop, which forgets a node's map once it is empty.
+                owned = self._owned.setdefault(report.node, {})
                 row = _Row(
                     c.comm,
                     c.collective,
@@ -355,6 +363,12 @@ class JobLocalizer:
                 continue  # no such rank in this communicator: nothing to keep for it
             rank = row.ranks.get(c.rank)
             if rank is None or rank.node != report.node:
+                held = self._ranks_held.get(report.node, 0)
+                if held >= cfg.max_ranks_per_node:
+                    continue  # a sender declaring huge communicators: its own cap, not memory
+                if rank is not None:
+                    self._release(rank.node)
+                self._ranks_held[report.node] = held + 1
                 rank = row.ranks[c.rank] = _Rank(
                     report.node,
                     None if c.hostname is UNSET else c.hostname,
@@ -383,6 +397,16 @@ class JobLocalizer:
         del owned[key]
         if not owned:
             del self._owned[row.owner]
+        for rank in row.ranks.values():
+            self._release(rank.node)
+
+    def _release(self, node: str) -> None:
+        """One rank of ``node``'s gone (its row dropped, or another node took its number)."""
+        left = self._ranks_held[node] - 1
+        if left:
+            self._ranks_held[node] = left
+        else:
+            del self._ranks_held[node]
 
     # -- a run ----------------------------------------------------------------------------------
 

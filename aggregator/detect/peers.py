@@ -505,7 +505,12 @@ class PeerDetector(OffloadingPoolDetector):
         c = self.config
         loaded = under_load(gpu, c.load_threshold)
         capped = gpu[..., GPU_COLUMN["sw_power_cap"]] > 0  # NaN (not reported) compares False
-        app_clocks = gpu[..., self.app_clocks_column] > 0  # NaN (not reported) compares False
+        # Clocks the admin set, where most of the slot's loaded GPUs have none: a pool locked as a
+        # whole (for determinism) runs at one setting and is compared as usual; a node locked
+        # unlike its pool is policy, not a fault, and is left out.
+        locked = gpu[..., self.app_clocks_column] > 0  # NaN (not reported) compares False
+        share = (locked & loaded).sum(axis=(1, 2)) / np.maximum(loaded.sum(axis=(1, 2)), 1)
+        app_clocks = locked & (share < 0.5)[:, None, None]
         held: npt.NDArray[np.bool_] | None = None
         # How long a run has lasted is read against the data, not the clock: behind a backlog the
         # newest complete slot is minutes old, and a run would otherwise escalate on time that no

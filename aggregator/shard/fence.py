@@ -37,7 +37,8 @@ than the retry period) changes nothing. A record's term is counted from when the
 it changed had returned, as the election counts it from when it read it (client-go's
 observedTime): the holder may have renewed it while the LIST was on its way.
 
-Sharded, ``list`` on Leases is required (docs/deploy.md): without it a leader never writes. The
+Sharded, ``list`` on Leases is required (docs/deploy.md): a leader whose Role has never allowed it
+never writes (one whose Role lost it keeps its last answer, like any failed check). The
 unsharded aggregator, which must not gain a way to stop writing for a guard that only matters
 while N changes, writes as it did before the fence where its RBAC does not allow ``list`` (a Role
 from before the fence, which it did not need then), and says so (``enforced`` is False, a
@@ -208,8 +209,9 @@ class ShardFence:
         return self.clear
 
     def _report(self) -> None:
-        """Tell ``on_change`` when ``clear`` differs from what it was last told: at a check, and
-        when it lapsed by the clock (the actuator resyncs when it turns True again)."""
+        """Tell ``on_change`` when ``clear`` differs from what it was last told: after a check, or
+        after ``elected`` or a refused ``list`` changed it (the actuator resyncs when it turns True
+        again)."""
         clear = self.clear
         if clear != self._reported:
             self._reported = clear
