@@ -242,9 +242,9 @@ _EVENT_KINDS = ("xid", "sxid", "kernel")
 # processing, 45 preemptive cleanup, 48 double-bit ECC, 62 micro-controller halt, 63 row remap
 # pending, 64 row remap failure, 74 NVLink error, 79 fallen off the bus, 92 high single-bit ECC
 # rate, 94 contained ECC error, 95 uncontained ECC error, 119 and 120 GSP errors, 140 unrecovered
-# ECC error.
+# ECC error, 154 GPU recovery action changed.
 XID_CODES_PREDECLARED: Final[tuple[int, ...]] = (
-    13, 31, 43, 45, 48, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140,
+    13, 31, 43, 45, 48, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140, 154,
 )  # fmt: skip
 _PSTATE_UNKNOWN = 32  # NVML_PSTATE_UNKNOWN: no state to report
 _GPU_LABELS = ("gpu", "uuid")

@@ -391,10 +391,10 @@ def test_an_xid_counter_is_seen_at_zero_before_its_first_event() -> None:
     current[0] = _snapshot(seq=2, events=[Event(kind="xid", time=T0, gpu=1, code=79)])
     assert _xid_series(metrics)[("1", "79")] == 1.0
     # A code nobody declared: at 0 in the next scrape, counted from the one after; never lost.
-    current[0] = _snapshot(seq=3, events=[Event(kind="xid", time=T0, gpu=0, code=154)] * 2)
-    assert _xid_series(metrics)[("0", "154")] == 0.0
-    assert _xid_series(metrics)[("0", "154")] == 2.0
-    assert _xid_series(metrics)[("0", "154")] == 2.0
+    current[0] = _snapshot(seq=3, events=[Event(kind="xid", time=T0, gpu=0, code=61)] * 2)
+    assert _xid_series(metrics)[("0", "61")] == 0.0
+    assert _xid_series(metrics)[("0", "61")] == 2.0
+    assert _xid_series(metrics)[("0", "61")] == 2.0
 
 
 def test_the_first_cycle_s_xid_waits_for_its_zero_to_be_scraped() -> None:
