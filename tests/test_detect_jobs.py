@@ -332,9 +332,9 @@ def test_the_slowest_communicators_and_stragglers_are_kept_for_metrics() -> None
         assert 0 < len(rows) <= JobConfig().top_n, family
 
 
-def test_rows_are_bounded_and_a_forgotten_node_takes_its_rows_along() -> None:
+def _one_job_cycle(det: JobLocalizer) -> None:
+    """One cycle of the first simulated job's reports, every node of it."""
     fleet = JobFleet(seed=1, start=T0, jobs=JOBS[:1], hardware={"llm-a": H100}, faults=[])
-    det = JobLocalizer(JobConfig(max_comms=10))
     for node in JOBS[0].node_names():
         jobs, _ = fleet.section(node, T0, T0 + 10.0, 0.0, False)
         det.observe_report(
@@ -344,6 +344,11 @@ def test_rows_are_bounded_and_a_forgotten_node_takes_its_rows_along() -> None:
             POOL,
             T0 + 10.0,
         )
+
+
+def test_rows_are_bounded_and_a_forgotten_node_takes_its_rows_along() -> None:
+    det = JobLocalizer(JobConfig(max_comms=10))
+    _one_job_cycle(det)
     assert len(det._rows) == 10
     for node in JOBS[0].node_names():
         det.forget(node)
@@ -354,55 +359,13 @@ def test_one_token_churning_communicators_neither_stalls_ingest_nor_evicts_other
     # A node's token sends 1,024 new communicators a report (the most a report carries), report
     # after report. Dropping the oldest row at the cap is one step (it was a scan of every row
     # per new row: seconds a report on the event loop), and the node only pushes out its own.
-    fleet = JobFleet(seed=1, start=T0, jobs=JOBS[:1], hardware={"llm-a": H100}, faults=[])
     det = JobLocalizer(JobConfig(max_comms=4_096))
-    honest = JOBS[0].node_names()
-    for node in honest:
-        jobs, _ = fleet.section(node, T0, T0 + 10.0, 0.0, False)
-        det.observe_report(
-            Report(
-                schema=SCHEMA_ID, node=node, time=T0 + 10, seq=1, boot_id="b", gpus=[], nics=[], jobs=jobs
-            ),
-            POOL,
-            T0 + 10.0,
-        )
+    _one_job_cycle(det)
     theirs = set(det._rows)
-    stat = Stat(min=1.0, p10=1.0, p50=1.0, p90=1.0, max=1.0)
     started = time.process_time()
     for r in range(40):
-        churn = Jobs(
-            format="gpuwarden/jobs/v1",
-            collectives=tuple(
-                Collective(
-                    comm=f"c{r}-{j}",
-                    collective="AllReduce",
-                    size_bytes=j,
-                    n_ranks=2,
-                    nnodes=2,
-                    count=1,
-                    timing_source="kernel_gpu",
-                    busbw_gbs=stat,
-                    exec_time_us=stat,
-                    rank=0,
-                )
-                for j in range(1_024)
-            ),
-            records=1_024,
-            dropped=0,
-        )
         det.observe_report(
-            Report(
-                schema=SCHEMA_ID,
-                node="evil",
-                time=T0 + 20 + r,
-                seq=r + 2,
-                boot_id="b",
-                gpus=[],
-                nics=[],
-                jobs=churn,
-            ),
-            POOL,
-            T0 + 20.0 + r,
+            _jobs_report("evil", r + 2, [(f"c{r}-{j}", 0, 2) for j in range(1_024)]), POOL, T0 + 20 + r
         )
     assert time.process_time() - started < 10.0  # 40 reports; the scan took minutes
     assert theirs <= set(det._rows)  # every honest row is still there

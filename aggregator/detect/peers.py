@@ -204,29 +204,14 @@ FEATURES: Final[tuple[PeerFeature, ...]] = (
     # the clocks are untouched; there NVML sets the SW thermal reason (and the HW one at the hardware
     # limit). So a temperature finding without that reason in its run is an alert (the cooling is
     # worth a look), and quarantine evidence with it (``needs_thermal_slowdown``).
-    PeerFeature(
-        "temperature",
-        "temperature",
-        ("temperature_celsius",),
-        "high",
-        1.0,
-        5.0,
-        "C",
-        0,
-        given="power_watts",
-        needs_thermal_slowdown=True,
-    ),
-    PeerFeature(
-        "memory-temperature",
-        "memory temperature",
-        ("memory_temperature_celsius",),
-        "high",
-        1.0,
-        5.0,
-        "C",
-        0,
-        given="power_watts",
-        needs_thermal_slowdown=True,
+    *(
+        PeerFeature(
+            key, label, (column,), "high", 1.0, 5.0, "C", 0, given="power_watts", needs_thermal_slowdown=True
+        )
+        for key, label, column in (
+            ("temperature", "temperature", "temperature_celsius"),
+            ("memory-temperature", "memory temperature", "memory_temperature_celsius"),
+        )
     ),
     # Power under load is set by the work as much as by the GPU: a light job draws 400 W where a
     # heavy one draws 650 W on the same healthy H100s, so power is compared as a share of the node's
