@@ -235,7 +235,7 @@ async def _measure(
     stop_serving = asyncio.Event()
     server = asyncio.create_task(agg.serve("127.0.0.1", 0, stop=stop_serving, shutdown_timeout_s=1.0))
     started = time.monotonic()
-    while not (remediation.ready and remediation.elector.is_leader):
+    while not (remediation.ready and remediation.acting):  # leading, and the fence lets it write
         await asyncio.sleep(0.05)
         assert time.monotonic() - started < 120, "the aggregator never synced and led"
     print(f"synced and leading after {time.monotonic() - started:.1f} s", file=sys.stderr)

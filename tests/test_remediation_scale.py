@@ -63,6 +63,8 @@ async def test_a_storm_of_hard_faults_is_tainted_once_each_within_the_bucket(tmp
         # Writes answered 20 ms after they are applied: every write's watch event overtakes its
         # answer, as it may on a real API server, which orders neither before the other.
         double.set_latency("patch", 0.02, path_regex=r"^/api/v1/nodes/")
+        # And a slow LIST of Leases (the fence's): leading comes before being let write.
+        double.set_latency("list", 1.0, path_regex=r"/leases$")
         (tmp_path / "tokens").write_text("gpu-p0-000 token-for-the-scale-test-0123456789\n")
         config = Config(
             remediation=RemediationConfig(
@@ -94,7 +96,9 @@ async def test_a_storm_of_hard_faults_is_tainted_once_each_within_the_bucket(tmp
         server = asyncio.create_task(agg.serve("127.0.0.1", 0, stop=stop, shutdown_timeout_s=1.0))
         try:
             deadline = time.monotonic() + WAIT_S
-            while not (remediation.ready and remediation.elector.is_leader):
+            # Acting, not only leading: the fence's first check (a LIST of Leases) lets it write,
+            # and the resync that follows it must not land in the healthy round below.
+            while not (remediation.ready and remediation.acting):
                 assert time.monotonic() < deadline, "never synced and led"
                 await asyncio.sleep(0.02)
             # Every pool's size comes from the informer cache: 100 each, so 10 may be out.
