@@ -439,18 +439,11 @@ class _Ingest:
         declared length; the rest, as for any request, once the body is in."""
         subject: str | None = None
         try:
-            if self._in_flight >= self._max_in_flight:
-                raise _Reject(503, "overloaded", f"{self._max_in_flight} reports in flight; retry later")
+            if (shed := self._overloaded()) is not None:
+                raise shed
             identity = await self._authenticate(request)
             subject = identity.subject
-            if identity.node is None:
-                raise _Reject(403, "node_unbound", f"the token of {identity.subject} is not bound to a node")
-            self._check_headers(request)
-            length = request.content_length
-            if length is not None and length > self._max_body:
-                raise _Reject(
-                    413, "body_too_large", f"the body is {length} bytes, the limit is {self._max_body} bytes"
-                )
+            self._admit(request, identity)
         except _Reject as rej:
             resp = self._refuse(request, rej, None, subject)
             resp.headers[ACCEPT_POST_HEADER] = ACCEPT_POST
@@ -468,15 +461,30 @@ class _Ingest:
         request.writer.output_size = 0  # the response proper has not started (aiohttp's own handler)
         return None
 
-    async def _handle_in_turn(self, request: web.Request) -> web.Response:
-        if self._in_flight >= self._max_in_flight:
-            # Shed before anything is read: the cheapest answer, and agents retry after the pause.
-            return self._refuse(
-                request,
-                _Reject(503, "overloaded", f"{self._max_in_flight} reports in flight; retry later"),
-                None,
-                None,
+    def _overloaded(self) -> _Reject | None:
+        """The refusal of a request beyond ``max_in_flight``, if this one is."""
+        if self._in_flight < self._max_in_flight:
+            return None
+        return _Reject(503, "overloaded", f"{self._max_in_flight} reports in flight; retry later")
+
+    def _admit(self, request: web.Request, identity: Identity) -> tuple[bool, bool]:
+        """What is decided before a byte of the body is read (or, with ``Expect``, asked for): a
+        token bound to a node (a reader's costs no gunzip or decode), a media type this endpoint
+        speaks and a declared length within the limit. (compact, gzip) of the body."""
+        if identity.node is None:
+            raise _Reject(403, "node_unbound", f"the token of {identity.subject} is not bound to a node")
+        compact, gzipped = self._check_headers(request)
+        length = request.content_length
+        if length is not None and length > self._max_body:
+            raise _Reject(
+                413, "body_too_large", f"the body is {length} bytes, the limit is {self._max_body} bytes"
             )
+        return compact, gzipped
+
+    async def _handle_in_turn(self, request: web.Request) -> web.Response:
+        if (shed := self._overloaded()) is not None:
+            # Shed before anything is read: the cheapest answer, and agents retry after the pause.
+            return self._refuse(request, shed, None, None)
         self._in_flight += 1
         try:
             # A whole request already buffered would otherwise run to its end without yielding,
@@ -504,10 +512,7 @@ class _Ingest:
         try:
             identity = await self._authenticate(request)
             subject = identity.subject
-            if identity.node is None:
-                # Decided before the body is read: a reader's token costs no gunzip or decode.
-                raise _Reject(403, "node_unbound", f"the token of {identity.subject} is not bound to a node")
-            compact, gzipped = self._check_headers(request)
+            compact, gzipped = self._admit(request, identity)
             held = self._per_token.get(subject, 0)
             if held >= self._max_per_token:
                 raise _Reject(
@@ -632,10 +637,7 @@ class _Ingest:
             ) from None
 
     async def _read_body(self, request: web.Request) -> bytes:
-        limit = self._max_body
-        length = request.content_length
-        if length is not None and length > limit:
-            raise _Reject(413, "body_too_large", f"the body is {length} bytes, the limit is {limit} bytes")
+        limit = self._max_body  # the declared length was checked already (``_admit``)
         # Counted as it arrives too: chunked bodies have no Content-Length, and a sender may lie.
         chunks: list[bytes] = []
         size = 0

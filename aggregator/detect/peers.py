@@ -790,7 +790,8 @@ def _no_thermal_slowdown(ctx: _Context, n: int, g: int, run: npt.NDArray[np.bool
     inlet, a rack position, a cooling worth a look) but not yet slow. None when it was slowed."""
     if not run.any():
         return None
-    bits = ctx.gpu[run][:, n, g][:, [GPU_COLUMN[col] for col in THERMAL_COLUMNS]].astype(np.float64)
+    # This GPU's run slots only: indexing the slots first would copy the whole pool's.
+    bits = ctx.gpu[:, n, g][run][:, [GPU_COLUMN[col] for col in THERMAL_COLUMNS]].astype(np.float64)
     thermal = np.fmax.reduce(bits, axis=-1)  # NaN where neither was reported
     # A GPU whose reasons are not reported shows no slowdown: nothing says it is held back.
     share = float(np.nan_to_num(thermal, nan=0.0).mean())
