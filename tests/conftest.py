@@ -3,17 +3,34 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
 from agent.logs import KeyValueFormatter
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def ci() -> bool:
+    """The run requires the tools scripts/setup installs, and compares rather than rewrites: CI,
+    and scripts/test (which sets CI=true unless it is set)."""
+    return os.environ.get("CI", "").lower() in ("true", "1")
+
+
+def missing_tool(name: str, package: str) -> NoReturn:
+    """A test's outside tool is not installed: it fails where the run requires the tools
+    (``ci()``), and skips elsewhere."""
+    if ci():
+        pytest.fail(f"{name} is not installed, and this run requires it (scripts/setup installs {package})")
+    pytest.skip(f"{name} is not installed (apt-get install {package})")
+
+
 FIXTURES = REPO / "tests" / "fixtures"
 # Trees recorded from real machines (tests/fixtures/sysfs/recorded/README.md: sources, licence).
 # Everything the tests read lives inside the repository, so a fresh clone passes on its own.

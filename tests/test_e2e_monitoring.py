@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from tests.conftest import FIXTURES, REPO
+from tests.conftest import FIXTURES, REPO, missing_tool
 from tests.kube_double import KubeApiDouble
 from tests.ports import free_port
 from tests.test_grafana import generate  # grafana/generate.py, loaded as a module
@@ -120,9 +120,7 @@ def _binary(*names: str) -> str:
         path = shutil.which(name)
         if path:
             return path
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{names[0]} is not installed (scripts/setup installs it)")
-    pytest.skip(f"{names[0]} is not installed (apt-get install {names[0]})")
+    missing_tool(names[0], names[0])
 
 
 @dataclass

@@ -7,7 +7,6 @@ tests/test_metrics.py`` and review its diff.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -31,7 +30,8 @@ from agent.metrics import (
 )
 from agent.report import CollectorError, Event, Gpu, Nic, NvLink, Probe, Report
 from agent.state import CollectorStatus, CycleResult, ShipperStats
-from tests.conftest import REPO
+from tests.conftest import REPO, ci
+from tests.test_prometheus_rules import promtool
 
 GOLDEN = Path(__file__).parent / "fixtures" / "metrics" / "golden.prom"
 T0 = 1_764_441_600.0
@@ -235,6 +235,10 @@ def _samples(text: bytes) -> dict[tuple[str, frozenset[tuple[str, str]]], float]
 def test_exposition_matches_golden_file() -> None:
     text = _exposition(_snapshot())
     if os.environ.get("GPUWARDEN_UPDATE_GOLDEN") == "1":
+        if ci():
+            pytest.fail(
+                "GPUWARDEN_UPDATE_GOLDEN=1 under CI: the golden file is compared there, never rewritten"
+            )
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
         GOLDEN.write_bytes(text)
         pytest.skip(f"rewrote {GOLDEN}: review its diff")
@@ -258,15 +262,10 @@ def test_metric_types_follow_the_field_catalogue() -> None:
 
 
 def test_promtool_finds_nothing_to_lint() -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        if os.environ.get("CI", "").lower() in ("true", "1"):
-            pytest.fail("promtool is not installed (apt-get install prometheus): CI must lint /metrics")
-        pytest.skip("promtool is not installed (apt-get install prometheus)")
     # The live server adds the process_* families: lint those too.
     registry = make_registry(AgentMetrics(_snapshot), process_metrics=True)
     proc = subprocess.run(
-        [promtool, "check", "metrics"],
+        [promtool(), "check", "metrics"],
         input=generate_latest(registry),
         capture_output=True,
         timeout=30,

@@ -8,7 +8,6 @@ scripts/setup installs it.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -21,6 +20,7 @@ import pytest
 from prometheus_client.registry import CollectorRegistry
 
 from aggregator.notify import NotifyConfig, make_dispatcher
+from tests.conftest import missing_tool
 from tests.ports import free_port
 from tests.test_notify import T0, quarantine, release, systemic
 
@@ -38,9 +38,7 @@ def _binary() -> str:
         path = shutil.which(name)
         if path:
             return path
-    if os.environ.get("CI") == "true":
-        pytest.fail("prometheus-alertmanager is not installed (scripts/setup installs it)")
-    pytest.skip("prometheus-alertmanager is not installed (apt-get install prometheus-alertmanager)")
+    missing_tool("prometheus-alertmanager", "prometheus-alertmanager")
 
 
 class Alertmanager:

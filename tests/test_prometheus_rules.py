@@ -41,6 +41,7 @@ from aggregator.config import Config, RemediationConfig
 from aggregator.kube.api import KubeApi
 from aggregator.kube.client import KubeClient
 from aggregator.metrics import NODE_STATES
+from tests.conftest import missing_tool
 from tests.kube_double import KubeApiDouble
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,11 +92,7 @@ def promtool() -> str:
     if found is None:
         if configured:
             pytest.fail(f"PROMTOOL={configured!r} is not an executable")
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(
-                "promtool is not installed, and CI must run the rule tests (apt-get install prometheus)"
-            )
-        pytest.skip("promtool is not installed")
+        missing_tool("promtool", "prometheus")
     return found
 
 

@@ -9,7 +9,6 @@ the test skips locally and fails in CI (CI=true), where scripts/setup installs i
 
 from __future__ import annotations
 
-import os
 import re
 import struct
 import zlib
@@ -19,6 +18,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from tests.conftest import missing_tool
 from tests.statusfleet import (
     QUARANTINED,
     SILENT_RACK,
@@ -48,9 +48,7 @@ BROWSER_OWN_HOSTS = frozenset(
 @pytest.fixture(scope="module")
 def fleet() -> StatusFleet:
     if chromium_binary() is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("chromium is not installed (scripts/setup installs it)")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
+        missing_tool("chromium", "chromium")
     return status_fleet()
 
 
