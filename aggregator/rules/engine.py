@@ -371,21 +371,22 @@ class _NodeState:
         self.history: dict[int, deque[tuple[float, int, int, str | None]]] = {}
         # (sequential rate rule, subject) -> its statistic; a new boot starts every counter over
         self.counts: dict[tuple[int, str], CountEvidence] = {}
-        # (field rule with ``after``, subject) seen armed, the most recently armed last: kept
-        # across reboots (a port that was up before a reboot and does not come back is down),
-        # forgotten with the node, at most _MAX_ARMED (a token naming new ports in every report
-        # pushes out its own oldest, not memory). The shared empty mapping until the first.
+        # (field rule with ``after``, subject) seen armed, in the order they were: kept across
+        # reboots (a port that was up before a reboot and does not come back is down), forgotten
+        # with the node, at most _MAX_ARMED (a token naming new ports in every report pushes out
+        # its own oldest, not memory). The shared empty mapping until the first.
         self.armed: Mapping[tuple[int, str], None] = _NONE_ARMED
 
-    def armed_for(self, rid: int, subject: str, arms_now: bool) -> bool:
-        """Whether field rule ``rid`` applies to ``subject``: its ``after`` holds now or held at
-        an earlier report."""
+    def armed_for(self, rid: int, subject: str, arm: Test, entity: Any) -> bool:
+        """Whether field rule ``rid`` applies to ``subject``: its ``after`` (``arm``) held at an
+        earlier report, or holds for ``entity`` now (asked only while it never has)."""
         key = (rid, subject)
-        if not arms_now:
-            return key in self.armed
+        if key in self.armed:
+            return True
+        if not arm(entity):
+            return False
         armed = self.armed if isinstance(self.armed, dict) else {}
-        armed.pop(key, None)
-        armed[key] = None  # the most recently armed last
+        armed[key] = None
         if len(armed) > _MAX_ARMED:
             del armed[next(iter(armed))]
         self.armed = armed
@@ -741,10 +742,13 @@ class RuleEngine:
         for fc in checks:
             if fc.select is not None and not fc.select(entity):
                 continue
-            if fc.arm is not None and not run.state.armed_for(fc.rid, subject_of(entity), fc.arm(entity)):
-                continue
-            if fc.test(entity) and (fc.guard is None or fc.guard(entity)):
+            subject: str | None = None
+            if fc.arm is not None:
                 subject = subject_of(entity)
+                if not run.state.armed_for(fc.rid, subject, fc.arm, entity):
+                    continue
+            if fc.test(entity) and (fc.guard is None or fc.guard(entity)):
+                subject = subject or subject_of(entity)
                 since = run.hold(fc.rid, subject, fc.rule.for_s)
                 if since is not None:
                     cond = fc.rule.condition

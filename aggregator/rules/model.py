@@ -897,31 +897,25 @@ def _after(ctx: _Ctx, item: Mapping[str, Any], fields: Mapping[str, FieldType]) 
     if "after" not in item:
         return ()
     value = item["after"]
-    listed = value if isinstance(value, list) else [value]
-    if not listed:
+    if not isinstance(value, list):
+        return (_guard_condition(ctx, value, fields, "after"),)
+    if not value:
         ctx.fail("after", "expected a condition or a list of conditions, got an empty list")
-    out: list[Condition] = []
-    for i, cond in enumerate(listed):
-        where = f"after[{i}]" if isinstance(value, list) else "after"
-        if not isinstance(cond, dict):
-            ctx.fail(where, "expected a mapping with field, op and value")
-        for key in cond:
-            if key not in _CONDITION_KEYS:
-                ctx.fail(f"{where}.{key}", f"unknown key{_suggest(str(key), _CONDITION_KEYS)}")
-        out.append(_condition(ctx, cond, fields, key_prefix=f"{where}."))
-    return tuple(out)
+    return tuple(_guard_condition(ctx, cond, fields, f"after[{i}]") for i, cond in enumerate(value))
 
 
 def _when(ctx: _Ctx, item: Mapping[str, Any], fields: Mapping[str, FieldType]) -> Condition | None:
-    if "when" not in item:
-        return None
-    value = item["when"]
+    return _guard_condition(ctx, item["when"], fields, "when") if "when" in item else None
+
+
+def _guard_condition(ctx: _Ctx, value: Any, fields: Mapping[str, FieldType], where: str) -> Condition:
+    """A condition given as its own mapping (``when:``, ``after:``), its keys checked."""
     if not isinstance(value, dict):
-        ctx.fail("when", "expected a mapping with field, op and value")
+        ctx.fail(where, "expected a mapping with field, op and value")
     for key in value:
         if key not in _CONDITION_KEYS:
-            ctx.fail(f"when.{key}", f"unknown key{_suggest(str(key), _CONDITION_KEYS)}")
-    return _condition(ctx, value, fields, key_prefix="when.")
+            ctx.fail(f"{where}.{key}", f"unknown key{_suggest(str(key), _CONDITION_KEYS)}")
+    return _condition(ctx, value, fields, key_prefix=f"{where}.")
 
 
 _NUMERIC_OPS: Final = frozenset({">", ">=", "<", "<=", "==", "!="})
