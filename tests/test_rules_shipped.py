@@ -723,6 +723,36 @@ def test_rate_finding_clears_once_the_window_has_passed() -> None:
     assert history[10][0].summary == "GPU 0 (GPU-00000000...) NVLink recoveries at 108/h over 10m"
 
 
+def test_a_window_rule_on_a_saturated_counter_holds_until_the_counter_is_cleared() -> None:
+    # LocalLinkIntegrityErrors is 4 bits wide: a bad link takes it to 15 within minutes, where it
+    # stays until someone clears it, and from then on it reads as a rate of 0. The finding must
+    # not clear on that silence; it clears on the window's evidence once the counter is cleared.
+    def values(i: int) -> int:
+        if i < 10:
+            return 0
+        if i < 100:
+            return min(15, 3 * (i - 9))  # 3 an interval, stuck at 15 from report 14 on
+        return 0  # cleared (perfquery -R) at report 100, and the link is clean since
+
+    history = feed(engine_for("ib-local-link-integrity"), counter("ib-local-link-integrity", values, 170)())
+    active = [keys(f) == ["ib-local-link-integrity:mlx5_0/1"] for f in history]
+    assert active[:10] == [False] * 10
+    assert all(active[10:100]), "cleared on the silence of a saturated counter"
+    assert history[99][0].evidence["evidence_state"] == "saturated"
+    assert "evidence_state" not in history[12][0].evidence  # still counting then
+    assert not any(active[100:])  # cleared by hand: the window's evidence (none) decides again
+
+
+def test_a_counter_saturated_before_it_was_first_seen_decides_nothing() -> None:
+    # A port whose 8-bit LinkDownedCounter sat at 255 before this aggregator saw it: no link
+    # downs are measured, so neither flapping rule fires; nor does one down to 255 make a flap.
+    for name in ("ib-link-downed", "ib-link-flapping"):
+        stuck = counter(name, lambda i: 255, 120, every=30.0)()
+        assert not any(feed(engine_for(name), stuck)), name
+    one_down = counter("ib-link-flapping", step(40, 254, 255), 120, every=30.0)()
+    assert not any(feed(engine_for("ib-link-flapping"), one_down))
+
+
 def test_symbol_error_budget_scales_with_link_rate() -> None:
     # 720 symbol errors an hour: within a 400 Gb/s port's budget (1440/h), over a 100 Gb/s one's (360/h).
     slow = counter("ib-symbol-errors", lambda i: 6 * i, 70, every=30.0)()

@@ -902,9 +902,21 @@ class RuleEngine:
         # Rounded so that a rate sitting exactly on its threshold (2 link downs in 30 minutes is
         # 4 per hour) does not flicker with floating-point noise between reports.
         value, threshold = round(value, 9), round(threshold, 9)
+        key = (rc.rid, subject)
+        saturated = False
         if not rc.compare(value, threshold):
-            return
-        run.held.add((rc.rid, subject))
+            # An IBTA PortCounters error counter stops at its maximum until it is cleared: from
+            # then on it reads as a rate of 0, which is silence, not health. A rate that held on
+            # the last report keeps holding while the counter stays there (as the sequential
+            # test keeps its decision); one that never held is not decided by it.
+            saturates_at = rc.saturates_at
+            if saturates_at is None or key not in run.state.held or not rc.upward:
+                return
+            count = _counter_value(rc.source, rc.field, entity)
+            if count is None or count < saturates_at:
+                return
+            saturated = True
+        run.held.add(key)
         since = run.hold(rc.rid, subject, rule.for_s)
         if since is None:
             return
@@ -912,6 +924,8 @@ class RuleEngine:
         evidence.update(
             field=rule.field, value=value, rate=value, threshold=threshold, window=rule.window_s, per=rule.per
         )
+        if saturated:
+            evidence["evidence_state"] = "saturated"
         run.hit(f"{rule.name}:{subject}", rc.rid, rule, since, evidence)
 
     def _share_hit(self, run: _Pass, sc: _ShareCheck, gpu: Gpu) -> None:
