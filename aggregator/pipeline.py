@@ -907,6 +907,11 @@ class Pipeline:
             )
             # Held by the engine until the node reboots; on the node at once.
             self._emit(self.health.update(node, "rule", [finding_of_snapshot(f) for f in latched], now))
+        if snapshot.boot_id is not None and (rec is None or rec.boot_id == snapshot.boot_id):
+            # Rate findings on counters that stop at their maximum: held again while they read it.
+            self.engine.restore_saturated(
+                node, snapshot.boot_id, [finding_of_snapshot(f) for f in snapshot.findings], now
+            )
         log.info(
             "quarantine carried over across the restart"
             if snapshot.state in ("quarantined", "probation")

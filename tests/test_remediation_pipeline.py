@@ -21,7 +21,7 @@ from aggregator.pipeline import Pipeline
 from aggregator.remediate.model import HealthSnapshot, decode_snapshot, encode_snapshot
 from aggregator.rules import default_rules_dir, load_rules
 from aggregator.rules.model import Rule
-from tests.rulekit import T0, report, xid
+from tests.rulekit import T0, edit_nic, report, xid
 
 RULES = load_rules([default_rules_dir()])
 
@@ -236,6 +236,48 @@ def test_a_restart_keeps_a_hard_fault_quarantined_until_the_node_reboots() -> No
         fleet.round(t)
         t += 10
     assert [(d.state, d.action) for d in fleet.decisions("n03")] == [
+        ("probation", "none"),
+        ("healthy", "untaint"),
+    ]
+
+
+def test_a_link_that_flapped_its_counter_to_the_top_stays_out_across_a_restart() -> None:
+    # LinkDownedCounter is 8 bits: a port that flapped it to 255 can no longer count its downs.
+    # The quarantine stands while it reads 255, across an aggregator restart, and ends (through
+    # probation) once someone clears the counter and the link stays up.
+    cfg = config(max_per_domain=10)
+    fleet = Fleet(cfg)
+    downs = {"value": 250}
+    plain = fleet.rep
+
+    def rep(node: str, t: float, *, events: list[int] = ()) -> Report:  # type: ignore[assignment]
+        r = plain(node, t, events=events)
+        return edit_nic(r, "mlx5_2", c_link_downed=downs["value"]) if node == "n07" else r
+
+    fleet.rep = rep  # type: ignore[method-assign]
+    t = T0
+    for flap in range(5):  # 250 -> 255, one down every two minutes
+        for _ in range(12):
+            fleet.round(t)
+            t += 10
+        downs["value"] = 251 + flap
+    assert [(d.state, d.action) for d in fleet.decisions("n07")] == [
+        ("suspect", "none"),
+        ("quarantined", "taint"),
+    ]
+    fleet.pipeline = _restart(fleet.pipeline, cfg, t)
+    end = t + 7200  # two hours stuck at 255: long past the window, clear_for and probation
+    while t < end:
+        fleet.round(t)
+        t += 10
+    assert fleet.decisions("n07") == []
+    intent = fleet.pipeline.intent("n07")
+    assert intent is not None and intent.state == "quarantined"
+    downs["value"] = 0  # cleared by hand (perfquery -R), and no link down since
+    while t < end + 3600:
+        fleet.round(t)
+        t += 10
+    assert [(d.state, d.action) for d in fleet.decisions("n07")] == [
         ("probation", "none"),
         ("healthy", "untaint"),
     ]

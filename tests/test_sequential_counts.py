@@ -35,7 +35,7 @@ from aggregator.rules.sequential import (
     lundberg_exponent,
     threshold_for_arl,
 )
-from tests.rulekit import EDR_BYTES_PER_SECOND, NDR_BYTES_PER_SECOND, T0, ib_port, report
+from tests.rulekit import EDR_BYTES_PER_SECOND, NDR_BYTES_PER_SECOND, NODE, T0, ib_port, keys, report
 
 HDR_BYTES_PER_SECOND = 25e9  # "200 Gb/sec (4X HDR)"
 RULE = "ib-symbol-errors"
@@ -464,6 +464,28 @@ def test_an_aggregator_restart_rebuilds_the_statistic_from_the_next_reports() ->
     decided = first_decision(restarted, reports[90:])
     assert decided is not None and decided - (reports[90].time - T0) <= 600.0
     assert not restarted[0]
+
+
+def test_a_restart_keeps_a_decision_held_by_a_saturated_counter() -> None:
+    # The counter stopped at 65535 after the decision: the next reports cannot decide it again,
+    # so the restored finding holds while the counter stays there, and goes once it is cleared.
+    assert SATURATED is not None
+    reports = [port_report(T0 + 10.0 * i, min(SATURATED, SATURATED - 2000 + 40 * i)) for i in range(80)]
+    held = run(engine(), reports)[-1]
+    assert held[0].evidence["evidence_state"] == "saturated"
+    later = [port_report(T0 + 800.0 + 10.0 * i, SATURATED) for i in range(60)]
+    assert not any(run(engine(), later))  # the restart without it: released on silence
+    eng = engine()
+    eng.restore_saturated(NODE, "boot-a", held, T0 + 800.0)
+    restarted = run(eng, later)
+    assert all(keys(f) == [held[0].key] for f in restarted)
+    assert restarted[-1][0].evidence["evidence_state"] == "saturated"
+    cleared = [port_report(T0 + 1400.0 + 10.0 * i, 0) for i in range(3)]
+    assert run(eng, cleared, previous=later[-1])[-1] == []
+    # Another boot: nothing restored.
+    other = engine()
+    other.restore_saturated(NODE, "boot-b", held, T0 + 800.0)
+    assert not any(run(other, later[:5]))
 
 
 def test_a_burst_in_one_report_does_not_decide_alone() -> None:

@@ -634,16 +634,49 @@ class RuleEngine:
         """After an aggregator restart: findings that clear only on reboot (an XID 79) are active
         again for ``node`` until it reports a boot other than ``boot_id``. A node that reported
         since the restart keeps its live findings too, unless it is on another boot already."""
-        if not findings:
+        state = self._restored_state(node, boot_id, now) if findings else None
+        if state is None:
             return
+        for f in findings:
+            state.active.setdefault(f.key, _Active(finding=f, until=math.inf, latched=True))
+
+    def restore_saturated(self, node: str, boot_id: str, findings: Sequence[Finding], now: float) -> None:
+        """After an aggregator restart: rate findings on an error counter that stops at its
+        maximum hold again while the counter reads it. A stopped counter cannot give the evidence
+        a second time (a window rule's whole window of counts may be before the restart); a
+        counter below it decides again from its next counts. A sequential finding is restored only
+        if it was already held by the saturated counter (``evidence_state``). Same boot only, as
+        for ``restore_latched``; other findings are ignored."""
+        checks = (*self._nic_rates, *self._gpu_rates)
+        rates = {rc.rule.name: rc for rc in checks if rc.saturates_at is not None}
+        state: _NodeState | None = None
+        for f in findings:
+            rc = rates.get(f.rule or "")
+            prefix = f"{f.rule}:"
+            if rc is None or not f.key.startswith(prefix):
+                continue
+            if rc.sequential and f.evidence.get("evidence_state") != "saturated":
+                continue
+            state = state or self._restored_state(node, boot_id, now)
+            if state is None:
+                return
+            key = (rc.rid, f.key[len(prefix) :])
+            if rc.sequential:
+                evidence = state.counts.setdefault(key, CountEvidence())
+                evidence.decided = True  # its first report then says whether it is still stuck
+            else:
+                state.held = {*state.held, key}
+                state.pending.setdefault(key, f.since)
+
+    def _restored_state(self, node: str, boot_id: str, now: float) -> _NodeState | None:
+        """The node's state to restore into: new, or the live one if it is on ``boot_id``."""
         state = self._nodes.get(node)
         if state is None:
             state = self._nodes[node] = _NodeState(now)
             state.boot_id = boot_id
         elif state.boot_id != boot_id:
-            return  # rebooted since the snapshot: reboot-cleared evidence is over
-        for f in findings:
-            state.active.setdefault(f.key, _Active(finding=f, until=math.inf, latched=True))
+            return None  # rebooted since the snapshot: that boot's evidence is over
+        return state
 
     def forget(self, node: str) -> None:
         """Drop everything remembered about a node (it left the fleet)."""
@@ -878,8 +911,7 @@ class RuleEngine:
             per_second = view.nvlink_rate(entity.index, field, window)
         else:
             per_second = view.nic_rate(entity.device, entity.port, field, window)
-        if per_second is None:
-            return
+        key = (rc.rid, subject)
         rule = rc.rule
         if rule.max_ber is not None:
             link = entity.rate_bytes_per_second
@@ -889,33 +921,30 @@ class RuleEngine:
         else:
             assert rule.value is not None
             threshold = rule.value
-        # The increase over the window, per unit: history shorter than the window (a fresh boot)
-        # counts as no events, so a burst in the first minutes cannot pass for a sustained rate.
-        # A rule that fires on a low rate waits for a full window instead.
-        seen = min(window, run.now - run.state.boot_seen)
-        if rc.upward:
-            value = per_second * rc.per_s * (seen / window)
-        elif seen < window:
-            return
+        threshold = round(threshold, 9)
+        if per_second is None:
+            # No rate yet (the first report after an aggregator restart): only a finding restored
+            # on a counter at its maximum holds.
+            if not self._stuck(run, rc, entity, key):
+                return
+            value, saturated = 0.0, True
         else:
-            value = per_second * rc.per_s
-        # Rounded so that a rate sitting exactly on its threshold (2 link downs in 30 minutes is
-        # 4 per hour) does not flicker with floating-point noise between reports.
-        value, threshold = round(value, 9), round(threshold, 9)
-        key = (rc.rid, subject)
-        saturated = False
-        if not rc.compare(value, threshold):
-            # An IBTA PortCounters error counter stops at its maximum until it is cleared: from
-            # then on it reads as a rate of 0, which is silence, not health. A rate that held on
-            # the last report keeps holding while the counter stays there (as the sequential
-            # test keeps its decision); one that never held is not decided by it.
-            saturates_at = rc.saturates_at
-            if saturates_at is None or key not in run.state.held or not rc.upward:
+            # The increase over the window, per unit: history shorter than the window (a fresh
+            # boot) counts as no events, so a burst in the first minutes cannot pass for a
+            # sustained rate. A rule that fires on a low rate waits for a full window instead.
+            seen = min(window, run.now - run.state.boot_seen)
+            if rc.upward:
+                value = per_second * rc.per_s * (seen / window)
+            elif seen < window:
                 return
-            count = _counter_value(rc.source, rc.field, entity)
-            if count is None or count < saturates_at:
+            else:
+                value = per_second * rc.per_s
+            # Rounded so that a rate sitting exactly on its threshold (2 link downs in 30 minutes
+            # is 4 per hour) does not flicker with floating-point noise between reports.
+            value = round(value, 9)
+            saturated = not rc.compare(value, threshold)
+            if saturated and not self._stuck(run, rc, entity, key):
                 return
-            saturated = True
         run.held.add(key)
         since = run.hold(rc.rid, subject, rule.for_s)
         if since is None:
@@ -927,6 +956,19 @@ class RuleEngine:
         if saturated:
             evidence["evidence_state"] = "saturated"
         run.hit(f"{rule.name}:{subject}", rc.rid, rule, since, evidence)
+
+    @staticmethod
+    def _stuck(run: _Pass, rc: _RateCheck, entity: Any, key: tuple[int, str]) -> bool:
+        """Whether a window rule that does not hold on its rate holds all the same: an IBTA
+        PortCounters error counter stops at its maximum until it is cleared, and from then on
+        reads as a rate of 0, which is silence, not health. A rule that held on the last report
+        keeps holding while its counter stays there (as the sequential test keeps its decision);
+        one that did not hold is not decided by it."""
+        saturates_at = rc.saturates_at
+        if saturates_at is None or not rc.upward or key not in run.state.held:
+            return False
+        count = _counter_value(rc.source, rc.field, entity)
+        return count is not None and count >= saturates_at
 
     def _share_hit(self, run: _Pass, sc: _ShareCheck, gpu: Gpu) -> None:
         rule = sc.rule
