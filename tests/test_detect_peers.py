@@ -325,7 +325,7 @@ def test_end_to_end_from_reports_through_the_fleet_frames() -> None:
     config = FleetConfig(window_seconds=1800.0, interval_seconds=INTERVAL)
     fleet, frames = Fleet(config), FleetFrames(config, frame_seconds=600.0)
     placement = Placement("h100")
-    assert [spec.name for spec in DETECTORS] == ["peer", "trend", "forest", "link", "probe", "jobs"]
+    assert [spec.name for spec in DETECTORS] == ["peer", "trend", "forest", "link", "probe", "jobs", "ports"]
     detector = next(spec for spec in DETECTORS if spec.name == "peer").build(Config().detectors)
     out: dict[str, list[Finding]] = {}
     for k in range(30):

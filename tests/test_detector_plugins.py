@@ -127,8 +127,8 @@ def _rep(t: float, seq: int, *, temp: float = 60.0, **kw: Any) -> Report:
 
 
 def test_the_shipped_detectors_and_the_sources_come_from_one_list() -> None:
-    assert [d.name for d in DETECTORS] == ["peer", "trend", "forest", "link", "probe", "jobs"]
-    assert SOURCES == ("rule", "silence", "peer", "trend", "forest", "link", "probe", "jobs")
+    assert [d.name for d in DETECTORS] == ["peer", "trend", "forest", "link", "probe", "jobs", "ports"]
+    assert SOURCES == ("rule", "silence", "peer", "trend", "forest", "link", "probe", "jobs", "ports")
     # Every shipped detector has its section, with its defaults, in the configuration.
     assert {d.name: type(Config().detectors.of(d.name)) for d in DETECTORS} == {
         d.name: d.settings for d in DETECTORS
@@ -147,6 +147,7 @@ def test_a_detectors_settings_come_from_the_config_file_and_bad_keys_are_refused
         "link": 60.0,
         "probe": 60.0,
         "jobs": 60.0,
+        "ports": 30.0,
     }
     assert pipeline._detectors[3].detector.config.min_partners == 4  # type: ignore[attr-defined]
     with pytest.raises(Exception, match=r"at detectors\.peer: unknown key `nope`"):

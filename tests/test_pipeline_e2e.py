@@ -23,6 +23,7 @@ from aggregator.app import build_pipeline
 from aggregator.config import Config
 from aggregator.configload import load_config, parse_config
 from aggregator.decisions import Decision, encode_decision
+from aggregator.detect import SOURCES
 from aggregator.model import IngestOutcome
 from aggregator.pipeline import Pipeline
 from aggregator.rules import default_rules_dir, load_rules
@@ -69,9 +70,7 @@ DECISION_SCHEMA: dict[str, Any] = {
                 "additionalProperties": False,
                 "required": ["detector", "rule", "severity", "summary", "evidence"],
                 "properties": {
-                    "detector": {
-                        "enum": ["rule", "peer", "trend", "forest", "probe", "link", "jobs", "silence"]
-                    },
+                    "detector": {"enum": list(SOURCES)},
                     "rule": {"type": ["string", "null"]},
                     "severity": {"enum": ["info", "warning", "critical"]},
                     "summary": {"type": "string", "minLength": 1},

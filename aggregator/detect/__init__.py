@@ -18,6 +18,7 @@ from aggregator.detect.jobs import JobConfig, JobLocalizer
 from aggregator.detect.links import LinkConfig, LinkLocalizer
 from aggregator.detect.localprobe import LocalProbeConfig, LocalProbeDetector
 from aggregator.detect.peers import PeerConfig, PeerDetector
+from aggregator.detect.ports import PortsConfig, PortsDetector
 from aggregator.detect.trend import TrendConfig, TrendDetector
 
 # Run in this order, each on its own period. The forest only ever raises suspicion (action
@@ -29,6 +30,7 @@ DETECTORS: Final[tuple[DetectorSpec[Any], ...]] = (
     DetectorSpec(LinkConfig, LinkLocalizer),  # pair probes: a slow node, a degraded link, a switch
     DetectorSpec(LocalProbeConfig, LocalProbeDetector),  # local all-reduce probes against the pool
     DetectorSpec(JobConfig, JobLocalizer),  # the jobs' own collectives (NCCL Inspector): GPU, NIC, link
+    DetectorSpec(PortsConfig, PortsDetector),  # RDMA ports down, gone or slow where the pool's are up
 )
 
 # Sources of findings built into the pipeline: the rule engine and the silence detector.
