@@ -164,11 +164,14 @@ class Probe(_Base, frozen=True):
 # gpu_lost: NVML_ERROR_GPU_IS_LOST, the GPU fell off the bus (left out of ``gpus``);
 # no_handle: nvmlDeviceGetHandleByIndex failed otherwise (left out of ``gpus`` too);
 # unreadable: some of the GPU's fields could not be read (they are null, the GPU is reported);
-# init_failed: nvmlInit failed (no GPUs at all); too_many_gpus: more GPUs than a report holds.
-ErrorCode = Literal["gpu_lost", "no_handle", "unreadable", "init_failed", "too_many_gpus"]
+# init_failed: nvmlInit failed (no GPUs at all); too_many_gpus: more GPUs than a report holds;
+# reset_required: NVML_ERROR_RESET_REQUIRED, the GPU is unusable until it is reset (left out of
+# ``gpus``, as a lost GPU is). Added within v1 after the others: an aggregator older than it
+# refuses a report carrying it, so aggregators are upgraded before agents.
+ErrorCode = Literal["gpu_lost", "no_handle", "unreadable", "init_failed", "too_many_gpus", "reset_required"]
 ERROR_CODES: Final[frozenset[str]] = frozenset(get_args(ErrorCode))
 # The codes that mean "this GPU is in the node but not in the report": nothing measured it.
-GPU_GONE_CODES: Final[frozenset[str]] = frozenset({"gpu_lost", "no_handle"})
+GPU_GONE_CODES: Final[frozenset[str]] = frozenset({"gpu_lost", "no_handle", "reset_required"})
 
 
 class CollectorError(_Base, frozen=True):

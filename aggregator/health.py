@@ -503,8 +503,8 @@ def _restored_reasons(snap: HealthSnapshot) -> list[Reason]:
 def _about_replaced_gpu(f: Finding, uuids: Mapping[int, str]) -> bool:
     """The finding names a GPU (its index and UUID) and the node has another GPU there now."""
     uuid, index = f.evidence.get("uuid"), f.evidence.get("gpu")
-    if not isinstance(uuid, str) or not isinstance(index, int) or isinstance(index, bool):
-        return False
+    if not isinstance(uuid, str) or not uuid or not isinstance(index, int) or isinstance(index, bool):
+        return False  # "": the agent could not read it then (no evidence of a swap)
     now_there = uuids.get(index)
     return now_there is not None and now_there != uuid
 

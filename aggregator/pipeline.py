@@ -1195,4 +1195,5 @@ def _judged(d: Decision, verdict: tuple[str, str | None] | None) -> Decision:
 def _about_another_gpu(f: SnapshotFinding, uuids: Mapping[int, str]) -> bool:
     """A snapshot finding about a GPU whose index the node now reports with another UUID."""
     uuid, index = f.evidence.get("uuid"), f.evidence.get("gpu")
-    return isinstance(uuid, str) and isinstance(index, int) and uuids.get(index, uuid) != uuid
+    # An empty UUID is one the agent could not read then: no evidence of another GPU.
+    return isinstance(uuid, str) and bool(uuid) and isinstance(index, int) and uuids.get(index, uuid) != uuid

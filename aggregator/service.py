@@ -272,7 +272,9 @@ def plausibility_errors(report: Report, *, now: float | None = None) -> list[str
     counters fit 64 bits by their type. Times must be after 2020 and, when ``now`` (the server's
     clock) is given, at most a day ahead of it; replay, which has no server clock, passes None.
     GPU indices and UUIDs, NVLink numbers within a GPU and NIC ports must be unique, or
-    the node's history would mix two devices.
+    the node's history would mix two devices. An empty UUID is not one: it is what an agent sends
+    for a GPU whose UUID NVML would not give (the schema's "unknown"), and several GPUs needing a
+    reset at once must not cost the node its whole report.
     """
     errors: list[str] = []
     latest = None if now is None else now + MAX_CLOCK_AHEAD_SECONDS
@@ -289,7 +291,8 @@ def plausibility_errors(report: Report, *, now: float | None = None) -> list[str
         if gpu.uuid in uuids:
             errors.append(f"$.gpus[{i}].uuid: {gpu.uuid!r} appears twice")
         indices.add(gpu.index)
-        uuids.add(gpu.uuid)
+        if gpu.uuid:
+            uuids.add(gpu.uuid)
         _GPU_RANGES.check(errors, f"$.gpus[{i}]", gpu)
         if gpu.nvlink and len({link.link for link in gpu.nvlink}) != len(gpu.nvlink):
             links: set[int] = set()

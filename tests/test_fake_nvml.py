@@ -224,6 +224,19 @@ def test_nvlink_links_and_past_the_last_link() -> None:
         fake.nvmlDeviceGetNvLinkState(fake.nvmlDeviceGetHandleByIndex(1), 0)
 
 
+def test_a_link_the_part_does_not_have_is_not_supported_among_links_it_has() -> None:
+    # A floor-swept part: link 3 is missing, the links around it and past it are there.
+    fake = started({"gpus": {"0": {"nvlink": {"3": {"active": {"error": "NOT_SUPPORTED"}}}}}})
+    h = fake.nvmlDeviceGetHandleByIndex(0)
+    for call in (
+        lambda: fake.nvmlDeviceGetNvLinkState(h, 3),
+        lambda: fake.nvmlDeviceGetNvLinkErrorCounter(h, 3, pynvml.NVML_NVLINK_ERROR_DL_REPLAY),
+    ):
+        with pytest.raises(pynvml.NVMLError_NotSupported):
+            call()
+    assert fake.nvmlDeviceGetNvLinkState(h, 4) == fake.nvmlDeviceGetNvLinkState(h, 17) == 1
+
+
 def test_nvlink_star_sets_every_link() -> None:
     fake = started({"all": {"nvlinks": 4, "nvlink": {"*": {"replay": 2}}}})
     h = fake.nvmlDeviceGetHandleByIndex(6)

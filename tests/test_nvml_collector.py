@@ -466,3 +466,134 @@ def test_a_gpu_nvml_no_longer_counts_is_named_as_lost_every_cycle(monkeypatch: p
         (p,) = problems(out)
         assert (p.code, p.gpu) == ("gpu_lost", 7)
         assert p.message.startswith("vanished: GPU 7 (") and first.gpus[7].uuid in p.message
+
+
+# --- What the audit against a pynvml double found --------------------------------------------------
+
+
+def test_a_uuid_that_cannot_be_read_is_the_one_read_earlier_else_unknown() -> None:
+    # GPUs 2 and 5 never answer their UUID: both are reported, with "" (unknown), never a guess.
+    fake = FakeNvml.from_dict(
+        {"gpus": {"2": {"uuid": {"error": "UNKNOWN"}}, "5": {"uuid": {"error": "UNKNOWN"}}}}
+    )
+    collected = collector_for(fake).collect()
+    validate(collected)
+    assert {i: g.uuid for i, g in by_index(collected).items() if not g.uuid} == {2: "", 5: ""}
+    assert [(p.code, p.gpu) for p in problems(collected)] == [("unreadable", 2), ("unreadable", 5)]
+
+    # GPU 1's UUID was read once (its name was not, so nothing was kept as static), then NVML
+    # stops answering it: the UUID read earlier at that index and bus id is the one reported.
+    fake = FakeNvml.from_dict({"gpus": {"1": {"name": {"error": "UNKNOWN"}}}})
+    collector = collector_for(fake)
+    uuid = by_index(collector.collect())[1].uuid
+    assert uuid == fake.value(1, "uuid")
+    fake.update(1, {"uuid": {"error": "RESET_REQUIRED"}, "name": {"error": "UNKNOWN"}})
+    collected = collector.collect()
+    assert 1 not in by_index(collected)  # RESET_REQUIRED: see the next test
+    fake.update(1, {"uuid": {"error": "UNKNOWN"}})
+    collected = collector.collect()
+    assert by_index(collected)[1].uuid == uuid
+    (problem,) = problems(collected)
+    assert problem.gpu == 1 and "uuid: Unknown Error" in problem.message and uuid in problem.message
+
+
+def test_reset_required_leaves_the_gpu_out_with_its_code_and_stops_reading_it() -> None:
+    fake = CountingNvml({"count": 2})
+    collector = collector_for(fake)
+    uuid = by_index(collector.collect())[1].uuid
+    fake.calls.clear()
+    # After a fatal error NVML answers RESET_REQUIRED to the GPU's calls, here from the first
+    # call of the cycle (utilization) on.
+    fake.update(
+        1, {"utilization_gpu": {"error": "RESET_REQUIRED"}, "temperature": {"error": "RESET_REQUIRED"}}
+    )
+    collected = collector.collect()
+    validate(collected)
+    assert sorted(by_index(collected)) == [0]
+    assert collected.errors == (
+        Problem(
+            f"GPU 1 ({uuid}, 00000000:2A:00.0): GPU requires a reset (NVML_ERROR_RESET_REQUIRED)",
+            "reset_required",
+            1,
+        ),
+    )
+    # Nothing after the first such answer was asked of GPU 1: GPU 0 alone made these calls.
+    assert fake.calls["nvmlDeviceGetUtilizationRates"] == 2
+    assert fake.calls["nvmlDeviceGetTemperature"] == fake.calls["nvmlDeviceGetPowerUsage"] == 1
+    # Reset: it is read again.
+    fake.update(1, {"utilization_gpu": 0, "temperature": 40})
+    collected = collector.collect()
+    assert sorted(by_index(collected)) == [0, 1] and collected.errors == ()
+
+
+def test_reset_required_from_the_start_makes_the_report_acceptable() -> None:
+    # Every GPU of the node needs a reset (an NVSwitch fatal error): no GPU is sent with an empty
+    # UUID (eight of those were refused as one UUID eight times); each is named by its code.
+    fake = FakeNvml.from_dict({"all": {"uuid": {"error": "RESET_REQUIRED"}}})
+    collected = collector_for(fake).collect()
+    assert collected.gpus == ()
+    assert [(p.code, p.gpu) for p in problems(collected)] == [("reset_required", i) for i in range(8)]
+
+
+def test_an_unknown_performance_state_is_null() -> None:
+    fake = FakeNvml.from_dict({"count": 2, "gpus": {"1": {"performance_state": 32}}})  # NVML_PSTATE_UNKNOWN
+    gpus = by_index(collector_for(fake).collect())
+    assert gpus[1].performance_state is None and gpus[0].performance_state == 0
+
+
+def test_the_driver_version_is_read_once_per_cycle_and_its_failure_is_one_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = FakeNvml.from_dict({"count": 4})
+    calls = 0
+
+    def failing() -> str:
+        nonlocal calls
+        calls += 1
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    monkeypatch.setattr(fake, "nvmlSystemGetDriverVersion", failing)
+    collector = collector_for(fake)
+    collected = collector.collect()
+    assert len(collected.gpus) == 4 and all(g.driver_version is None for g in collected.gpus)
+    assert collected.errors == (Problem("driver version unreadable: Unknown Error", "unreadable"),)
+    assert calls == 1
+    monkeypatch.undo()
+    collected = collector.collect()
+    assert collected.errors == () and {g.driver_version for g in collected.gpus} == {"550.90.07"}
+
+
+def test_a_link_without_nvlink_among_links_with_it_is_skipped_not_the_end() -> None:
+    # A part with links 3 and 4 floor-swept: NVML answers NOT_SUPPORTED for them, and the
+    # links after them are still there; past the last link it answers INVALID_ARGUMENT.
+    missing = {"active": {"error": "NOT_SUPPORTED"}}
+    fake = FakeNvml.from_dict(
+        {"count": 1, "gpus": {"0": {"nvlink": {"3": missing, "4": missing, "9": {"replay": 5}}}}}
+    )
+    collector = collector_for(fake)
+    collected = collector.collect()
+    assert collected.errors == ()
+    validate(collected)
+    [g] = collected.gpus
+    assert g.nvlink is not UNSET
+    assert [link.link for link in g.nvlink] == [0, 1, 2, *range(5, 18)]
+    assert next(link for link in g.nvlink if link.link == 9).replay_errors_total == 5
+
+
+def test_a_gpu_without_nvlink_reports_none_and_stops_asking() -> None:
+    fake = CountingNvml({"count": 1, "gpus": {"0": {"nvlinks": 0}}})
+    collector = collector_for(fake)
+    [g] = collector.collect().gpus
+    assert g.nvlink is UNSET
+    for _ in range(3):
+        fake.calls.clear()
+        [g] = collector.collect().gpus
+        assert g.nvlink is UNSET and "nvmlDeviceGetNvLinkState" not in fake.calls
+    # A GPU with NVLink asks only for its own links from then on, none past them.
+    fake = CountingNvml({"count": 1, "gpus": {"0": {"nvlinks": 12}}})
+    collector = collector_for(fake)
+    collector.collect()
+    fake.calls.clear()
+    [g] = collector.collect().gpus
+    assert g.nvlink is not UNSET and len(g.nvlink) == 12
+    assert fake.calls["nvmlDeviceGetNvLinkState"] == 12

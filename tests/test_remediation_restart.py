@@ -344,6 +344,51 @@ def test_a_replaced_gpu_clears_restored_evidence_that_would_hold_until_a_reboot(
     assert h is not None and not any(t.finding.key == "xid-79:gpu3" for t in h.active())
 
 
+def test_evidence_from_while_a_uuid_was_unreadable_is_not_taken_for_a_replaced_gpu() -> None:
+    # A GPU needing a reset may not give its UUID: the agent sends "" (unknown). An XID 79 seen
+    # then names uuid "" in its evidence; the UUID read again later is the same GPU, not a swap,
+    # so the evidence held until the reboot stays, across a restart too.
+    cluster = Cluster()
+    p = build_pipeline(config(), RULES, cluster=cluster)
+    p.await_cluster()
+    snap = HealthSnapshot(
+        state="quarantined",
+        since=T0,
+        tainted=True,
+        quarantines=[T0],
+        boot_id="boot-1",
+        reason_code="xid-79",
+        message="XID 79",
+        pool="pool-a",
+        findings=[
+            SnapshotFinding(
+                detector="rule",
+                key="xid-79:gpu3",
+                severity="critical",
+                action="quarantine",
+                summary="XID 79",
+                since=T0,
+                rule="xid-79",
+                hard=True,
+                clears="reboot",
+                evidence={"gpu": 3, "uuid": ""},
+            )
+        ],
+    )
+    now = T0 + 100
+    p.ingest(healthy("n01", now, seq=1), now)  # same boot, GPU 3's UUID readable again
+    cluster.listed(["n01"])
+    p.restore("n01", snap, "xid-79", now)
+    p.cluster_synced(now)
+    t = now + 10
+    while t < now + 900:  # past the restore grace: only the latched finding keeps it out
+        p.ingest(healthy("n01", t, seq=int(t)), t)
+        t += 10
+    h = p.health.get("n01")
+    assert h is not None and h.state == "quarantined"
+    assert any(t.finding.key == "xid-79:gpu3" for t in h.active())
+
+
 # -- without a cluster: the decision log carries the quarantines over ------------------------------
 
 

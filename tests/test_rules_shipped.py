@@ -271,6 +271,31 @@ SCENARIOS: dict[str, Scenario] = {
             ),
         },
     ),
+    "gpu-reset-required": Scenario(
+        # As agent/collectors/nvml.py says it when NVML answers RESET_REQUIRED.
+        fires=with_errors(
+            CollectorError(
+                collector="nvml",
+                message="GPU 5 (GPU-5, 00000000:AB:00.0): GPU requires a reset (NVML_ERROR_RESET_REQUIRED)",
+                code="reset_required",
+                gpu=5,
+            )
+        ),
+        key="gpu-reset-required:gpu5",
+        lookalikes={
+            "a GPU lost, not waiting for a reset": with_errors(
+                CollectorError(collector="nvml", message="GPU 5: GPU is lost", code="gpu_lost", gpu=5)
+            ),
+            "an unreadable field, in words that mention a reset": with_errors(
+                CollectorError(
+                    collector="nvml",
+                    message="GPU 5: 1 unreadable: power: GPU requires restart",
+                    code="unreadable",
+                    gpu=5,
+                )
+            ),
+        },
+    ),
     "ib-device-vanished": Scenario(
         # As agent/collectors/vanished.py says it, every cycle the device stays gone.
         fires=with_errors(

@@ -720,6 +720,17 @@ def test_implausible_values_are_named(change: Callable[[dict[str, Any]], None], 
     assert field in errors[0]
 
 
+def test_unknown_uuids_may_repeat_and_a_known_one_still_may_not() -> None:
+    # Two GPUs whose UUID NVML would not give (RESET_REQUIRED, UNKNOWN) both say "": unknown, not
+    # one GPU twice, so the node's report (its NICs, its events) still goes in.
+    doc = copy.deepcopy(report_doc())
+    doc["gpus"][2]["uuid"] = doc["gpus"][5]["uuid"] = ""
+    assert plausibility_errors(msgspec.convert(doc, Report), now=NOW) == []
+    doc["gpus"][6]["uuid"] = doc["gpus"][0]["uuid"]
+    errors = plausibility_errors(msgspec.convert(doc, Report), now=NOW)
+    assert len(errors) == 1 and "$.gpus[6].uuid" in errors[0]
+
+
 def test_non_finite_values_of_a_constructed_report_are_refused() -> None:
     base = make_report()
     gpus = (msgspec.structs.replace(base.gpus[0], temperature_celsius=float("nan")), *base.gpus[1:])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -12,7 +13,11 @@ import pytest
 
 from agent.clock import FakeClock
 from agent.collectors.base import CollectorContext, Paths, RawXid, Support, XidEventSource
+from agent.collectors.nvml import NvmlCollector
 from agent.collectors.xid import KernelXid, XidCollector, parse_kernel_line
+from agent.gpu.events import NvmlXidSource
+from agent.gpu.fake import FakeNvml
+from agent.gpu.session import NvmlSession
 from agent.report import SCHEMA_ID, Event, Report, encode, json_schema
 
 FIXTURES = Path(__file__).parent / "fixtures" / "kmsg"
@@ -129,6 +134,37 @@ def test_parse_xid_without_details_or_pid() -> None:
     assert x is not None and (x.code, x.pci_bus_id) == (79, "0000:01:00")
     z = parse_kernel_line("NVRM: Xid (PCI:0000:34:00): 45, Ch 00000010")
     assert z is not None and z.code == 45
+
+
+@pytest.mark.parametrize(
+    ("message", "code", "bus"),
+    [
+        # A GPU in MIG mode: the driver names the GPU instance (NVIDIA's A100 memory error
+        # management guide quotes this line), and the compute instance where it knows it.
+        (
+            "NVRM: Xid (PCI:0000:01:00 GPU-I:05): 94, pid=7194, Contained: CE User Channel (0x9). "
+            "RST: No, D-RST: No",
+            94,
+            "0000:01:00",
+        ),
+        (
+            "NVRM: Xid (PCI:0000:3b:00 GPU-I:01 GPU-CI:02): 13, pid=9, name=a, Graphics Exception",
+            13,
+            "0000:3b:00",
+        ),
+    ],
+)
+def test_parse_mig_xid_as_the_gpu_s(message: str, code: int, bus: str) -> None:
+    x = parse_kernel_line(message)
+    assert x == KernelXid("xid", code, bus, message)
+
+
+def test_a_mig_xid_goes_out_with_its_gpu(empty_kmsg: Path) -> None:
+    clock = FakeClock(START)
+    collector = XidCollector(_ctx(empty_kmsg, clock, _source(support=Support(False, "no events"))))
+    clock.advance(10)
+    _append(empty_kmsg, _rec(0, 605.0, "NVRM: Xid (PCI:0000:b7:00 GPU-I:05): 94, pid=7194, Contained: x"))
+    assert _short(collector.collect().events) == [("xid", START + 5.0, 5, 94)]
 
 
 def test_parse_sxid_first_line_and_follow_ups() -> None:
@@ -453,6 +489,58 @@ def test_start_failure_falls_back_to_the_kernel_log(empty_kmsg: Path) -> None:
     clock.advance(10)
     _append(empty_kmsg, _rec(0, 605.0, _xid_line(79)))
     assert [e.code for e in collector.collect().events] == [79]
+
+
+def test_nvml_events_start_once_nvml_comes_up_after_the_agent(tmp_path: Path) -> None:
+    # The GPU operator loads the driver after the agent's DaemonSet pod started: nvmlInit fails at
+    # first, the NVML collector picks the GPUs up at its next retry, and XID events follow it.
+    clock = FakeClock(START)
+    fake = FakeNvml.from_dict({"count": 2, "init_error": "DRIVER_NOT_LOADED"})
+    session = NvmlSession(fake, clock, retry_seconds=60.0)
+    source = NvmlXidSource(session, wait_timeout_ms=20)
+    ctx = CollectorContext(paths=Paths(procfs=FIXTURES / "proc", kmsg=tmp_path / "missing"), clock=clock)
+    ctx.nvml, ctx.xid_source = session, source
+    xid, gpus = XidCollector(ctx), NvmlCollector(ctx)
+    try:
+        support = xid.supported()
+        assert not support.supported and support.transient and "Driver Not Loaded" in support.reason
+        fake.set_init_error(None)
+        clock.advance(30)
+        assert not xid.supported().supported and fake.init_calls == 1  # nvmlInit paced by the session
+        clock.advance(31)
+        assert len(gpus.collect().gpus) == 2
+        assert xid.supported() == Support(True)
+        assert fake.inject_xid(1, 79) == 1
+        events: list[Event] = []
+        for _ in range(500):
+            events.extend(xid.collect().events)
+            if events:
+                break
+            time.sleep(0.01)
+        assert [(e.gpu, e.code) for e in events] == [(1, 79)]
+        assert fake.init_calls == 2
+    finally:
+        xid.close()
+        session.close()
+    assert fake.open_event_sets == 0
+
+
+def test_a_source_that_is_unsupported_for_good_is_not_asked_again(empty_kmsg: Path) -> None:
+    source = _source(support=Support(False, "no GPU supports NVML XID events"))
+    collector = XidCollector(_ctx(empty_kmsg, FakeClock(START), source))
+    source.support = SUPPORTED
+    collector.supported()
+    collector.collect()
+    assert source.started == 0
+    # One that may come up later (NVML not initialized yet) is.
+    source = _source(support=Support(False, "NVML init failed: Driver Not Loaded", transient=True))
+    collector = XidCollector(_ctx(empty_kmsg, FakeClock(START), source))
+    collector.collect()
+    assert source.started == 0
+    source.support = SUPPORTED
+    collector.collect()
+    collector.collect()
+    assert source.started == 1
 
 
 def test_drain_failure_is_an_error_and_kernel_events_still_go_out(empty_kmsg: Path) -> None:

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 class Support:
     supported: bool
     reason: str = ""
+    # Not yet rather than not here: asking again later may say yes (NVML not initialized because
+    # the driver is not loaded yet, as when the GPU operator loads it after the agent started).
+    transient: bool = False
 
 
 @dataclass(frozen=True)

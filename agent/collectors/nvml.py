@@ -12,12 +12,24 @@ with its own call, so one call that fails costs that field only:
   every field null, because a GPU with every field null reads like a GPU without sensors, while a
   GPU missing from the report is exactly what the aggregator's "GPU disappeared" rule looks for;
   the error carries the identity remembered from earlier cycles so a human knows which board.
+- RESET_REQUIRED on any call means the same for a GPU that is still on the bus but unusable until
+  it is reset (after some fatal errors NVML answers it to every call): left out, code
+  ``reset_required``, and the GPU's other reads are skipped for the cycle.
+- a UUID that cannot be read is the one read earlier in this run for that index (and bus id), as
+  a GPU's UUID never changes while its handle lives; without one it is ``""``, which the report
+  schema and the aggregator take as unknown (several GPUs may say it).
 - a failed ``nvmlInit`` is no GPUs and one error, never an exception: the NICs still go out.
 
 Static fields (UUID, name, PCI bus id, maximum SM clock, maximum PCIe generation and width) are
 read once per device handle and kept, but only once a read of them all succeeded. The power limit
 is not static (an operator or the BMC caps it at run time) and is read every cycle. The driver
-version is read once per collector.
+version is the system's, not a GPU's: read once per cycle outside the GPUs until a read succeeds,
+then kept, so a failure is one error, not one per GPU.
+
+NVLinks: every link number up to NVML's maximum is asked until one answers INVALID_ARGUMENT (past
+the GPU's last link); a link answering NOT_SUPPORTED is skipped (a floor-swept part can have such
+links among working ones). Which links exist is kept per handle once a pass read them without
+another error, so a GPU without NVLink costs no calls after its first cycle.
 
 GPU Performance Monitoring (GPM: SM activity and occupancy, tensor activity, DRAM bandwidth, PCIe
 and NVLink throughput) exists on Hopper and later. NVML computes its metrics between two samples,
@@ -48,6 +60,7 @@ from agent.gpu.api import (
     ERROR_GPU_IS_LOST,
     ERROR_INVALID_ARGUMENT,
     ERROR_NOT_SUPPORTED,
+    ERROR_RESET_REQUIRED,
     FEATURE_ENABLED,
     FI_DEV_MEMORY_TEMP,
     GPM_METRIC_ANY_TENSOR_UTIL,
@@ -68,6 +81,7 @@ from agent.gpu.api import (
     NVLINK_MAX_LINKS,
     PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
     PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+    PSTATE_UNKNOWN,
     SUCCESS,
     TEMPERATURE_GPU,
     VOLATILE_ECC,
@@ -82,7 +96,7 @@ from agent.gpu.api import (
     handle_key,
 )
 from agent.gpu.session import NvmlSession
-from agent.report import Gpu, NvLink
+from agent.report import ErrorCode, Gpu, NvLink
 
 # GPM metric -> (report field, factor from NVML's unit to the report's): percent to a ratio,
 # MiB/s to bytes per second.
@@ -109,12 +123,30 @@ MAX_GPUS: Final = 64  # the report schema's bound on gpus (and index <= 63)
 MAX_LINKS: Final = min(NVLINK_MAX_LINKS, 32)  # the schema's bound on links per GPU (link <= 31)
 MAX_ERROR_CHARS: Final = 1000  # the schema allows 1024 per error message
 _UNSUPPORTED: Final = frozenset({ERROR_NOT_SUPPORTED, ERROR_FUNCTION_NOT_FOUND})
-# nvmlDeviceGetNvLinkState's answer for a link number past the GPU's last link.
-_NO_SUCH_LINK: Final = frozenset({ERROR_NOT_SUPPORTED, ERROR_INVALID_ARGUMENT, ERROR_FUNCTION_NOT_FOUND})
+# The answers after which the rest of a GPU's reads are pointless, and the error code each gets.
+_UNUSABLE: Final[dict[int, ErrorCode]] = {
+    ERROR_GPU_IS_LOST: "gpu_lost",
+    ERROR_RESET_REQUIRED: "reset_required",
+}
+_UNUSABLE_WORDS: Final[dict[ErrorCode, str]] = {
+    "gpu_lost": "GPU is lost",
+    "reset_required": "GPU requires a reset (NVML_ERROR_RESET_REQUIRED)",
+}
 
 
 class _GpuLost(Exception):
-    """GPU_IS_LOST from any call: the rest of this GPU's reads are pointless."""
+    """GPU_IS_LOST or RESET_REQUIRED from any call: the rest of this GPU's reads are pointless."""
+
+    def __init__(self, code: ErrorCode) -> None:
+        super().__init__(code)
+        self.code: ErrorCode = code
+
+
+def _unusable(status: int | None) -> None:
+    """Raise ``_GpuLost`` for an answer that makes the GPU unusable."""
+    code = _UNUSABLE.get(status) if status is not None else None
+    if code is not None:
+        raise _GpuLost(code)
 
 
 class _Reader:
@@ -131,8 +163,7 @@ class _Reader:
             value = fn(*args, **kwargs)
         except NVMLError as exc:
             code = self.last_code = error_code(exc)
-            if code == ERROR_GPU_IS_LOST:
-                raise _GpuLost from exc
+            _unusable(code)
             if code not in _UNSUPPORTED:
                 self.problems.append(f"{what}: {error_text(exc)}")
             return None
@@ -149,9 +180,6 @@ class _Static:
     sm_clock_max_hz: float | None
     pcie_link_gen_max: int | None
     pcie_link_width_max: int | None
-
-    def identity(self) -> str:
-        return ", ".join(part for part in (self.uuid, self.pci_bus_id) if part)
 
 
 def _hz(mhz: int | None) -> float | None:
@@ -243,11 +271,10 @@ class _Gpm:
                 r.problems.append(f"GPM metric {metric}: NVML answered metric {slot.metricId}")
                 continue
             status = slot.nvmlReturn
+            _unusable(status)
             if status == SUCCESS and math.isfinite(slot.value):
                 value = max(slot.value, 0.0) * factor
                 out[name] = min(value, 1.0) if name.endswith("_ratio") else value
-            elif status == ERROR_GPU_IS_LOST:
-                raise _GpuLost
             elif status != SUCCESS and status not in _UNSUPPORTED:
                 r.problems.append(f"GPM metric {metric}: NVML error {status}")
         return out
@@ -282,7 +309,12 @@ class NvmlCollector:
     def __init__(self, ctx: CollectorContext) -> None:
         self._session: NvmlSession | None = ctx.nvml
         self._static: dict[int, _Static] = {}
-        self._lost: set[int] = set()
+        # index -> (UUID, PCI bus id) of the last UUID read there: the UUID to report when a read
+        # of it fails (RESET_REQUIRED, UNKNOWN), so that two such GPUs do not both say "".
+        self._uuids: dict[int, tuple[str, str | None]] = {}
+        # index -> (handle key, the link numbers that exist): asked once per handle.
+        self._links: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._lost: dict[int, ErrorCode] = {}  # index -> why it is left out, while it is
         # index -> identity of every GPU reported in this run, to name one that vanishes.
         self._reported: dict[int, str] = {}
         # Old drivers lack the newer calls; once FUNCTION_NOT_FOUND, go straight to the old one.
@@ -310,13 +342,14 @@ class NvmlCollector:
             return Collected(errors=(Problem(message, "init_failed"),))
         gpus: list[Gpu] = []
         errors: list[Problem] = []
+        driver = self._driver(session.api, errors)
         count = session.device_count
         if count > MAX_GPUS:
             message = f"{count} GPUs; the report holds {MAX_GPUS}, the rest are not reported"
             errors.append(Problem(message, "too_many_gpus"))
             count = MAX_GPUS
         for index in range(count):
-            gpu, error = self._collect_gpu(session, index)
+            gpu, error = self._collect_gpu(session, index, driver)
             if gpu is not None:
                 gpus.append(gpu)
             if error is not None:
@@ -336,28 +369,36 @@ class NvmlCollector:
             if index >= count
         ]
 
-    def _name(self, index: int) -> str:
+    def _identity(self, index: int) -> tuple[str | None, str | None]:
+        """The GPU's UUID and PCI bus id as last read (a GPU unreadable since may have only its UUID)."""
         static = self._static.get(index)
-        identity = static.identity() if static is not None else ""
+        if static is not None:
+            return static.uuid or None, static.pci_bus_id
+        return self._uuids.get(index, (None, None))
+
+    def _name(self, index: int) -> str:
+        identity = ", ".join(part for part in self._identity(index) if part)
         return f"GPU {index} ({identity})" if identity else f"GPU {index}"
 
-    def _collect_gpu(self, session: NvmlSession, index: int) -> tuple[Gpu | None, Problem | None]:
+    def _collect_gpu(
+        self, session: NvmlSession, index: int, driver: str | None
+    ) -> tuple[Gpu | None, Problem | None]:
         try:
             handle = session.handle(index)
         except NVMLError as exc:
             self._gpm.forget(session.api, index)
-            if error_code(exc) == ERROR_GPU_IS_LOST:
-                return None, self._mark_lost(index)
+            unusable = _UNUSABLE.get(error_code(exc) or SUCCESS)
+            if unusable is not None:
+                return None, self._mark_lost(index, unusable)
             return None, Problem(
                 f"{self._name(index)}: no device handle: {error_text(exc)}", "no_handle", index
             )
         try:
-            gpu, problems = self._read_gpu(session.api, index, handle)
-        except _GpuLost:
+            gpu, problems = self._read_gpu(session.api, index, handle, driver)
+        except _GpuLost as gone:
             self._gpm.forget(session.api, index)
-            return None, self._mark_lost(index)
-        if index in self._lost:
-            self._lost.discard(index)
+            return None, self._mark_lost(index, gone.code)
+        if self._lost.pop(index, None) is not None:
             log.info("GPU answers again", extra={"gpu": index, "uuid": gpu.uuid})
         if not problems:
             return gpu, None
@@ -366,19 +407,13 @@ class NvmlCollector:
             message = message[: MAX_ERROR_CHARS - 3] + "..."
         return gpu, Problem(message, "unreadable", index)
 
-    def _mark_lost(self, index: int) -> Problem:
-        problem = Problem(f"{self._name(index)}: GPU is lost", "gpu_lost", index)
-        if index not in self._lost:
-            self._lost.add(index)
-            static = self._static.get(index)
-            log.warning(
-                "GPU is lost",
-                extra={
-                    "gpu": index,
-                    "uuid": static.uuid if static else None,
-                    "pci_bus_id": static.pci_bus_id if static else None,
-                },
-            )
+    def _mark_lost(self, index: int, code: ErrorCode) -> Problem:
+        words = _UNUSABLE_WORDS[code]
+        problem = Problem(f"{self._name(index)}: {words}", code, index)
+        if self._lost.get(index) != code:
+            self._lost[index] = code
+            uuid, pci_bus_id = self._identity(index)
+            log.warning(words, extra={"gpu": index, "uuid": uuid, "pci_bus_id": pci_bus_id})
         return problem
 
     def _static_info(self, api: NvmlApi, index: int, handle: DeviceHandle, r: _Reader) -> _Static:
@@ -387,14 +422,19 @@ class NvmlCollector:
         if cached is not None and cached.handle_key == key:
             return cached
         before = len(r.problems)
-        uuid = r("uuid", api.nvmlDeviceGetUUID, handle)
+        uuid = _text(r("uuid", api.nvmlDeviceGetUUID, handle), 96)
         model = r("name", api.nvmlDeviceGetName, handle)
         pci = r("pci info", api.nvmlDeviceGetPciInfo, handle)
+        pci_bus_id = _text(pci.busId, 32) if pci is not None else None
+        if uuid:
+            self._uuids[index] = (uuid, pci_bus_id)
+        else:
+            uuid = self._remembered_uuid(index, pci_bus_id)
         static = _Static(
             handle_key=key,
-            uuid=_text(uuid, 96) or "",
+            uuid=uuid,
             model=_text(model, 96),
-            pci_bus_id=_text(pci.busId, 32) if pci is not None else None,
+            pci_bus_id=pci_bus_id,
             sm_clock_max_hz=_hz(r("max SM clock", api.nvmlDeviceGetMaxClockInfo, handle, CLOCK_SM)),
             # What this GPU can reach in this slot (the lesser of the two), as for the width: a
             # Gen5 GPU in a Gen4 host runs at its best at Gen4, which is how the host is built,
@@ -407,6 +447,15 @@ class NvmlCollector:
             # Only a complete read is kept; a field that failed is tried again next cycle.
             self._static[index] = static
         return static
+
+    def _remembered_uuid(self, index: int, pci_bus_id: str | None) -> str:
+        """The UUID read earlier at this index, unless the bus id says it is another board; else
+        "" (unknown: the aggregator never takes it for a GPU, nor two of them for one)."""
+        known = self._uuids.get(index)
+        if known is None:
+            return ""
+        uuid, bus_id = known
+        return uuid if pci_bus_id is None or bus_id is None or bus_id == pci_bus_id else ""
 
     def _clocks_event_reasons(self, api: NvmlApi, handle: DeviceHandle, r: _Reader) -> int | None:
         if not self._no_clocks_event_reasons:
@@ -425,30 +474,38 @@ class NvmlCollector:
             return None
         fv = values[0]
         status = fv.nvmlReturn
+        _unusable(status)
         if status == SUCCESS:
             value = field_value(fv)
             return None if value is None else float(value)
-        if status == ERROR_GPU_IS_LOST:
-            raise _GpuLost
         if status not in _UNSUPPORTED:
             r.problems.append(f"memory temperature: NVML error {status}")
         return None
 
-    @staticmethod
-    def _nvlinks(api: NvmlApi, handle: DeviceHandle, r: _Reader) -> tuple[NvLink, ...] | UnsetType:
+    def _nvlinks(
+        self, api: NvmlApi, index: int, handle: DeviceHandle, r: _Reader
+    ) -> tuple[NvLink, ...] | UnsetType:
+        key = handle_key(handle)
+        known = self._links.get(index)
+        numbers = known[1] if known is not None and known[0] == key else range(MAX_LINKS)
+        complete = True  # every link answered, or said it does not exist: worth remembering
+        present: list[int] = []
         links: list[NvLink] = []
         counter = api.nvmlDeviceGetNvLinkErrorCounter
-        for link in range(MAX_LINKS):
+        for link in numbers:
             try:
                 state: int | None = api.nvmlDeviceGetNvLinkState(handle, link)
             except NVMLError as exc:
                 code = error_code(exc)
-                if code in _NO_SUCH_LINK:
-                    break  # past the last link (or no NVLink at all)
-                if code == ERROR_GPU_IS_LOST:
-                    raise _GpuLost from exc
+                if code == ERROR_INVALID_ARGUMENT:
+                    break  # past the GPU's last link
+                if code in _UNSUPPORTED:
+                    continue  # this link (or the whole GPU) has no NVLink; the next may
+                _unusable(code)
                 r.problems.append(f"nvlink {link} state: {error_text(exc)}")
+                complete = False
                 state = None
+            present.append(link)
             links.append(
                 NvLink(
                     link=link,
@@ -467,15 +524,24 @@ class NvmlCollector:
                     ),
                 )
             )
+        if complete and (known is None or known[0] != key):
+            self._links[index] = (key, tuple(present))
         # The schema has no null for nvlink: a GPU without NVLink leaves the field out.
         return tuple(links) if links else UNSET
 
-    def _driver(self, api: NvmlApi, r: _Reader) -> str | None:
+    def _driver(self, api: NvmlApi, errors: list[Problem]) -> str | None:
+        """The system's driver version, read until a read succeeds; a failure is one error."""
         if self._driver_version is None:
-            self._driver_version = _text(r("driver version", api.nvmlSystemGetDriverVersion), 32)
+            try:
+                self._driver_version = _text(api.nvmlSystemGetDriverVersion(), 32)
+            except NVMLError as exc:
+                if error_code(exc) not in _UNSUPPORTED:
+                    errors.append(Problem(f"driver version unreadable: {error_text(exc)}", "unreadable"))
         return self._driver_version
 
-    def _read_gpu(self, api: NvmlApi, index: int, handle: DeviceHandle) -> tuple[Gpu, list[str]]:
+    def _read_gpu(
+        self, api: NvmlApi, index: int, handle: DeviceHandle, driver: str | None
+    ) -> tuple[Gpu, list[str]]:
         r = _Reader()
         static = self._static_info(api, index, handle, r)
         gpm = self._gpm.read(api, index, handle, r)
@@ -516,7 +582,8 @@ class NvmlCollector:
             sm_clock_max_hz=static.sm_clock_max_hz,
             memory_clock_hz=_hz(r("memory clock", api.nvmlDeviceGetClockInfo, handle, CLOCK_MEM)),
             clock_event_reasons=self._clocks_event_reasons(api, handle, r),
-            performance_state=pstate if pstate is not None and 0 <= pstate <= 32 else None,
+            # 32 is NVML_PSTATE_UNKNOWN: no P-state, not a 33rd one.
+            performance_state=pstate if pstate is not None and 0 <= pstate < PSTATE_UNKNOWN else None,
             ecc_sbe_volatile_total=r(
                 "ECC SBE volatile", ecc, handle, MEMORY_ERROR_TYPE_CORRECTED, VOLATILE_ECC
             ),
@@ -541,8 +608,8 @@ class NvmlCollector:
             pcie_link_width=r("PCIe width", api.nvmlDeviceGetCurrPcieLinkWidth, handle),
             pcie_link_width_max=static.pcie_link_width_max,
             pcie_replay_total=r("PCIe replays", api.nvmlDeviceGetPcieReplayCounter, handle),
-            nvlink=self._nvlinks(api, handle, r),
-            driver_version=self._driver(api, r),
+            nvlink=self._nvlinks(api, index, handle, r),
+            driver_version=driver,
             **gpm,
         )
         return gpu, r.problems

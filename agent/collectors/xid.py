@@ -58,8 +58,11 @@ WINDOW_SECONDS: Final = 5.0
 
 _PCI = r"(?P<pci>(?:PCI:)?[0-9A-Fa-f]+(?::[0-9A-Fa-f]+)+(?:\.[0-7])?)"
 # Anchored at the start of the record: "NVRM: Xid" quoted inside another message (a process
-# name in an OOM report, a tool's log line) is not an XID.
-_XID_RE = re.compile(rf"^NVRM: Xid \({_PCI}\): (?P<code>\d+)(?:,|$)")
+# name in an OOM report, a tool's log line) is not an XID. On a GPU in MIG mode the driver names
+# the GPU instance, and the compute instance where it knows it, after the bus id
+# ("PCI:0000:01:00 GPU-I:05 GPU-CI:02"): the XID is still the GPU's, found by its bus id.
+_MIG = r"(?: GPU-I:[0-9A-Fa-f]+(?: GPU-CI:[0-9A-Fa-f]+)?)?"
+_XID_RE = re.compile(rf"^NVRM: Xid \({_PCI}{_MIG}\): (?P<code>\d+)(?:,|$)")
 _SXID_RE = re.compile(
     rf"^(?P<device>nvidia-nvswitch\d*): SXid \({_PCI}\): (?P<code>\d+), (?P<rest>.*)$", re.DOTALL
 )
@@ -144,7 +147,9 @@ _Key = tuple[int | None, int | None]
 class XidCollector:
     """Collector "xid": XID events (kind "xid") and NVSwitch SXID events (kind "sxid").
 
-    Owns ``ctx.xid_source``: starts it here when it is supported, closes it in ``close``.
+    Owns ``ctx.xid_source``: starts it here when it is supported, closes it in ``close``. A
+    source unsupported for now (``Support.transient``: NVML not initialized yet, as when the
+    driver is loaded after the agent started) is asked again every cycle until it starts.
     """
 
     name = "xid"
@@ -183,43 +188,66 @@ class XidCollector:
 
         self._source: XidEventSource | None = ctx.xid_source
         self._nvml: XidEventSource | None = None
-        self._nvml_reason = "no NVML event source" if ctx.xid_source is None else ""
-        if ctx.xid_source is not None:
-            support = ctx.xid_source.supported()
-            if not support.supported:
-                self._nvml_reason = support.reason or "unsupported"
-            else:
-                try:
-                    ctx.xid_source.start()
-                except Exception as exc:  # a broken event thread must leave the kernel log usable
-                    self._nvml_reason = f"start failed: {type(exc).__name__}: {exc}"
-                else:
-                    self._nvml = ctx.xid_source
-
-        if self._kmsg is None and self._nvml is None:
-            self._support = Support(
-                False,
-                f"no kernel log ({self._kmsg_reason}) and NVML events unsupported ({self._nvml_reason})",
-            )
-        else:
-            self._support = Support(True)
+        self._nvml_reason = "no NVML event source"
+        self._nvml_retry = False  # the source is not started, but may start later: ask each cycle
+        started = self._start_nvml()
         log.info(
             "xid sources",
             extra={
                 "kmsg": "ok" if self._kmsg is not None else self._kmsg_reason,
-                "nvml_events": "ok" if self._nvml is not None else self._nvml_reason,
+                "nvml_events": "ok" if started else self._nvml_reason,
             },
         )
-        if self._kmsg is None and self._nvml is not None:
+        if self._kmsg is None and started:
             log.warning(
                 "kernel log unreadable: NVSwitch SXid errors will not be reported",
                 extra={"reason": self._kmsg_reason},
             )
 
+    def _start_nvml(self) -> bool:
+        """Start the NVML event source if it says it can run; sets ``_support``. Whether it runs."""
+        source = self._source
+        self._nvml_retry = False
+        if source is not None:
+            support = source.supported()
+            if not support.supported:
+                self._nvml_reason = support.reason or "unsupported"
+                self._nvml_retry = support.transient
+            else:
+                try:
+                    source.start()
+                except Exception as exc:  # a broken event thread must leave the kernel log usable
+                    self._nvml_reason = f"start failed: {type(exc).__name__}: {exc}"
+                else:
+                    self._nvml = source
+        if self._kmsg is None and self._nvml is None:
+            self._support = Support(
+                False,
+                f"no kernel log ({self._kmsg_reason}) and NVML events unsupported ({self._nvml_reason})",
+                transient=self._nvml_retry,
+            )
+        else:
+            self._support = Support(True)
+        return self._nvml is not None
+
+    def _retry_nvml(self) -> None:
+        """NVML events could not start because NVML was not initialized (a driver loaded after the
+        agent started): try again. Cheap to ask every cycle: the shared NVML session, not this
+        collector, paces nvmlInit (once a minute while it fails, as for the NVML collector), and
+        the events start on the first cycle after it succeeds."""
+        if self._nvml is not None or not self._nvml_retry:
+            return
+        if self._start_nvml():
+            log.info("NVML XID events started after NVML came up")
+
     def supported(self) -> Support:
+        # Asked every cycle by the runner, also while unsupported: where NVML events are all this
+        # collector has (no kernel log), this is where they get their chance to start.
+        self._retry_nvml()
         return self._support
 
     def collect(self) -> Collected:
+        self._retry_nvml()
         self._round += 1
         now = self._clock.monotonic()
         errors, self._pending_errors = self._pending_errors, []
@@ -282,6 +310,7 @@ class XidCollector:
         if self._kmsg is not None:
             self._kmsg.close()
         self._nvml = None
+        self._nvml_retry = False
         if self._source is not None:
             source, self._source = self._source, None
             source.close()

@@ -68,7 +68,10 @@ class NvmlXidSource:
 
     def supported(self) -> Support:
         if not self._session.ensure_init():
-            return Support(False, f"NVML init failed: {self._session.init_error or 'not initialized'}")
+            # Transient: the session retries nvmlInit (at most once per its retry interval, however
+            # often it is asked), and the driver may be loaded after the agent started.
+            reason = f"NVML init failed: {self._session.init_error or 'not initialized'}"
+            return Support(False, reason, transient=True)
         with self._lock:
             capable = self._probe()
             if not capable:

@@ -94,7 +94,10 @@ gpm_nvlink_tx, gpm_nvlink_rx 0, 0                    ... NVLINK_TOTAL_TX/RX_PER_
 nvlink                      all active, no errors    per link: {"5": {"active": false, "crc_flit": 12}}
                                                      ("*" for every link); link fields: active,
                                                      crc_flit, crc_data, replay, recovery
-                                                     (nvmlDeviceGetNvLinkState / ErrorCounter)
+                                                     (nvmlDeviceGetNvLinkState / ErrorCounter);
+                                                     "active": {"error": "NOT_SUPPORTED"} is a link
+                                                     the part does not have among others (floor-
+                                                     swept): every call on it is NOT_SUPPORTED
 =========================== ======================== =============================================
 
 Numbers are non-negative integers, flags JSON booleans. A mistake in the file (an unknown field, a
@@ -890,7 +893,12 @@ class FakeNvml:
             raise _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
         if not 0 <= link < count:
             raise _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return gpu.links[link]
+        values = gpu.links[link]
+        active = values["active"]
+        if isinstance(active, FakeError) and active.code == pynvml.NVML_ERROR_NOT_SUPPORTED:
+            # A link the part does not have: NVML answers NOT_SUPPORTED to its counters too.
+            raise _raise(active.code)
+        return values
 
     def nvmlDeviceGetNvLinkState(self, handle: DeviceHandle, link: int, /) -> int:
         with self._cond:

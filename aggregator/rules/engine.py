@@ -1097,7 +1097,8 @@ class RuleEngine:
         seen = run.state.gpus_seen
         gpus = run.view.report.gpus
         for gpu in gpus:
-            seen[gpu.index] = gpu.uuid
+            if gpu.uuid or gpu.index not in seen:  # "": unread this time, not another GPU
+                seen[gpu.index] = gpu.uuid
         if len(gpus) == len(seen):
             return
         here = {g.index for g in gpus}
