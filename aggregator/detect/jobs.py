@@ -14,24 +14,38 @@ Over a sliding window (``window_seconds``), per row the medians of the cycles' m
   that over the class's median, in log space, and its class's robust spread (MAD, floored at
   ``spread_floor``) says how far off is unusual;
 - **the job's own level**: the median ratio of the job's single-node (tensor-parallel)
-  communicators, or of all of them where it has none. A job slow everywhere (its workload: small
-  messages, its own contention) is slow on NVLink too, and every communicator is judged against
-  that level: nothing of it stands out, and nothing is blamed (``slow_everywhere`` in the log);
+  communicators, or of all of them where it has none, and never above its class (a job whose
+  NVLink collectives are faster than their class, NVLS or more channels, says nothing about its
+  network). A job slow everywhere (its workload: small messages, its own contention) is slow on
+  NVLink too, and every communicator is judged against that level: nothing of it stands out, and
+  nothing is blamed (``slow_everywhere`` in the log);
 - a communicator is **low** when its ratio to the job's level is under ``low_ratio`` and ``z``
   spreads below it, **normal** when above ``normal_ratio`` (between the two: no vote either way);
 - **NIC (node)**: every inter-node communicator with a rank on the node is low (at least
   ``min_comms``), and they do not all cross one same hop (else a link and the NIC cannot be told
   apart): quarantine, the node's network;
+- **NIC (rail)**: the same for the communicators of one GPU's rank (named by its GPU where the
+  agent's attribution says it, else by its process), where for each of them another GPU of the
+  node has a normal communicator over a hop it crosses: on a rail-optimized node each GPU sends
+  over its own NIC, so that NIC (or its PCIe path) is slow while the node's others are fine.
+  Most of a job's nodes blamed at once (NIC or rail) is one cause they share (the job's settings,
+  the fabric): nothing is blamed then;
 - **link**: every communicator crossing the hop between two nodes is low, each end has a normal
   inter-node communicator (its NIC is fine), and every other hop of those communicators is
   crossed by a normal one: the hop alone explains them (intersection over communicators). A link
   finding for the link state machine, nothing on the nodes;
-- **straggler**: with ``kernel_gpu`` timing, a communicator whose ranks waited (its median rank's
-  bandwidth under ``1 - straggler_ratio`` of the class's transfer figure) and one rank's kernel
-  time is the shortest by ``straggler_ratio`` and ``z`` spreads of the others' times: that rank
-  arrived last. A node whose ranks are the stragglers of ``min_comms`` or more of its inter-node
-  communicators (and of most of those judged), or of its tensor-parallel communicator, is slow:
-  quarantine, naming the GPU (tensor-parallel rank) when its own communicator shows one;
+- **straggler**: with ``kernel_gpu`` timing, in a collective where every rank does the same work
+  (not an all-to-all or a pipeline's send and receive: ``UNEVEN``), one rank's kernel time is the
+  shortest by ``straggler_ratio`` and ``z`` spreads of the others' times: that rank arrived last
+  (and, where the communicator has a class, its ranks waited: its median rank's bandwidth under
+  ``1 - straggler_ratio`` of the class's transfer figure). How late the last rank of a healthy
+  communicator is scales with the computation between two collectives, which is the job's, so
+  the rank's lead must also be ``straggler_peer_factor`` times that of the last rank in the job's
+  other communicators of the same kind (those without its node; ``min_straggler_peers`` of
+  them), in time: a GPU 12 % slow stands out of a healthy 1-2 % spread in any job. A node whose
+  ranks are the stragglers of ``min_comms`` or more of its inter-node communicators (and of most
+  of those judged), or of its tensor-parallel communicator, is slow: quarantine, naming the GPU
+  (tensor-parallel rank) when its own communicator shows one;
 - **over time**: a blame must hold in ``confirm_runs`` consecutive runs (each on its own window)
   before it becomes a finding; the health and link state machines then want it to persist as
   they want any soft evidence (``suspect_for_seconds``), with the same safety limits.
@@ -70,6 +84,11 @@ log = logging.getLogger(__name__)
 
 MAD_SCALE: Final = 1.4826  # MAD x this estimates one standard deviation of normal data
 P2P: Final = frozenset({"Send", "Recv", "SendRecv"})  # a pair, not a ring
+# Collectives whose ranks do different work by design, so one arriving last is no fault: an
+# expert-parallel all-to-all waits for the expert with the most tokens, a pipeline's receiver for
+# its sender's stage. The others (all-reduce, all-gather, reduce-scatter, broadcast, reduce) run
+# after the same computation on every rank: the same shapes, the same kernels.
+UNEVEN: Final = P2P | frozenset({"All2All"})
 KERNEL_GPU: Final = "kernel_gpu"
 
 
@@ -99,6 +118,16 @@ class JobConfig(DetectorSettings, frozen=True):
     # A rank arriving this much later than its peers makes their kernels wait as long: a GPU
     # 15 % slow in a step that spends three quarters computing is about 50 % late.
     straggler_ratio: Ratio = 0.1
+    # How far a rank's lead must exceed the lead of the last rank in its job's other
+    # communicators of the same kind (those without its node). How late the last rank is scales
+    # with the computation between two collectives, which is the job's (its model, its batch),
+    # times how much slower that GPU computes: a GPU 1-2 % slower than its node-mates (power
+    # capping, clocks) arrives last in every step of a job computing 20 transfer times between
+    # collectives by 20-40 % of a transfer. A fault stands out by the ratio of its slowdown to that
+    # healthy spread (12 % slow against 1-2 %), whatever the job. Compared in time (the wait),
+    # not in log.
+    straggler_peer_factor: Annotated[float, Meta(ge=1)] = 3.0
+    min_straggler_peers: Annotated[int, Meta(ge=1)] = 3  # the job's other communicators it needs
     z: Annotated[float, Meta(ge=0)] = 3.0  # how many robust spreads off a verdict must be
     spread_floor: Annotated[float, Meta(gt=0)] = 0.02  # lower bound of the spread of log bandwidth
     min_class_comms: Annotated[int, Meta(ge=2)] = 4  # fewer communicators cannot say what is normal
@@ -143,6 +172,16 @@ def straggler(exec_us: Sequence[float], *, ratio: float, z: float, floor: float)
     return Straggler(i, gap, gap / spread)
 
 
+def lead(exec_us: Sequence[float]) -> float | None:
+    """How much shorter the shortest kernel is than the median of the others', in log: the lead
+    of the rank that arrived last (0 and up); None for fewer than two ranks."""
+    if len(exec_us) < 2:
+        return None
+    t = [math.log(max(x, 1e-3)) for x in exec_us]
+    i = min(range(len(t)), key=t.__getitem__)
+    return statistics.median(t[:i] + t[i + 1 :]) - t[i]
+
+
 @dataclass(frozen=True)
 class CommVote:
     """One communicator of a job, as localization sees it."""
@@ -152,6 +191,12 @@ class CommVote:
     hops: tuple[Pair, ...]  # the inter-node hops it crosses
     state: str  # "low", "normal" or "unclear"
     ratio: float  # its bandwidth over its job's level (not log)
+    # (node, rank's GPU or process) of each rank, where the report says which: on a
+    # rail-optimized node each GPU sends over its own NIC, so these are the rails it uses.
+    endpoints: tuple[Endpoint, ...] = ()
+
+
+Endpoint = tuple[str, str]  # (node, "gpu3" or "pid4242")
 
 
 @dataclass(frozen=True)
@@ -159,6 +204,8 @@ class Blame:
     nics: dict[str, list[CommVote]]  # node -> the low communicators through it
     links: dict[Pair, list[CommVote]]  # hop -> the low communicators crossing it
     ambiguous: list[tuple[str, ...]]  # low communicators' candidate sets nothing pins down
+    # (node, GPU or process) -> the low communicators of that rank, where its node-mates' are fine
+    rails: dict[Endpoint, list[CommVote]] = field(default_factory=dict)
 
 
 def localize(votes: Sequence[CommVote], *, min_comms: int) -> Blame:
@@ -177,27 +224,46 @@ def localize(votes: Sequence[CommVote], *, min_comms: int) -> Blame:
             crossing[h].append(v)
     vouched_nodes = {n for n, vs in through.items() if any(v.state == "normal" for v in vs)}
     vouched_hops = {h for h, vs in crossing.items() if any(v.state == "normal" for v in vs)}
-    nics: dict[str, list[CommVote]] = {}
-    for n, vs in sorted(through.items()):
-        if len(vs) < min_comms or any(v.state != "low" for v in vs):
+    nics = {n: vs for n, vs in sorted(through.items()) if _all_low_over_different_hops(vs, min_comms)}
+    # One rail: every communicator of one GPU's rank (its own NIC on a rail-optimized node) is
+    # low over different hops, and for each of them another GPU of the node has a normal one
+    # over a hop it crosses: the node's network and those paths are fine, that rail is not. (A
+    # ring slow on every rail of its nodes is a hop's or a node's doing, not this rail's.)
+    of_endpoint: dict[Endpoint, list[CommVote]] = defaultdict(list)
+    for v in votes:
+        for ep in dict.fromkeys(v.endpoints):
+            of_endpoint[ep].append(v)
+    rails: dict[Endpoint, list[CommVote]] = {}
+    for ep, vs in sorted(of_endpoint.items()):
+        node = ep[0]
+        if node in nics or not _all_low_over_different_hops(vs, min_comms):
             continue
-        common = set(vs[0].hops).intersection(*(v.hops for v in vs[1:]))
-        if common:
-            continue  # all through one hop: that link or this NIC, the data cannot say which
-        nics[n] = vs
+        mates = [w for other, ws in of_endpoint.items() if other[0] == node and other != ep for w in ws]
+        fine = {h for w in mates if w.state == "normal" for h in w.hops}
+        if all(fine.intersection(v.hops) for v in vs):
+            rails[ep] = vs
+    railed = {ep[0] for ep in rails}
     links: dict[Pair, list[CommVote]] = {}
     for h, vs in sorted(crossing.items()):
         if any(v.state != "low" for v in vs):
             continue
         if h[0] not in vouched_nodes or h[1] not in vouched_nodes:
             continue
-        if h[0] in nics or h[1] in nics:
+        if h[0] in nics or h[1] in nics or h[0] in railed or h[1] in railed:
             continue
         if all(set(v.hops) - {h} <= vouched_hops for v in vs):
             links[h] = vs
-    explained = {v.comm for vs in nics.values() for v in vs} | {v.comm for vs in links.values() for v in vs}
+    explained = {v.comm for blamed in (nics, links, rails) for vs in blamed.values() for v in vs}
     ambiguous = [v.nodes for v in votes if v.state == "low" and v.comm not in explained]
-    return Blame(nics, links, ambiguous)
+    return Blame(nics, links, ambiguous, rails)
+
+
+def _all_low_over_different_hops(vs: Sequence[CommVote], min_comms: int) -> bool:
+    """At least ``min_comms`` communicators, every one low, not all through one hop (all through
+    one hop: that link or this end, the data cannot say which)."""
+    if len(vs) < min_comms or any(v.state != "low" for v in vs):
+        return False
+    return not set(vs[0].hops).intersection(*(v.hops for v in vs[1:]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +292,9 @@ def comm_hops(collective: str, nodes: Sequence[str]) -> tuple[Pair, ...]:
     return tuple(sorted({(min(a, b), max(a, b)) for a, b in zip(d, d[1:] + d[:1], strict=True)}))
 
 
-_Key = tuple[str, str, int]  # (communicator, collective, size bucket)
+# (communicator, collective, size bucket, timing source): a job that lets NCCL time some
+# collectives on the CPU (NCCL_INSPECTOR_REQUIRE_KERNEL_TIMING=0) reports both kinds of one row.
+_Key = tuple[str, str, int, str]
 
 
 @dataclass
@@ -264,6 +332,17 @@ class _View:
 
     def hops(self) -> tuple[Pair, ...]:
         return comm_hops(self.row.collective, self.distinct)
+
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        """Each rank's (node, GPU or process), where its report says either (``CommVote``)."""
+        out = []
+        for r, node in enumerate(self.nodes):
+            rank = self.row.ranks[r]
+            if rank.gpu is not None:
+                out.append((node, f"gpu{rank.gpu}"))
+            elif rank.pid is not None:
+                out.append((node, f"pid{rank.pid}"))
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -334,7 +413,7 @@ class JobLocalizer:
         for c in report.jobs.collectives:
             if c.rank is UNSET:
                 continue  # Prometheus mode: no rank, so no view across ranks
-            key = (c.comm, c.collective, c.size_bytes)
+            key = (c.comm, c.collective, c.size_bytes, c.timing_source)
             row = self._rows.pop(key, None)
             if row is None:
                 mine = self._owned.get(report.node)
@@ -452,12 +531,19 @@ class JobLocalizer:
         self.job_busbw = {}
         self.job_level = {}
         for job, members in sorted(jobs.items()):
+            # Stragglers need no class: a communicator's ranks are compared with each other.
+            found = self._stragglers(job, members, refs, now, stragglers)
+            for node, f in found.items():
+                blamed[("straggler", node)] = f
             judged = [m for m in members if id(m) in refs]
             if not judged:
                 continue
             ratio = {id(m): math.log(max(m.transfer, 1e-9)) - refs[id(m)][0] for m in judged}
             single = [ratio[id(m)] for m in judged if m.row.nnodes == 1]
-            level = statistics.median(single if single else list(ratio.values()))
+            # Only slowness is shared: a job whose NVLink collectives beat their class (NVLS,
+            # more channels, another NCCL) says nothing about what its network should do, so its
+            # inter-node communicators are then held to their class, not above it.
+            level = min(statistics.median(single if single else list(ratio.values())), 0.0)
             inter = [m for m in judged if m.row.nnodes > 1]
             self.job_level[job] = math.exp(level)
             if inter:
@@ -468,13 +554,19 @@ class JobLocalizer:
             for vote in votes:
                 slowest.append(SlowComm(job, vote.comm, _kind(inter, vote.comm), len(vote.nodes), vote.ratio))
             blame = localize(votes, min_comms=cfg.min_comms)
+            spanned = {n for v in votes for n in v.nodes}
+            if 2 * len(set(blame.nics) | {ep[0] for ep in blame.rails}) > len(spanned):
+                # NICs fail one at a time. Most of a job's nodes slow on every inter-node
+                # communicator at once is one cause they share: the job's own settings (fewer
+                # channels, another algorithm) or the fabric it runs on, not that many NICs.
+                workload.add(job)
+                blame = replace(blame, nics={}, rails={})
             for node, vs in blame.nics.items():
                 blamed[("nic", node)] = self._nic_finding(job, node, vs, now)
+            for (node, ep), vs in blame.rails.items():
+                blamed[("rail", node, ep)] = self._nic_finding(job, node, vs, now, rail=ep)
             for hop, vs in blame.links.items():
                 blamed[("link", *hop)] = self._link_finding(job, hop, vs, now)
-            found = self._stragglers(job, judged, refs, now, stragglers)
-            for node, f in found.items():
-                blamed[("straggler", node)] = f
         self._log_workload(workload)
         # Over time: a blame must hold in confirm_runs consecutive runs.
         streaks: dict[tuple[str, ...], tuple[int, float]] = {}
@@ -552,35 +644,52 @@ class JobLocalizer:
                 state = "normal"
             else:
                 state = "unclear"
-            votes.append(CommVote(comm, ms[0].distinct, ms[0].hops(), state, math.exp(e)))
+            votes.append(CommVote(comm, ms[0].distinct, ms[0].hops(), state, math.exp(e), ms[0].endpoints()))
         return votes
 
     def _stragglers(
         self,
         job: str,
-        judged: list[_View],
+        members: list[_View],
         refs: Mapping[int, tuple[float, float]],
         now: float,
         top: list[StragglerRank],
     ) -> dict[str, Finding]:
         """Nodes whose ranks arrive last (module docstring), with the communicators that say so."""
         cfg = self.config
+        # Every communicator where arrival order means something: kernel timing (the others'
+        # kernels include their wait for the last), and the same work on every rank (UNEVEN).
+        timed = [m for m in members if m.row.timing == KERNEL_GPU and m.row.collective not in UNEVEN]
+        gaps = {id(m): lead(m.exec_us) for m in timed}
         late: dict[str, list[tuple[_View, Straggler]]] = defaultdict(list)
         seen: dict[str, int] = defaultdict(int)  # node -> inter-node communicators judged
         tp: dict[str, tuple[_View, Straggler]] = {}
-        for m in judged:
-            if m.row.timing != KERNEL_GPU:
-                continue
+        for m in timed:
             if m.row.nnodes > 1:
                 for n in m.distinct:
                     seen[n] += 1
-            waited = math.log(max(statistics.median(m.busbw), 1e-9)) - refs[id(m)][0]
-            if waited > -math.log1p(cfg.straggler_ratio):
-                continue  # its ranks did not wait: nobody is late
+            if id(m) in refs:
+                waited = math.log(max(statistics.median(m.busbw), 1e-9)) - refs[id(m)][0]
+                if waited > -math.log1p(cfg.straggler_ratio):
+                    continue  # its ranks did not wait: nobody is late
             s = straggler(m.exec_us, ratio=cfg.straggler_ratio, z=cfg.z, floor=cfg.spread_floor)
             if s is None:
                 continue
             node = m.nodes[s.index]
+            # The job's other communicators of this kind, without this node: how late the last
+            # rank of a healthy one is in this job (straggler_peer_factor).
+            inter = m.row.nnodes > 1
+            peers = [
+                g
+                for o in timed
+                if (o.row.nnodes > 1) == inter and node not in o.nodes and (g := gaps[id(o)]) is not None
+            ]
+            if len(peers) < cfg.min_straggler_peers:
+                continue
+            # In time, not in log: the wait is the lateness, and lateness scales with slowness.
+            typical = statistics.median(peers)
+            if math.expm1(s.gap) < cfg.straggler_peer_factor * math.expm1(typical):
+                continue
             top.append(StragglerRank(job, node, m.row.comm, s.index, math.expm1(s.gap)))
             if m.row.nnodes == 1:
                 tp[node] = (m, s)
@@ -609,28 +718,37 @@ class JobLocalizer:
 
     # -- findings -------------------------------------------------------------------------------
 
-    def _nic_finding(self, job: str, node: str, vs: list[CommVote], now: float) -> Finding:
+    def _nic_finding(
+        self, job: str, node: str, vs: list[CommVote], now: float, *, rail: str | None = None
+    ) -> Finding:
         worst = min(v.ratio for v in vs)
         med = statistics.median([v.ratio for v in vs])
         peers = sorted({n for v in vs for n in v.nodes} - {node})
+        evidence: dict[str, object] = {
+            "job": job,
+            "communicators": [v.comm for v in vs][:16],
+            "ratio": round(med, 3),
+            "worst_ratio": round(worst, 3),
+            "peers": peers[:16],
+        }
+        if rail is None:
+            through, blame = node, "the node's network, not a link"
+        else:
+            evidence["rank"] = rail
+            through = f"{rail.replace('gpu', 'GPU ').replace('pid', 'process ')} of {node}"
+            blame = "that GPU's NIC or its PCIe path (its node-mates' communicators are normal), not a link"
         return Finding(
             detector=JobConfig.name,
-            key="job-nic",
+            key="job-nic" if rail is None else f"job-nic:{rail}",
             severity="warning",
             action="quarantine",
             summary=(
-                f"every inter-node communicator of job {job} through {node} is slow "
+                f"every inter-node communicator of job {job} through {through} is slow "
                 f"({len(vs)} communicators, {(1 - med) * 100:.0f} % under the job's level, with {len(peers)} "
-                "other nodes over different hops): the node's network, not a link"
+                f"other nodes over different hops): {blame}"
             ),
             since=now,
-            evidence={
-                "job": job,
-                "communicators": [v.comm for v in vs][:16],
-                "ratio": round(med, 3),
-                "worst_ratio": round(worst, 3),
-                "peers": peers[:16],
-            },
+            evidence=evidence,
         )
 
     def _link_finding(self, job: str, hop: Pair, vs: list[CommVote], now: float) -> Finding:
