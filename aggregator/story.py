@@ -36,7 +36,9 @@ def evidence_value(key: str, value: object) -> str:
         if (key in ("time", "since", "first_seen") or key.endswith(("_time", "_at"))) and value > 1e9:
             return iso(float(value))
         return f"{value:.6g}" if isinstance(value, float) else str(value)
-    if isinstance(value, str | bool) or value is None:
+    if value is None:
+        return "unknown"  # not "None": what on-call reads is that nobody knows
+    if isinstance(value, str | bool):
         return str(value)
     return json.dumps(value, sort_keys=True, default=str)
 

@@ -186,3 +186,104 @@ async def test_the_summary_counts_pools_racks_and_overlays(aiohttp_client: Any) 
 
 def test_fleet_summary_of_no_nodes() -> None:
     assert fleet_summary([])["totals"]["nodes"] == 0
+
+
+async def test_a_page_with_a_form_never_reloads_and_the_others_say_how_to_stop(aiohttp_client: Any) -> None:
+    # On-call types a search into the node list: a reload would wipe it (and take the focus).
+    # The pages that do refresh say so and link to the same page with ?refresh=off (WCAG 2.2.1).
+    c = await client(aiohttp_client)
+    for path in ("/nodes?q=gpu-00", "/decisions", "/links"):
+        body = await (await c.get(path)).text()
+        assert 'http-equiv="refresh"' not in body, path
+    body = await (await c.get("/nodes/gpu-0003")).text()
+    assert '<meta http-equiv="refresh" content="10">' in body
+    assert 'href="/nodes/gpu-0003?refresh=off">Stop refreshing</a>' in body
+    body = await (await c.get("/nodes/gpu-0003?refresh=off")).text()
+    assert 'http-equiv="refresh"' not in body
+    assert 'href="/nodes/gpu-0003">Refresh every 10 s</a>' in body
+    body = await (await c.get("/?refresh=off")).text()
+    assert 'http-equiv="refresh"' not in body
+
+
+async def test_bidirectional_controls_from_an_agent_cannot_reverse_the_page(aiohttp_client: Any) -> None:
+    # U+202E (right-to-left override) in a rack label would show the rest of the line, the time
+    # of the last report included, backwards. Shown as its code point instead.
+    nodes = [node(i) for i in range(3)]
+    nodes[1] = node(1, rack="r0001\u202e", reasons=["x\u2067y"])
+    app = web.Application()
+    app.router.add_routes(status_routes(Source(nodes), config=Config(), clock=FakeClock(NOW)))
+    c: TestClient[web.Request, web.Application] = await aiohttp_client(app)
+    for path in ("/nodes", "/nodes/gpu-0001"):
+        body = await (await c.get(path)).text()
+        assert "\u202e" not in body and "\u2067" not in body, path
+        assert "r0001[U+202E]" in body, path
+
+
+async def test_a_fleet_that_has_not_reported_is_not_called_healthy(aiohttp_client: Any) -> None:
+    app = web.Application()
+    app.router.add_routes(status_routes(Source([]), config=Config(), clock=FakeClock(NOW)))
+    c: TestClient[web.Request, web.Application] = await aiohttp_client(app)
+    body = await (await c.get("/")).text()
+    assert "No node has reported yet" in body
+    assert "Every rack is healthy" not in body and "No node is quarantined" not in body
+    links = await (await c.get("/links")).text()
+    assert "Every probed link is healthy" not in links and "No link has been probed" in links
+
+
+async def test_the_fleet_page_lists_ten_systemic_events_and_links_the_rest(aiohttp_client: Any) -> None:
+    class Silent(Source):
+        def systemic_events(self) -> list[dict[str, Any]]:
+            return [
+                {"time": NOW - 60, "state": "active", "kind": "leaf", "domain": f"leaf-{k:02d}",
+                 "summary": f"leaf leaf-{k:02d}: 8 of 8 nodes stopped reporting", "nodes": []}
+                for k in range(30)
+            ]  # fmt: skip
+
+    app = web.Application()
+    app.router.add_routes(status_routes(Silent(fleet()), config=Config(), clock=FakeClock(NOW)))
+    c: TestClient[web.Request, web.Application] = await aiohttp_client(app)
+    body = await (await c.get("/")).text()
+    events = body[body.index("<h2>Systemic events now") : body.index("<h2>Quarantined now")]
+    assert events.count("stopped reporting") == 10
+    assert "and 20 more" in events and 'href="/systemic"' in events
+
+
+async def test_with_remediation_off_the_page_says_no_taint_was_applied(aiohttp_client: Any) -> None:
+    class Tainted(Source):
+        def decisions_since(self, since: float, limit: int) -> list[dict[str, Any]]:
+            return [{"time": NOW - 10, "subject": "node", "node": "gpu-0003", "state": "quarantined",
+                     "previous": "suspect", "action": "taint", "reasons": [{"summary": "XID"}]}]  # fmt: skip
+
+    for mode, said in (("off", True), ("dry-run", True), ("enforce", False)):
+        app = web.Application()
+        config = parse_config(f"remediation: {{mode: '{mode}'}}", "t")
+        app.router.add_routes(status_routes(Tainted(fleet()), config=config, clock=FakeClock(NOW)))
+        c: TestClient[web.Request, web.Application] = await aiohttp_client(app)
+        feed = await (await c.get("/decisions")).text()
+        assert (f"taint (not applied: remediation {mode})" in feed) is said, mode
+        page = await (await c.get("/nodes/gpu-0003")).text()
+        assert ("no taint is on the node" in page) is said, mode
+
+
+async def test_the_runbook_is_for_nodes_out_of_service_and_the_internal_copy_is_always_there(
+    aiohttp_client: Any,
+) -> None:
+    # A rule's own reference (NVIDIA's XID page) is shown beside the runbook under
+    # notify.runbook_base_url, not instead of it: an air-gapped cluster reads its own copy.
+    class WithReference(Source):
+        def node(self, name: str) -> dict[str, Any] | None:
+            found = super().node(name)
+            if found is not None:
+                for r in found["reasons"]:
+                    r["evidence"]["runbook_url"] = "https://docs.nvidia.com/deploy/xid-errors/index.html"
+            return found
+
+    app = web.Application()
+    config = parse_config("notify: {runbook_base_url: 'https://wiki.local/rb'}", "t")
+    app.router.add_routes(status_routes(WithReference(fleet()), config=config, clock=FakeClock(NOW)))
+    c: TestClient[web.Request, web.Application] = await aiohttp_client(app)
+    page = await (await c.get("/nodes/gpu-0003")).text()
+    assert 'href="https://wiki.local/rb/GpuwardenNodeQuarantined.md"' in page
+    assert 'href="https://docs.nvidia.com/deploy/xid-errors/index.html"' in page
+    healthy = await (await c.get("/nodes/gpu-0001")).text()
+    assert "Runbook:" not in healthy

@@ -15,12 +15,15 @@ Read-only, like the JSON read API it is built on (``source``: the pipeline's ``n
 ``probe_coverage``). Everything that came from an agent (node names, reasons, evidence) is
 escaped. The only assets are this package's stylesheet and icon, and the Content-Security-Policy
 forbids anything else, so a page opened in an air-gapped cluster fetches nothing from another
-host. No script anywhere: forms are plain GETs, pages refresh themselves by ``<meta refresh>``.
+host. No script anywhere: forms are plain GETs. Pages without a form refresh themselves by
+``<meta refresh>``, and say so with a link that stops it (``?refresh=off``); a page with a form
+(the node list, the decisions, the links) never reloads under what someone is typing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import logging
 import math
@@ -74,7 +77,19 @@ CONTENT_SECURITY_POLICY: Final = (
 )
 # Quarantined nodes the fleet page lists by name; the rest are one click away (the node list).
 _GLANCE_QUARANTINED: Final = 20
-_REFRESH_S: Final = {"glance": 15, "nodes": 30, "node": 10, "feed": 15}
+_REFRESH_S: Final = {"glance": 15, "node": 10, "feed": 15}
+# The request a page is rendered for (set by ``_guard``): its ``?refresh=off`` and its address.
+_REQUEST: contextvars.ContextVar[web.Request | None] = contextvars.ContextVar(
+    "gpuwarden_status_request", default=None
+)
+# Systemic events the fleet page lists; the rest are on /systemic.
+_GLANCE_SYSTEMIC: Final = 10
+# Unicode's bidirectional controls (embeddings, overrides, isolates, marks): text an agent sent
+# with one would reverse what follows it on the page, the time of the last report included.
+# Shown as their code points instead: escaped like the rest, and visible.
+_BIDI: Final = {
+    c: f"[U+{c:04X}]" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A), 0x200E, 0x200F, 0x061C)
+}
 
 _PKG = resources.files("aggregator.web")
 _PAGE: Final = Template((_PKG / "templates" / "page.html").read_text(encoding="utf-8"))
@@ -82,6 +97,9 @@ _ASSETS: Final[Mapping[str, tuple[bytes, str]]] = {
     "status.css": ((_PKG / "static" / "status.css").read_bytes(), "text/css"),
     "favicon.svg": ((_PKG / "static" / "favicon.svg").read_bytes(), "image/svg+xml"),
 }
+# The stylesheet's address names its content: browsers keep it an hour (``asset``), and a page of
+# a newer aggregator asks for the new one rather than styling itself with the old.
+_CSS_HREF: Final = "/static/status.css?v=" + hashlib.sha256(_ASSETS["status.css"][0]).hexdigest()[:12]
 
 
 class StatusSource(Protocol):
@@ -154,8 +172,9 @@ class ShardNodes:
 
 
 def h(value: object) -> str:
-    """Escaped for HTML text and attribute values alike."""
-    return escape(str(value), quote=True)
+    """Escaped for HTML text and attribute values alike, bidirectional controls shown as code
+    points (``_BIDI``)."""
+    return escape(str(value).translate(_BIDI), quote=True)
 
 
 def _node_href(name: str) -> str:
@@ -492,17 +511,38 @@ class StatusView:
                 lemon=n.get("lemon", False),
                 evidence=(r.get("evidence", {}) for r in reasons),
             ),
+            # The runbook under notify.runbook_base_url (an internal copy, where the cluster has
+            # no way out), beside a rule's own reference that ``runbook_url`` prefers.
+            "local_runbook_url": runbook_url(
+                cfg.notify.runbook_base_url, held=n.get("held", False), lemon=n.get("lemon", False)
+            ),
         }
 
     # -- pages --------------------------------------------------------------------------------
 
     def page(self, title: str, body: str, *, refresh: int | None, started: float) -> str:
-        meta = f'<meta http-equiv="refresh" content="{refresh}">\n' if refresh else ""
+        request = _REQUEST.get()
+        meta = note = ""
+        if refresh and request is not None and request.query.get("refresh") == "off":
+            back = request.rel_url.without_query_params("refresh")
+            note = (
+                f'<p class="muted refresh">Not refreshing. '
+                f'<a href="{h(back)}">Refresh every {refresh} s</a></p>\n'
+            )
+        elif refresh:
+            meta = f'<meta http-equiv="refresh" content="{refresh}">\n'
+            if request is not None:
+                off = request.rel_url.update_query(refresh="off")
+                note = (
+                    f'<p class="muted refresh">This page refreshes every {refresh} s. '
+                    f'<a href="{h(off)}">Stop refreshing</a></p>\n'
+                )
         return _PAGE.substitute(
+            css=_CSS_HREF,
             title=h(title),
             body=body,
             refresh=meta,
-            banner=self._banner(),
+            banner=self._banner() + note,
             now=h(iso(self.clock.time())),
             render_ms=f"{(time.perf_counter() - started) * 1000:.1f}",
         )
@@ -525,23 +565,34 @@ class StatusView:
             self._breaker_card(s["breaker"]),
         ]
         body = [f'<div class="cards">{"".join(cards)}</div>']
-        if s["systemic_active"]:
-            body.append("<h2>Systemic events now</h2>")
-            body += [_systemic_line(e) for e in s["systemic_active"]]
+        if not t["nodes"]:
+            body.append(
+                '<p class="banner">No node has reported yet: nothing below is about any node. '
+                "Check that the agents run (the DaemonSet), reach this aggregator and are accepted "
+                "(their tokens; the aggregator's log and gpuwarden_ingest_* metrics say why not).</p>"
+            )
+        active = s["systemic_active"]
+        if active:
+            body.append('<h2>Systemic events now <a class="muted" href="/systemic">(all)</a></h2>')
+            body += [_systemic_line(e) for e in active[:_GLANCE_SYSTEMIC]]
+            if len(active) > _GLANCE_SYSTEMIC:
+                body.append(
+                    f'<p class="muted">and {len(active) - _GLANCE_SYSTEMIC} more: '
+                    '<a href="/systemic">the systemic events</a>.</p>'
+                )
         body.append(self._quarantined_now())
         body.append("<h2>Pools</h2>" + _count_table(s["pools"], ("pool",)))
         troubled = [r for r in s["racks"] if r["nodes"] > r["healthy"] or r["silent"]]
         calm = len(s["racks"]) - len(troubled)
         body.append("<h2>Racks with nodes not healthy</h2>")
-        body.append(
-            _count_table(troubled[:200], ("pool", "rack")) if troubled else "<p>Every rack is healthy.</p>"
-        )
+        every = "<p>Every rack is healthy.</p>" if s["racks"] else "<p>No rack has reported.</p>"
+        body.append(_count_table(troubled[:200], ("pool", "rack")) if troubled else every)
         if len(troubled) > 200:
             body.append(f'<p class="muted">and {len(troubled) - 200} more racks: see the node list.</p>')
         body.append(f'<p class="muted">{calm} racks have every node healthy.</p>')
         recent = self._recent_decisions(10)
         body.append('<h2>Latest decisions <a class="muted" href="/decisions">(all)</a></h2>')
-        body.append(_decision_table(recent, with_node=True))
+        body.append(_decision_table(recent, with_node=True, mode=self.config.remediation.mode))
         return self.page("Fleet", "\n".join(body), refresh=_REFRESH_S["glance"], started=started)
 
     def _quarantined_now(self) -> str:
@@ -551,7 +602,9 @@ class StatusView:
         every = _href("/nodes", state="quarantined")
         title = f'<h2>Quarantined now <a class="muted" href="{every}">(all)</a></h2>'
         if not out:
-            return title + "<p>No node is quarantined.</p>"
+            return title + (
+                "<p>No node is quarantined.</p>" if self.nodes() else "<p>No node has reported.</p>"
+            )
         out.sort(key=lambda n: (-(n.get("since") or 0.0), n["node"]))
         more = (
             f'<p class="muted">and {len(out) - _GLANCE_QUARANTINED} more: '
@@ -602,7 +655,7 @@ class StatusView:
         table = _node_table(shown, now, self._row_link) if shown else "<p>No node matches.</p>"
         pager = _pager("/nodes", f.params(), page, pages)
         body = "".join(form) + count + pager + table + pager
-        return self.page("Nodes", body, refresh=_REFRESH_S["nodes"], started=started)
+        return self.page("Nodes", body, refresh=None, started=started)  # a form: never reloaded
 
     def node_page(self, name: str, found: Mapping[str, Any] | None = None) -> str | None:
         """The node's page (``found``: the node as the source gave it already); None if unknown."""
@@ -621,12 +674,22 @@ class StatusView:
             '<div class="next">',
             f"<p><strong>Next:</strong> {h(st['next'])}</p>",
         ]
+        mode = self.config.remediation.mode
+        if mode != "enforce" and st["state"] in ("quarantined", "probation"):
+            body.append(
+                f"<p><strong>Not applied:</strong> remediation is {h(mode)}, so no taint is on the node: "
+                "the scheduler still places work there.</p>"
+            )
         if st["override"]:
             body.append(f"<p><strong>By hand:</strong> {h(st['override'])}</p>")
-        body.append(
-            f'<p><strong>Runbook:</strong> <a href="{h(st["runbook_url"])}">'
-            f"{h(st['runbook_url'])}</a></p></div>"
-        )
+        if st["state"] != "healthy":  # nothing to do for a node in service
+            links = [st["runbook_url"], st["local_runbook_url"]]
+            body.append(
+                "<p><strong>Runbook:</strong> "
+                + " · ".join(f'<a href="{h(u)}">{h(u)}</a>' for u in dict.fromkeys(links))
+                + "</p>"
+            )
+        body.append("</div>")
         body.append("<h2>Why</h2>")
         if not st["reasons"]:
             body.append("<p>No reason on record: the node is healthy.</p>")
@@ -644,7 +707,8 @@ class StatusView:
             )
         body.append("<h2>Recent evidence</h2>" + _sparklines(n.get("history", [])))
         decisions = list(reversed(n.get("decisions", [])))
-        body.append("<h2>State history</h2>" + _decision_table(decisions, with_node=False))
+        mode = self.config.remediation.mode
+        body.append("<h2>State history</h2>" + _decision_table(decisions, with_node=False, mode=mode))
         body.append("<h2>Latest reports</h2>" + _report_table(list(reversed(n.get("history", [])))[:10]))
         return self.page(f"Node {name}", "\n".join(body), refresh=_REFRESH_S["node"], started=started)
 
@@ -682,10 +746,10 @@ class StatusView:
             form
             + "<p>The decisions the aggregator holds (its last 10,000), newest first.</p>"
             + pager
-            + _decision_table(shown, with_node=True)
+            + _decision_table(shown, with_node=True, mode=self.config.remediation.mode)
             + pager
         )
-        return self.page("Decisions", body, refresh=_REFRESH_S["feed"], started=started)
+        return self.page("Decisions", body, refresh=None, started=started)  # a form: never reloaded
 
     def systemic_page(self) -> str:
         started = time.perf_counter()
@@ -728,9 +792,11 @@ class StatusView:
                 )
                 + "</tbody></table>"
             )
-        else:
+        elif rows:
             body.append("<p>Every probed link is healthy.</p>")
-        return self.page("Links", "\n".join(body), refresh=_REFRESH_S["feed"], started=started)
+        else:
+            body.append("<p>No link has been probed.</p>")
+        return self.page("Links", "\n".join(body), refresh=None, started=started)  # a form: never reloaded
 
     def _matrix(self, rows: Sequence[Mapping[str, Any]]) -> str:
         bws = sorted(r["busbw_bytes_per_second"] for r in rows)
@@ -857,9 +923,12 @@ def _systemic_line(e: Mapping[str, Any]) -> str:
     )
 
 
-def _decision_table(decisions: Sequence[Mapping[str, Any]], *, with_node: bool) -> str:
+def _decision_table(decisions: Sequence[Mapping[str, Any]], *, with_node: bool, mode: str) -> str:
+    """``mode``: ``remediation.mode``; a taint or untaint a decision records is applied only when
+    it is ``enforce``, and the table says so otherwise."""
     if not decisions:
         return "<p>No decision on record.</p>"
+    unapplied = "" if mode == "enforce" else f" (not applied: remediation {mode})"
     head = (
         "<th>time</th>"
         + ("<th>node</th>" if with_node else "")
@@ -872,7 +941,8 @@ def _decision_table(decisions: Sequence[Mapping[str, Any]], *, with_node: bool) 
         rows.append(
             f"<tr><td class='mono'>{h(iso(d['time']))}</td>"
             + (f"<td>{subject}</td>" if with_node else "")
-            + f"<td>{h(d['previous'])} → {_badge(d['state'])}</td><td>{h(d['action'])}</td>"
+            + f"<td>{h(d['previous'])} → {_badge(d['state'])}</td>"
+            f"<td>{h(d['action'] + (unapplied if d['action'] in ('taint', 'untaint') else ''))}</td>"
             f"<td class='why'>{h(why[:400])}</td></tr>"
         )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
@@ -920,7 +990,7 @@ def _report_table(history: Sequence[Mapping[str, Any]]) -> str:
         f"<tr><td class='mono'>{h(iso(r.get('received')))}</td><td class='num'>{h(r.get('seq'))}</td>"
         f"<td class='mono'>{h(r.get('boot_id'))}</td><td class='num'>{h(r.get('gpus'))}</td>"
         f"<td class='num'>{h(r.get('nics'))}</td><td class='num'>{h(r.get('events'))}</td>"
-        f"<td>{h('; '.join(r.get('errors') or [])[:200])}</td></tr>"
+        f"<td class='why'>{h('; '.join(r.get('errors') or [])[:200])}</td></tr>"
         for r in history
     )
     return (
@@ -953,6 +1023,7 @@ def _guard(
     replica's pages that list nodes ask the other shards for theirs)."""
 
     async def handler(request: web.Request) -> web.StreamResponse:
+        _REQUEST.set(request)  # this request's task only: aiohttp runs each in its own
         try:
             if before is not None:
                 await before(request)
