@@ -28,7 +28,7 @@ from agent.metrics import (
     make_registry,
     serve,
 )
-from agent.report import CollectorError, Event, Gpu, Nic, NvLink, Probe, Report
+from agent.report import CollectorError, Event, Gpu, GpuAllocation, Nic, NvLink, Probe, Report
 from agent.state import CollectorStatus, CycleResult, ShipperStats
 from tests.conftest import REPO, ci
 from tests.test_prometheus_rules import promtool
@@ -198,6 +198,16 @@ def _snapshot(
         ),
         probes=PROBES if probes is None else probes,
         errors=[CollectorError(collector="infiniband", message="mlx5_1: counters unreadable")],
+        # GPU 0 held by a training container (the kubelet's PodResources answer); GPU 1 by none.
+        pods=(
+            GpuAllocation(
+                namespace="ml",
+                pod="train-0",
+                container="main",
+                resource="nvidia.com/gpu",
+                devices=("GPU-00000000-1111-2222-3333-444444444444",),
+            ),
+        ),
     )
     statuses = (
         CollectorStatus("nvml", supported=True, reason="", success=True, duration_seconds=0.0125),
