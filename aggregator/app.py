@@ -353,6 +353,7 @@ async def build_aggregator(
         ),
         banner=f"shard {shards.index} of {shards.shards}" if shards is not None else None,
         others=views,
+        leading=(lambda: remediation.elector.is_leader) if remediation is not None else None,
     )
     if views is not None:
         app.middlewares.append(views.middleware)  # after the read guard: reads are checked first

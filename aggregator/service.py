@@ -1026,6 +1026,7 @@ def create_app(
     decisions: DecisionLog | None = None,
     route: Route | None = None,
     others: OtherShards | None = None,
+    leading: Callable[[], bool] | None = None,
 ) -> web.Application:
     """The aggregator's web application.
 
@@ -1038,7 +1039,8 @@ def create_app(
     ``decisions``: the log the pipeline writes to; a report that caused decisions is answered
     only once they are fsync'd. ``route``: with sharding, sends a report of another shard's pool
     there (aggregator/shard/router.py). ``others``: with sharding, the other shards' nodes for the
-    status page (aggregator/shard/fanout.py).
+    status page (aggregator/shard/fanout.py). ``leading``: whether this replica holds the
+    remediation Lease now, for the status page (None: no election).
     """
     if metrics is None:
         metrics = Metrics(registry)
@@ -1068,7 +1070,9 @@ def create_app(
         app.router.add_route("OPTIONS", REPORTS_PATH, _options)
     app.router.add_routes(_health(registry, readiness))
     app.router.add_routes(_read_api(pipeline))
-    app.router.add_routes(status_routes(pipeline, config=config, clock=clock, banner=banner, others=others))
+    app.router.add_routes(
+        status_routes(pipeline, config=config, clock=clock, banner=banner, others=others, leading=leading)
+    )
 
     if advance_interval_s is not None:
         interval = advance_interval_s

@@ -287,3 +287,20 @@ async def test_the_runbook_is_for_nodes_out_of_service_and_the_internal_copy_is_
     assert 'href="https://docs.nvidia.com/deploy/xid-errors/index.html"' in page
     healthy = await (await c.get("/nodes/gpu-0001")).text()
     assert "Runbook:" not in healthy
+
+
+async def test_every_page_says_whether_this_replica_leads(aiohttp_client: Any) -> None:
+    # In a fail-over on-call must know whether the page they look at is the replica that writes
+    # the taints; without an election (remediation off) nothing is said.
+    leads = {"now": True}
+    app = web.Application()
+    app.router.add_routes(
+        status_routes(Source(fleet()), config=Config(), clock=FakeClock(NOW), leading=lambda: leads["now"])
+    )
+    c: TestClient[web.Request, web.Application] = await aiohttp_client(app)
+    assert "this replica leads" in await (await c.get("/")).text()
+    leads["now"] = False
+    assert "this replica is a standby" in await (await c.get("/nodes")).text()
+    plain = await client(aiohttp_client)
+    body = await (await plain.get("/")).text()
+    assert "this replica" not in body

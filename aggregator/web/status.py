@@ -342,9 +342,12 @@ class StatusView:
         nodes_ttl_s: float = NODES_TTL_S,
         banner: str | None = None,
         others: OtherShards | None = None,
+        leading: Callable[[], bool] | None = None,
     ) -> None:
         self.source = source
         self.banner = banner  # shown atop every page: what this view is of, when not a live fleet
+        # Whether this replica holds the remediation Lease now (None: remediation off, no Lease).
+        self.leading = leading
         self.config = config
         self.clock = clock
         self.nodes_ttl_s = nodes_ttl_s
@@ -548,8 +551,17 @@ class StatusView:
         )
 
     def _banner(self) -> str:
-        text = "; ".join(t for t in (self.banner, self._fleet_note()) if t)
+        text = "; ".join(t for t in (self.banner, self._role(), self._fleet_note()) if t)
         return f'<p class="banner">{h(text)}</p>\n' if text else ""
+
+    def _role(self) -> str:
+        """Which replica this is, where several run (remediation's leader election): on-call in a
+        fail-over wants to know whether the page is the one that writes to the nodes."""
+        if self.leading is None:
+            return ""
+        if self.leading():
+            return "this replica leads: it writes the taints"
+        return "this replica is a standby: it decides as the leader does, and writes nothing to the nodes"
 
     def glance(self) -> str:
         started = time.perf_counter()
@@ -1054,12 +1066,14 @@ def status_routes(
     clock: Clock,
     banner: str | None = None,
     others: OtherShards | None = None,
+    leading: Callable[[], bool] | None = None,
 ) -> list[web.RouteDef]:
     """The status page's routes; add them to the aggregator's app (``app.router.add_routes``).
     ``banner``: a line atop every page saying what is shown (a replayed trace, as of when).
     ``others``: with sharding, the glance, the node list and the summary show every shard's
-    nodes, and a node of another shard links to its page there."""
-    view = StatusView(source, config, clock, banner=banner, others=others)
+    nodes, and a node of another shard links to its page there. ``leading``: whether this replica
+    holds the remediation Lease now (every page says which role it has)."""
+    view = StatusView(source, config, clock, banner=banner, others=others, leading=leading)
 
     async def fleet(request: web.Request) -> None:
         await view.refresh(request.headers.get("Authorization"))
