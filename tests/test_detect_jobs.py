@@ -711,15 +711,21 @@ def test_an_expert_with_more_tokens_is_no_straggler() -> None:
     assert nodes == {}
 
 
+def three_jobs(*, nvlink: float = 1.0, network: float = 1.0) -> HandFleet:
+    """Three jobs of eight nodes in two stages each (``_stages``) over one fabric; the third with
+    its NVLink and its network at those ratios of the others'."""
+    fleet = HandFleet(24)
+    _stages(fleet, (fleet.nodes[0:4], fleet.nodes[4:8]), None, None)
+    _stages(fleet, (fleet.nodes[8:12], fleet.nodes[12:16]), None, None)
+    _stages(fleet, (fleet.nodes[16:20], fleet.nodes[20:24]), None, None, nvlink=nvlink, network=network)
+    return fleet
+
+
 def test_a_job_faster_than_its_class_on_nvlink_holds_its_network_to_the_class_only() -> None:
     # Three jobs of eight nodes over the same fabric; the third runs its tensor-parallel
     # all-reduce on NVLS (a third faster than the others' rings on NVLink). Its rings and pairs
     # are as fast as theirs: not slow for being slower than its own NVLink.
-    fleet = HandFleet(24)
-    _stages(fleet, (fleet.nodes[0:4], fleet.nodes[4:8]), None, None)
-    _stages(fleet, (fleet.nodes[8:12], fleet.nodes[12:16]), None, None)
-    _stages(fleet, (fleet.nodes[16:20], fleet.nodes[20:24]), None, None, nvlink=1.35)
-    nodes, links = blamed(fleet.run(JobLocalizer()))
+    nodes, links = blamed(three_jobs(nvlink=1.35).run(JobLocalizer()))
     assert nodes == {} and links == set()
 
 
@@ -790,11 +796,7 @@ def test_a_job_slow_on_every_inter_node_communicator_of_most_nodes_blames_no_nic
     # A job whose own settings (fewer channels, another algorithm) make every ring and pair 30 %
     # slower than its class: every node's communicators are all low, over different hops. NICs
     # fail one at a time; most of a job's nodes at once is the job or its fabric.
-    fleet = HandFleet(24)
-    _stages(fleet, (fleet.nodes[0:4], fleet.nodes[4:8]), None, None)
-    _stages(fleet, (fleet.nodes[8:12], fleet.nodes[12:16]), None, None)
-    _stages(fleet, (fleet.nodes[16:20], fleet.nodes[20:24]), None, None, network=0.7)
-    nodes, links = blamed(fleet.run(JobLocalizer()))
+    nodes, links = blamed(three_jobs(network=0.7).run(JobLocalizer()))
     assert nodes == {} and links == set()
 
 

@@ -304,14 +304,9 @@ def test_a_replaced_gpu_does_not_keep_the_node_out_after_a_restart() -> None:
     assert intent is not None and intent.effect == "NoSchedule"  # probation keeps it out
 
 
-def test_a_replaced_gpu_clears_restored_evidence_that_would_hold_until_a_reboot() -> None:
-    # The same for evidence that lasts until a reboot (an XID 79 on the old GPU): a node whose
-    # slot reports another GPU after the restart is not held to the old GPU's XID.
-    cluster = Cluster()
-    p = build_pipeline(config(), RULES, cluster=cluster)
-    p.await_cluster()
-    old_uuid = gpu(3).uuid
-    snap = HealthSnapshot(
+def xid79_snapshot(uuid: str) -> HealthSnapshot:
+    """A node's snapshot: quarantined on boot-1 for an XID 79 on GPU 3 of ``uuid``."""
+    return HealthSnapshot(
         state="quarantined",
         since=T0,
         tainted=True,
@@ -331,10 +326,20 @@ def test_a_replaced_gpu_clears_restored_evidence_that_would_hold_until_a_reboot(
                 rule="xid-79",
                 hard=True,
                 clears="reboot",
-                evidence={"gpu": 3, "uuid": old_uuid},
+                evidence={"gpu": 3, "uuid": uuid},
             )
         ],
     )
+
+
+def test_a_replaced_gpu_clears_restored_evidence_that_would_hold_until_a_reboot() -> None:
+    # The same for evidence that lasts until a reboot (an XID 79 on the old GPU): a node whose
+    # slot reports another GPU after the restart is not held to the old GPU's XID.
+    cluster = Cluster()
+    p = build_pipeline(config(), RULES, cluster=cluster)
+    p.await_cluster()
+    old_uuid = gpu(3).uuid
+    snap = xid79_snapshot(old_uuid)
     now = T0 + 100
     p.ingest(dbe("n01", now, replaced=True, seq=1), now)  # same boot id, a new GPU in slot 3
     cluster.listed(["n01"])
@@ -351,30 +356,7 @@ def test_evidence_from_while_a_uuid_was_unreadable_is_not_taken_for_a_replaced_g
     cluster = Cluster()
     p = build_pipeline(config(), RULES, cluster=cluster)
     p.await_cluster()
-    snap = HealthSnapshot(
-        state="quarantined",
-        since=T0,
-        tainted=True,
-        quarantines=[T0],
-        boot_id="boot-1",
-        reason_code="xid-79",
-        message="XID 79",
-        pool="pool-a",
-        findings=[
-            SnapshotFinding(
-                detector="rule",
-                key="xid-79:gpu3",
-                severity="critical",
-                action="quarantine",
-                summary="XID 79",
-                since=T0,
-                rule="xid-79",
-                hard=True,
-                clears="reboot",
-                evidence={"gpu": 3, "uuid": ""},
-            )
-        ],
-    )
+    snap = xid79_snapshot("")
     now = T0 + 100
     p.ingest(healthy("n01", now, seq=1), now)  # same boot, GPU 3's UUID readable again
     cluster.listed(["n01"])
