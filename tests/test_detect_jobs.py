@@ -824,3 +824,28 @@ def test_rows_timed_on_the_cpu_and_on_the_gpu_are_kept_apart() -> None:
     report = Report(schema=SCHEMA_ID, node="n", time=T0, seq=1, boot_id="b", gpus=(), nics=(), jobs=jobs)
     det.observe_report(report, POOL, T0)
     assert sorted(row.timing for row in det._rows.values()) == ["kernel_cpu", "kernel_gpu"]
+
+
+def test_a_straggler_is_counted_by_communicators_not_by_their_rows() -> None:
+    # Megatron's data-parallel communicators report a reduce-scatter and an all-gather each: two
+    # rows, one communicator. A node that arrives last in every one of them is a straggler node,
+    # however many collectives each reports.
+    def views(collectives: Sequence[tuple[str, int]]) -> list[_View]:
+        out = []
+        for group, nodes in (("a", ["n0", "n1", "n2", "n3"]), ("b", ["n4", "n5", "n6", "n7"])):
+            for rail in range(8):
+                for collective, size in collectives:
+                    row = _Row(f"{group}{rail}", collective, size, 4, 4, "kernel_gpu")
+                    for r, n in enumerate(nodes):
+                        row.ranks[r] = _Rank(n, n, 100 + rail, rail, deque())
+                    exec_us = [1500.0 + 3 * r for r in range(4)]
+                    if group == "a":
+                        exec_us[1] = 1000.0  # n1 last everywhere
+                    else:
+                        exec_us[0] = 1450.0  # a healthy last rank's lead
+                    out.append(_View(row, "p", tuple(nodes), (40.0,) * 4, tuple(exec_us)))
+        return out
+
+    for collectives in ([("AllReduce", 1 << 26)], [("ReduceScatter", 1 << 26), ("AllGather", 1 << 26)]):
+        found = JobLocalizer()._stragglers("job", views(collectives), {}, 0.0, [])
+        assert sorted(found) == ["n1"], collectives

@@ -183,3 +183,47 @@ def test_a_quarantine_it_made_stays_across_an_aggregator_restart() -> None:
     feed(after, 12, range(60, 180), edit)  # 20 minutes more: past the restore grace
     assert state(after, "n04") == "quarantined"
     assert [f.key for f in findings(after, "n04")] == ["port-down:mlx5_3/1"]
+
+
+def test_a_port_whose_state_could_not_be_read_is_not_down() -> None:
+    # A restricted sysfs view, a state file that fails to read: the agent sends no state. The
+    # port still carries traffic; not knowing its state is not evidence that it is down.
+    def edit(node: str, i: int, n: Nic) -> Nic:
+        return (
+            msgspec.structs.replace(n, state=None) if (node, n.device, n.port) == ("n04", "mlx5_3", 1) else n
+        )
+
+    pipeline = run(12, 60, edit)
+    assert findings(pipeline, "n04") == [] and state(pipeline, "n04") == "healthy"
+
+
+def test_ports_renamed_on_a_node_are_not_gone() -> None:
+    # A node rebooted into another naming policy (or a bond): every port comes back up under a
+    # new name, and the old names' columns are empty. Nothing left the bus.
+    def edit(node: str, i: int, n: Nic) -> Nic:
+        if node == "n05" and i >= 10:
+            return msgspec.structs.replace(n, device=n.device.replace("mlx5_", "ibp"))
+        return n
+
+    pipeline = run(12, 70, edit)
+    assert findings(pipeline, "n05") == [] and state(pipeline, "n05") == "healthy"
+
+
+def test_a_node_back_from_a_long_silence_waits_again() -> None:
+    # The port was down for two minutes, the node went silent for ten (a reboot), and came back
+    # with the port still training: its wait starts again, it does not carry the old start.
+    def edit(node: str, i: int, n: Nic) -> Nic:
+        return dead(n) if (node, n.device, n.port) == ("n04", "mlx5_3", 1) else n
+
+    pipeline = build_pipeline(Config(health=HealthConfig(probation_seconds=600.0)), RULES)
+    every = [f"n{k:02d}" for k in range(12)]
+    for i in range(110):
+        t = T0 + 10.0 * i
+        for node in every:
+            if node == "n04" and 12 <= i < 72:
+                continue  # silent
+            r: Report = report(t, node=node, seq=i, nics=nics(node, i, edit))
+            pipeline.ingest(msgspec.structs.replace(r, labels={"pool": "h100"}), t)
+        if i == 80:  # 80 s after it came back: the old start would already be past the wait
+            assert findings(pipeline, "n04") == []
+    assert [f.key for f in findings(pipeline, "n04")] == ["port-down:mlx5_3/1"]

@@ -482,6 +482,10 @@ def test_a_restart_keeps_a_decision_held_by_a_saturated_counter() -> None:
     assert restarted[-1][0].evidence["evidence_state"] == "saturated"
     cleared = [port_report(T0 + 1400.0 + 10.0 * i, 0) for i in range(3)]
     assert run(eng, cleared, previous=later[-1])[-1] == []
+    # Cleared while the aggregator was down: not held for a single report.
+    fresh = engine()
+    fresh.restore_saturated(NODE, "boot-a", held, T0 + 800.0)
+    assert run(fresh, [port_report(T0 + 810.0 + 10.0 * i, 0) for i in range(3)]) == [[], [], []]
     # Another boot: nothing restored.
     other = engine()
     other.restore_saturated(NODE, "boot-b", held, T0 + 800.0)

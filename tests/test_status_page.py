@@ -260,9 +260,9 @@ async def test_with_remediation_off_the_page_says_no_taint_was_applied(aiohttp_c
         app.router.add_routes(status_routes(Tainted(fleet()), config=config, clock=FakeClock(NOW)))
         c: TestClient[web.Request, web.Application] = await aiohttp_client(app)
         feed = await (await c.get("/decisions")).text()
-        assert (f"taint (not applied: remediation {mode})" in feed) is said, mode
+        assert (f"taint (remediation {mode} now: not applied)" in feed) is said, mode
         page = await (await c.get("/nodes/gpu-0003")).text()
-        assert ("no taint is on the node" in page) is said, mode
+        assert ("this aggregator writes no taint" in page) is said, mode
 
 
 async def test_the_runbook_is_for_nodes_out_of_service_and_the_internal_copy_is_always_there(

@@ -664,12 +664,14 @@ class JobLocalizer:
         timed = [m for m in members if m.row.timing == KERNEL_GPU and m.row.collective not in UNEVEN]
         gaps = {id(m): lead(m.exec_us) for m in timed}
         late: dict[str, list[tuple[_View, Straggler]]] = defaultdict(list)
-        seen: dict[str, int] = defaultdict(int)  # node -> inter-node communicators judged
+        # node -> its inter-node communicators judged (communicators, as ``late`` counts them: a
+        # data-parallel one has a reduce-scatter and an all-gather row, and is one)
+        seen: dict[str, set[str]] = defaultdict(set)
         tp: dict[str, tuple[_View, Straggler]] = {}
         for m in timed:
             if m.row.nnodes > 1:
                 for n in m.distinct:
-                    seen[n] += 1
+                    seen[n].add(m.row.comm)
             if id(m) in refs:
                 waited = math.log(max(statistics.median(m.busbw), 1e-9)) - refs[id(m)][0]
                 if waited > -math.log1p(cfg.straggler_ratio):
@@ -701,10 +703,10 @@ class JobLocalizer:
         for node in sorted(set(late) | set(tp)):
             mine = late.get(node, [])
             dp = len({m.row.comm for m, _ in mine})
-            if node not in tp and not (dp >= cfg.min_comms and 2 * dp > seen[node]):
+            if node not in tp and not (dp >= cfg.min_comms and 2 * dp > len(seen[node])):
                 continue
             out[node] = self._straggler_finding(
-                job, node=node, mine=mine, tp=tp.get(node), seen=seen[node], now=now
+                job, node=node, mine=mine, tp=tp.get(node), seen=len(seen[node]), now=now
             )
         return out
 

@@ -96,7 +96,9 @@ def judge(window: FrameWindow, config: PortsConfig) -> Judgement:
         return Judgement((), ())
     slot = nic[-1]  # (nodes, nic columns, NIC_FIELDS)
     reported = ~np.isnan(slot).all(axis=-1)  # per NIC column: the node's report had it
+    # A state the agent could not read (link_up NaN) is neither up nor down: no evidence.
     up = slot[..., _UP] == 1.0
+    down = slot[..., _UP] == 0.0
     rate = slot[..., _RATE]
     # Per node, its RDMA ports (port numbers; a netdev has none) and which of them it reported.
     nodes: list[tuple[str, dict[NicKey, int]]] = []
@@ -129,16 +131,21 @@ def judge(window: FrameWindow, config: PortsConfig) -> Judgement:
     out: list[Condition] = []
     for name, columns in nodes:
         n = index[name]
+        # A port the node reported before and not now is gone only while the node has fewer RDMA
+        # ports up than the pool expects up: ports renamed (a naming policy, a bond, an adapter
+        # moved) come back up under names of their own, and leave their old columns empty.
+        short = sum(bool(up[n, c]) for c in columns.values()) < len(expected)
         for key, rates in expected.items():
             share = len(rates) / total
             if key not in columns:
                 continue  # never had it: built with fewer adapters, or named otherwise
             c = columns[key]
             if not reported[n, c]:
-                out.append(Condition(name, "gone", key, None, None, share, total))
-            elif not up[n, c]:
+                if short:
+                    out.append(Condition(name, "gone", key, None, None, share, total))
+            elif down[n, c]:
                 out.append(Condition(name, "down", key, None, None, share, total))
-            else:
+            elif up[n, c]:
                 want, have = typical[key], float(rate[n, c])
                 if want is not None and not math.isnan(have) and have < want * (1 - 1e-6):
                     out.append(Condition(name, "rate", key, have, want, share, total))
@@ -158,7 +165,8 @@ class PortsDetector(OffloadingPoolDetector):
     def __init__(self, config: PortsConfig | None = None) -> None:
         self.config = config if config is not None else PortsConfig()
         self.every_seconds = self.config.every_seconds
-        self._since: dict[tuple[str, Kind, NicKey], float] = {}
+        # (node, kind, port) -> (when first seen, when last seen), at runs
+        self._since: dict[tuple[str, Kind, NicKey], tuple[float, float]] = {}
 
     def forget(self, node: str) -> None:
         for key in [k for k in self._since if k[0] == node]:
@@ -176,9 +184,14 @@ class PortsDetector(OffloadingPoolDetector):
         for cond in judgement.conditions:
             key = (cond.node, cond.kind, cond.port)
             seen.add(key)
-            since = self._since.setdefault(key, now)
+            since, last = self._since.get(key, (now, now))
+            if now - last > 2 * self.every_seconds:
+                since = now  # the node was not judged for more than a run (silent, rebooted)
+            self._since[key] = (since, now)
             if now - since >= self.config.for_seconds:
                 out[cond.node].append(self._finding(cond, since))
+        # A condition must hold at every run: one not seen now on a node judged now starts again
+        # (a node not judged for one run, a lost report, keeps its start; for longer, above).
         for key in [k for k in self._since if k[0] in out and k not in seen]:
             del self._since[key]
         return out

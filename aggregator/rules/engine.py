@@ -662,8 +662,15 @@ class RuleEngine:
                 return
             key = (rc.rid, f.key[len(prefix) :])
             if rc.sequential:
-                evidence = state.counts.setdefault(key, CountEvidence())
-                evidence.decided = True  # its first report then says whether it is still stuck
+                evidence = state.counts.get(key)
+                if evidence is None:
+                    # Decided, and stopped at the counter's maximum: the next report either reads
+                    # it there (held) or lower (cleared: the statistic starts over, undecided).
+                    state.counts[key] = CountEvidence(
+                        value=rc.saturates_at, at=-math.inf, decided=True, saturated=True
+                    )
+                else:
+                    evidence.decided = True  # reported since the restart: its counter says next
             else:
                 state.held = {*state.held, key}
                 state.pending.setdefault(key, f.since)
@@ -686,10 +693,15 @@ class RuleEngine:
         """The node's active rule findings after its latest report, sorted by key."""
         report = view.report
         state = self._nodes.get(report.node)
-        if state is None:
-            state = self._nodes[report.node] = _NodeState(report.time)
+        if state is None or state.last_time is None:
+            # The node's first report here (its state new, or restored after a restart and
+            # evaluated never yet).
+            if state is None:
+                state = self._nodes[report.node] = _NodeState(report.time)
+            else:
+                state.boot_seen = report.time
             previous = view.previous
-            if previous is not None:
+            if previous is not None and previous.boot_id == report.boot_id:
                 # The view has history of this boot from before we started: trust its rates.
                 state.boot_seen = -math.inf
                 state.gpus_seen = {g.index: g.uuid for g in previous.gpus}

@@ -689,8 +689,9 @@ class StatusView:
         mode = self.config.remediation.mode
         if mode != "enforce" and st["state"] in ("quarantined", "probation"):
             body.append(
-                f"<p><strong>Not applied:</strong> remediation is {h(mode)}, so no taint is on the node: "
-                "the scheduler still places work there.</p>"
+                f"<p><strong>Not applied:</strong> remediation is {h(mode)}, so this aggregator writes no "
+                "taint and the scheduler still places work on the node (unless a taint written before "
+                "a change of mode is still on it).</p>"
             )
         if st["override"]:
             body.append(f"<p><strong>By hand:</strong> {h(st['override'])}</p>")
@@ -936,11 +937,12 @@ def _systemic_line(e: Mapping[str, Any]) -> str:
 
 
 def _decision_table(decisions: Sequence[Mapping[str, Any]], *, with_node: bool, mode: str) -> str:
-    """``mode``: ``remediation.mode``; a taint or untaint a decision records is applied only when
-    it is ``enforce``, and the table says so otherwise."""
+    """``mode``: ``remediation.mode`` now; a taint or untaint a decision records is applied only
+    in ``enforce``, and the table says what the mode is otherwise (a decision does not record the
+    mode it was made in: one from before a change of mode says the mode of now)."""
     if not decisions:
         return "<p>No decision on record.</p>"
-    unapplied = "" if mode == "enforce" else f" (not applied: remediation {mode})"
+    unapplied = "" if mode == "enforce" else f" (remediation {mode} now: not applied)"
     head = (
         "<th>time</th>"
         + ("<th>node</th>" if with_node else "")
