@@ -356,7 +356,7 @@ class HealthMachine:
         group = h.groups.get(RESTORED) if h is not None else None
         if group is None:
             return None
-        keep = [t.finding for t in group.values() if not _about_replaced_gpu(t.finding, uuids)]
+        keep = [t.finding for t in group.values() if not about_replaced_gpu(t.finding.evidence, uuids)]
         if len(keep) == len(group):
             return None
         return self.update(node, RESTORED, keep, now)
@@ -500,11 +500,13 @@ def _restored_reasons(snap: HealthSnapshot) -> list[Reason]:
     ]
 
 
-def _about_replaced_gpu(f: Finding, uuids: Mapping[int, str]) -> bool:
-    """The finding names a GPU (its index and UUID) and the node has another GPU there now."""
-    uuid, index = f.evidence.get("uuid"), f.evidence.get("gpu")
+def about_replaced_gpu(evidence: Mapping[str, object], uuids: Mapping[int, str]) -> bool:
+    """A finding's ``evidence`` names a GPU (its index and UUID) and the node reports another GPU
+    at that index now (``uuids``: index -> UUID of its latest report). An empty UUID is one the
+    agent could not read then: no evidence of a swap."""
+    uuid, index = evidence.get("uuid"), evidence.get("gpu")
     if not isinstance(uuid, str) or not uuid or not isinstance(index, int) or isinstance(index, bool):
-        return False  # "": the agent could not read it then (no evidence of a swap)
+        return False
     now_there = uuids.get(index)
     return now_there is not None and now_there != uuid
 

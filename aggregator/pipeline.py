@@ -51,7 +51,7 @@ from aggregator.fleet.history import Fleet
 from aggregator.fleet.pools import UNKNOWN_POOL, Placement, gpu_model_pool, place
 from aggregator.fleet.recent import RecentReports
 from aggregator.fleet.sendtime import SendTime
-from aggregator.health import HealthMachine, NodeHealth, carried_over, finding_of_snapshot
+from aggregator.health import HealthMachine, NodeHealth, about_replaced_gpu, carried_over, finding_of_snapshot
 from aggregator.links import LinkHealth
 from aggregator.metrics import DetectorStats, JobTable, ReportsJobs
 from aggregator.model import Finding, IngestOutcome
@@ -900,15 +900,16 @@ class Pipeline:
         if rec is not None and rec.boot_id != snapshot.boot_id:
             latched = []  # it rebooted since the snapshot: reboot-cleared evidence is over
         if rec is not None:
-            latched = [f for f in latched if not _about_another_gpu(f, rec.gpu_uuids)]
+            latched = [f for f in latched if not about_replaced_gpu(f.evidence, rec.gpu_uuids)]
         if latched and snapshot.boot_id is not None:
             self.engine.restore_latched(
                 node, snapshot.boot_id, [finding_of_snapshot(f) for f in latched], now
             )
             # Held by the engine until the node reboots; on the node at once.
             self._emit(self.health.update(node, "rule", [finding_of_snapshot(f) for f in latched], now))
-        if snapshot.boot_id is not None and (rec is None or rec.boot_id == snapshot.boot_id):
-            # Rate findings on counters that stop at their maximum: held again while they read it.
+        if snapshot.boot_id is not None:
+            # Rate findings on counters that stop at their maximum: held again while they read it
+            # (the engine keeps only those of the node's boot now).
             self.engine.restore_saturated(
                 node, snapshot.boot_id, [finding_of_snapshot(f) for f in snapshot.findings], now
             )
@@ -1190,10 +1191,3 @@ def _judged(d: Decision, verdict: tuple[str, str | None] | None) -> Decision:
         evidence={"held": True},
     )
     return msgspec.structs.replace(d, action="held", reasons=[*d.reasons, hold])
-
-
-def _about_another_gpu(f: SnapshotFinding, uuids: Mapping[int, str]) -> bool:
-    """A snapshot finding about a GPU whose index the node now reports with another UUID."""
-    uuid, index = f.evidence.get("uuid"), f.evidence.get("gpu")
-    # An empty UUID is one the agent could not read then: no evidence of another GPU.
-    return isinstance(uuid, str) and bool(uuid) and isinstance(index, int) and uuids.get(index, uuid) != uuid

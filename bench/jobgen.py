@@ -306,7 +306,7 @@ class Fleet:
     def lines(self, n: str, now: float) -> list[bytes]:
         rel = now - T0
         rng = random.Random(f"{self.seed}:{n}:{now}")
-        by_process: dict[tuple[int, str, int], list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(
+        by_process: dict[tuple[Job, str, int], list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(
             list
         )
         for comm in self.by_node[n]:
@@ -326,10 +326,9 @@ class Fleet:
                         if job.cpu_timing and rng.random() < job.cpu_timing:
                             timing, us = "kernel_cpu", gpu_us + rng.uniform(5, 400)
                         record = self.record(comm, r, row, us=us, timing=timing, now=now, k=k)
-                        by_process[(id(job), pod, pid)].append(record)
+                        by_process[(job, pod, pid)].append(record)  # a Job hashes as itself (eq=False)
         out: list[str] = []
-        for (jid, pod, pid), records in by_process.items():
-            job = next(j for j in self.jobs if id(j) == jid)
+        for (job, pod, pid), records in by_process.items():
             if job.fmt == "v4.3":  # a marker per communicator's batch, then its records
                 batches: dict[str, list[dict[str, Any]]] = defaultdict(list)
                 for header, perf in records:

@@ -849,3 +849,29 @@ def test_a_straggler_is_counted_by_communicators_not_by_their_rows() -> None:
     for collectives in ([("AllReduce", 1 << 26)], [("ReduceScatter", 1 << 26), ("AllGather", 1 << 26)]):
         found = JobLocalizer()._stragglers("job", views(collectives), {}, 0.0, [])
         assert sorted(found) == ["n1"], collectives
+
+
+def test_a_node_late_because_of_one_gpu_is_judged_by_that_gpu_not_as_a_slow_node() -> None:
+    # Every node's slowest GPU is 3 % behind its others (GPUs of one model spread so); n02's GPU 3
+    # is 6 % behind: twice the job's typical, no fault. The node's tensor-parallel all-reduces
+    # hold it to that GPU, so n02 arrives last in every data-parallel ring of its stage, ahead of
+    # the other stage's last node by 3 % of a long backward pass, where the other nodes' paces do
+    # not differ at all. Its lateness is that GPU's, which its own communicator shows and the
+    # job's other GPUs judge; the node is not a slow node.
+    fleet = HandFleet(16)
+    slow = {(n, k % 8): 1.03 for k, n in enumerate(fleet.nodes)}
+    slow[("n02", 3)] = 1.06
+    for first in (0, 8):
+        nodes = fleet.nodes[first : first + 8]
+        for n in nodes:
+            fleet.comm(f"tp-{n}", [(n, g) for g in range(8)], slow=slow, busbw=450.0, compute=4.0)
+        pace = {(n, g): max(slow.get((n, k), 1.0) for k in range(8)) for n in nodes for g in range(8)}
+        for g in range(8):
+            for s, stage in enumerate((nodes[:4], nodes[4:])):
+                fleet.comm(
+                    f"dp{first}-{s}-{g}", [(n, g) for n in stage], slow=pace, busbw=45.0, compute=300.0
+                )
+            for a, b in zip(nodes[:4], nodes[4:], strict=True):  # pipeline pairs: one job
+                fleet.comm(f"pp-{a}-{g}", [(a, g), (b, g)], collective="Send", busbw=45.0)
+    nodes, _ = blamed(fleet.run(JobLocalizer()))
+    assert nodes == {}

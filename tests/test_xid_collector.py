@@ -532,14 +532,16 @@ def test_a_source_that_is_unsupported_for_good_is_not_asked_again(empty_kmsg: Pa
     collector.supported()
     collector.collect()
     assert source.started == 0
-    # One that may come up later (NVML not initialized yet) is.
+    # One that may come up later (NVML not initialized yet) is, every cycle (the runner asks
+    # ``supported`` before each ``collect``).
     source = _source(support=Support(False, "NVML init failed: Driver Not Loaded", transient=True))
     collector = XidCollector(_ctx(empty_kmsg, FakeClock(START), source))
-    collector.collect()
+    collector.supported()
     assert source.started == 0
     source.support = SUPPORTED
+    collector.supported()
     collector.collect()
-    collector.collect()
+    collector.supported()
     assert source.started == 1
 
 

@@ -241,13 +241,13 @@ class XidCollector:
             log.info("NVML XID events started after NVML came up")
 
     def supported(self) -> Support:
-        # Asked every cycle by the runner, also while unsupported: where NVML events are all this
-        # collector has (no kernel log), this is where they get their chance to start.
+        # Asked every cycle by the runner before ``collect``, also while unsupported: where NVML
+        # events are all this collector has (no kernel log), this is where they get their chance
+        # to start; and the one place they are retried.
         self._retry_nvml()
         return self._support
 
     def collect(self) -> Collected:
-        self._retry_nvml()
         self._round += 1
         now = self._clock.monotonic()
         errors, self._pending_errors = self._pending_errors, []

@@ -45,7 +45,9 @@ Over a sliding window (``window_seconds``), per row the medians of the cycles' m
   them), in time: a GPU 12 % slow stands out of a healthy 1-2 % spread in any job. A node whose
   ranks are the stragglers of ``min_comms`` or more of its inter-node communicators (and of most
   of those judged), or of its tensor-parallel communicator, is slow: quarantine, naming the GPU
-  (tensor-parallel rank) when its own communicator shows one;
+  (tensor-parallel rank) when its own communicator shows one. A node whose own communicator has
+  one GPU arriving last, fault or not, is not blamed from its inter-node ones: its lateness there
+  is that GPU's, which the job's other GPUs judge;
 - **over time**: a blame must hold in ``confirm_runs`` consecutive runs (each on its own window)
   before it becomes a finding; the health and link state machines then want it to persist as
   they want any soft evidence (``suspect_for_seconds``), with the same safety limits.
@@ -60,6 +62,7 @@ a node's rows go when it is forgotten.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import re
@@ -129,6 +132,13 @@ class JobConfig(DetectorSettings, frozen=True):
     # to about 3 times in a pool of 64 (GPUs spread by 1-2 %, bench/jobgen.py), a GPU 12 % slow
     # by 5 to 12 times.
     straggler_peer_factor: Annotated[float, Meta(ge=1)] = 4.0
+    # The same for a node's lead in its inter-node communicators. A node runs at its slowest GPU's
+    # pace, and the slowest of eight healthy GPUs differs from node to node far less than GPUs
+    # do: the typical lead there is small, and a node whose slowest healthy GPU is a little
+    # further behind (2.6 % against 1.5 %) is 4 times it by chance in a 64-node pool
+    # (bench/jobgen.py, a 1 % spread). A node slow as a whole (a power brake, a thermal limit:
+    # 10-25 %) is tens of times it.
+    straggler_node_factor: Annotated[float, Meta(ge=1)] = 8.0
     min_straggler_peers: Annotated[int, Meta(ge=1)] = 3  # the job's other communicators it needs
     z: Annotated[float, Meta(ge=0)] = 3.0  # how many robust spreads off a verdict must be
     spread_floor: Annotated[float, Meta(gt=0)] = 0.02  # lower bound of the spread of log bandwidth
@@ -159,16 +169,26 @@ class Straggler:
     z: float  # gap over the others' spread
 
 
-def straggler(exec_us: Sequence[float], *, ratio: float, z: float, floor: float) -> Straggler | None:
-    """The rank whose kernel time is the shortest by ``ratio`` and ``z`` robust spreads of the
-    others' (log) times, or None. With GPU kernel timing that rank arrived last: the others'
-    kernels started earlier and waited for it."""
+def _shortest(exec_us: Sequence[float]) -> tuple[int, float, list[float]] | None:
+    """The rank with the shortest kernel (the last to arrive), its log time and the others' log
+    times; None for fewer than two ranks."""
     if len(exec_us) < 2:
         return None
     t = [math.log(max(x, 1e-3)) for x in exec_us]
     i = min(range(len(t)), key=t.__getitem__)
-    centre, spread = robust_centre(t[:i] + t[i + 1 :], floor)
-    gap = centre - t[i]
+    return i, t[i], t[:i] + t[i + 1 :]
+
+
+def straggler(exec_us: Sequence[float], *, ratio: float, z: float, floor: float) -> Straggler | None:
+    """The rank whose kernel time is the shortest by ``ratio`` and ``z`` robust spreads of the
+    others' (log) times, or None. With GPU kernel timing that rank arrived last: the others'
+    kernels started earlier and waited for it."""
+    found = _shortest(exec_us)
+    if found is None:
+        return None
+    i, own, others = found
+    centre, spread = robust_centre(others, floor)
+    gap = centre - own
     if gap < math.log1p(ratio) or gap < z * spread:
         return None
     return Straggler(i, gap, gap / spread)
@@ -176,12 +196,38 @@ def straggler(exec_us: Sequence[float], *, ratio: float, z: float, floor: float)
 
 def lead(exec_us: Sequence[float]) -> float | None:
     """How much shorter the shortest kernel is than the median of the others', in log: the lead
-    of the rank that arrived last (0 and up); None for fewer than two ranks."""
-    if len(exec_us) < 2:
-        return None
-    t = [math.log(max(x, 1e-3)) for x in exec_us]
-    i = min(range(len(t)), key=t.__getitem__)
-    return statistics.median(t[:i] + t[i + 1 :]) - t[i]
+    of the rank that arrived last (0 and up, ``straggler``'s gap without its tests); None for
+    fewer than two ranks."""
+    found = _shortest(exec_us)
+    return None if found is None else statistics.median(found[2]) - found[1]
+
+
+class _Leads:
+    """The leads (``lead``) of one job's communicators of one kind, and the median of those
+    without a given node: how late the last rank of a healthy one is in this job. Sorted once,
+    each node's median computed once, in time linear in the communicators (a 1,000-node job has
+    9,000 of them, and many of its nodes may be the last in one)."""
+
+    def __init__(self, views: Sequence[_View], leads: Mapping[int, float | None]) -> None:
+        self._sorted = sorted(g for v in views if (g := leads[id(v)]) is not None)
+        self._of_node: dict[str, list[float]] = defaultdict(list)
+        for v in views:
+            g = leads[id(v)]
+            if g is not None:
+                for n in v.distinct:
+                    self._of_node[n].append(g)
+        self._without: dict[str, tuple[int, float]] = {}
+
+    def without(self, node: str) -> tuple[int, float]:
+        """How many communicators do not include ``node``, and the median of their leads (0.0
+        when none)."""
+        got = self._without.get(node)
+        if got is None:
+            rest = list(self._sorted)
+            for g in self._of_node.get(node, ()):
+                del rest[bisect.bisect_left(rest, g)]
+            got = self._without[node] = (len(rest), statistics.median(rest) if rest else 0.0)
+        return got
 
 
 @dataclass(frozen=True)
@@ -235,12 +281,15 @@ def localize(votes: Sequence[CommVote], *, min_comms: int) -> Blame:
     for v in votes:
         for ep in dict.fromkeys(v.endpoints):
             of_endpoint[ep].append(v)
+    of_node: dict[str, list[Endpoint]] = defaultdict(list)
+    for ep in of_endpoint:
+        of_node[ep[0]].append(ep)
     rails: dict[Endpoint, list[CommVote]] = {}
     for ep, vs in sorted(of_endpoint.items()):
         node = ep[0]
         if node in nics or not _all_low_over_different_hops(vs, min_comms):
             continue
-        mates = [w for other, ws in of_endpoint.items() if other[0] == node and other != ep for w in ws]
+        mates = (w for other in of_node[node] if other != ep for w in of_endpoint[other])
         fine = {h for w in mates if w.state == "normal" for h in w.hops}
         if all(fine.intersection(v.hops) for v in vs):
             rails[ep] = vs
@@ -662,12 +711,23 @@ class JobLocalizer:
         # Every communicator where arrival order means something: kernel timing (the others'
         # kernels include their wait for the last), and the same work on every rank (UNEVEN).
         timed = [m for m in members if m.row.timing == KERNEL_GPU and m.row.collective not in UNEVEN]
-        gaps = {id(m): lead(m.exec_us) for m in timed}
+        leads = {id(m): lead(m.exec_us) for m in timed}
+        # The job's other communicators of each kind (single-node, inter-node) without a node.
+        peers = {
+            inter: _Leads([m for m in timed if (m.row.nnodes > 1) == inter], leads) for inter in (False, True)
+        }
         late: dict[str, list[tuple[_View, Straggler]]] = defaultdict(list)
         # node -> its inter-node communicators judged (communicators, as ``late`` counts them: a
         # data-parallel one has a reduce-scatter and an all-gather row, and is one)
         seen: dict[str, set[str]] = defaultdict(set)
         tp: dict[str, tuple[_View, Straggler]] = {}
+        # Nodes where one GPU arrives last in the node's own communicator, fault or not: the
+        # node's tensor-parallel collectives hold its GPUs to that one, so its lateness in the
+        # inter-node communicators is that GPU's, judged there against the job's other GPUs (a
+        # GPU 6 % slower than its node-mates makes its node a few percent slower than the other
+        # nodes, whose own spread is tighter: not a slow node). A node slow as a whole (a power
+        # brake, a thermal limit on every GPU) has no such GPU.
+        one_gpu_last: set[str] = set()
         for m in timed:
             if m.row.nnodes > 1:
                 for n in m.distinct:
@@ -680,19 +740,16 @@ class JobLocalizer:
             if s is None:
                 continue
             node = m.nodes[s.index]
+            if m.row.nnodes == 1:
+                one_gpu_last.add(node)
             # The job's other communicators of this kind, without this node: how late the last
-            # rank of a healthy one is in this job (straggler_peer_factor).
-            inter = m.row.nnodes > 1
-            peers = [
-                g
-                for o in timed
-                if (o.row.nnodes > 1) == inter and node not in o.nodes and (g := gaps[id(o)]) is not None
-            ]
-            if len(peers) < cfg.min_straggler_peers:
+            # rank of a healthy one is in this job (straggler_peer_factor). In time, not in log:
+            # the wait is the lateness, and lateness scales with slowness.
+            count, typical = peers[m.row.nnodes > 1].without(node)
+            if count < cfg.min_straggler_peers:
                 continue
-            # In time, not in log: the wait is the lateness, and lateness scales with slowness.
-            typical = statistics.median(peers)
-            if math.expm1(s.gap) < cfg.straggler_peer_factor * math.expm1(typical):
+            factor = cfg.straggler_node_factor if m.row.nnodes > 1 else cfg.straggler_peer_factor
+            if math.expm1(s.gap) < factor * math.expm1(typical):
                 continue
             top.append(StragglerRank(job, node, m.row.comm, s.index, math.expm1(s.gap)))
             if m.row.nnodes == 1:
@@ -703,7 +760,9 @@ class JobLocalizer:
         for node in sorted(set(late) | set(tp)):
             mine = late.get(node, [])
             dp = len({m.row.comm for m, _ in mine})
-            if node not in tp and not (dp >= cfg.min_comms and 2 * dp > len(seen[node])):
+            if node not in tp and (
+                node in one_gpu_last or not (dp >= cfg.min_comms and 2 * dp > len(seen[node]))
+            ):
                 continue
             out[node] = self._straggler_finding(
                 job, node=node, mine=mine, tp=tp.get(node), seen=len(seen[node]), now=now
